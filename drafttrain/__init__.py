@@ -1,0 +1,1 @@
+"""drafttrain: keep speculative-decoding drafters fresh during RL post-training."""

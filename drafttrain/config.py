@@ -1,0 +1,168 @@
+"""Validated run configuration: OmegaConf structured configs (dataclasses), YAML recipes, `key=value` overrides.
+
+    cfg = load_recipe("eagle3_track", ["rl.steps=5", "engine.kind=vllm"])
+
+A recipe name resolves to recipes/<name>.yaml in the project root; a path to a .yaml file is used as given.
+Unknown keys and wrong types fail at load time with a one-line `ConfigError` naming the key. Relative input paths
+(policy.path, drafter.path) resolve against the project root; run.out_dir resolves against the working directory.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+PROJECT_ROOT = Path(__file__).resolve().parent.parent
+RECIPES_DIR = PROJECT_ROOT / "recipes"
+
+
+class ConfigError(ValueError):
+    """A recipe or override that does not validate; the message names the key."""
+
+
+@dataclass
+class PolicyConfig:
+    path: str = "checkpoints/policy"  # HF checkpoint folder (config.json, model.safetensors, tokenizer)
+
+
+@dataclass
+class SamplingConfig:
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    max_new_tokens: int = 256
+
+
+@dataclass
+class EngineConfig:
+    kind: str = "torch"  # torch (embedded) | vllm
+    k: int = 4  # draft tokens per verify step
+    max_batch: int = 64
+    max_len: int = 512  # prompt + response, per row
+    draft_sampling: str = "sample"  # sample (draw from the drafter's q) | greedy (one-hot argmax drafts)
+    drafter_int8: bool = True  # run the drafter's linears with torch.ao dynamic int8 (only affects acceptance)
+    seed: int = 0
+
+
+@dataclass
+class DrafterConfig:
+    kind: str = "eagle3"  # eagle3 (registry in drafttrain/drafters/base.py)
+    path: Optional[str] = "checkpoints/eagle3"  # speculators-format folder; None = fresh random drafter
+    aux_layer_ids: Optional[list[int]] = None  # policy layers whose inputs feed the drafter; None = kind's default
+    draft_vocab_size: Optional[int] = None  # None = the policy's vocabulary
+    intermediate_size: Optional[int] = None  # None = the policy's
+    ttt_steps: int = 3  # training-time-test unroll length n
+    ttt_decay: float = 0.8  # step i weighs ttt_decay**i
+
+
+@dataclass
+class TrainConfig:
+    lr: float = 1e-3
+    weight_decay: float = 0.0
+    batch_size: int = 16  # sequences per drafter step
+    max_grad_norm: float = 1.0
+    seed: int = 0
+
+
+@dataclass
+class RunConfig:
+    out_dir: str = "runs/${recipe}"
+    seed: int = 0
+
+
+@dataclass
+class Config:
+    recipe: str = "custom"
+    policy: PolicyConfig = field(default_factory=PolicyConfig)
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    drafter: DrafterConfig = field(default_factory=DrafterConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    run: RunConfig = field(default_factory=RunConfig)
+
+
+def _one_line(e: OmegaConfBaseException) -> str:
+    key = getattr(e, "full_key", None)
+    msg = str(e).strip().splitlines()[0]
+    return f"{key}: {msg}" if key else msg
+
+
+def resolve_path(p: str | None) -> Path | None:
+    """Input paths: absolute as given, relative against the project root."""
+    if p is None:
+        return None
+    path = Path(p)
+    return path if path.is_absolute() else PROJECT_ROOT / path
+
+
+def recipe_path(name_or_path: str) -> Path:
+    p = Path(name_or_path)
+    if p.suffix in (".yaml", ".yml"):
+        path = p
+    else:
+        path = RECIPES_DIR / f"{name_or_path}.yaml"
+    if not path.is_file():
+        known = ", ".join(sorted(q.stem for q in RECIPES_DIR.glob("*.yaml")))
+        raise ConfigError(f"recipe: no recipe file {path} (known recipes: {known})")
+    return path
+
+
+def load_recipe(name_or_path: str, overrides: list[str] | tuple[str, ...] = ()) -> Config:
+    """recipe YAML + `key=value` overrides -> validated Config (a typed OmegaConf DictConfig)."""
+    path = recipe_path(name_or_path)
+    schema = OmegaConf.structured(Config)
+    try:
+        data = OmegaConf.load(path)
+    except Exception as e:  # malformed YAML
+        raise ConfigError(f"recipe {path}: not valid YAML: {str(e).splitlines()[0]}") from None
+    if not isinstance(data, DictConfig):
+        raise ConfigError(f"recipe {path}: must be a mapping of sections, got {type(data).__name__}")
+    bad = [o for o in overrides if "=" not in o]
+    if bad:
+        raise ConfigError(f"override {bad[0]!r}: expected key=value")
+    try:
+        cfg = OmegaConf.merge(schema, data, OmegaConf.from_dotlist(list(overrides)))
+        if "recipe" not in data and not any(o.startswith("recipe=") for o in overrides):
+            cfg.recipe = path.stem
+        OmegaConf.resolve(cfg)
+    except OmegaConfBaseException as e:
+        raise ConfigError(f"recipe {path.stem}: {_one_line(e)}") from None
+    validate(cfg)
+    return cfg  # type: ignore[return-value]
+
+
+def validate(cfg: Config) -> None:
+    """Checks that types alone cannot express; each error names its key."""
+    checks = [
+        (cfg.engine.kind in ("torch", "vllm"), "engine.kind", f"must be torch or vllm, got {cfg.engine.kind!r}"),
+        (cfg.engine.k >= 1, "engine.k", f"must be >= 1, got {cfg.engine.k}"),
+        (cfg.engine.max_batch >= 1, "engine.max_batch", f"must be >= 1, got {cfg.engine.max_batch}"),
+        (cfg.engine.draft_sampling in ("sample", "greedy"), "engine.draft_sampling",
+         f"must be sample or greedy, got {cfg.engine.draft_sampling!r}"),
+        (cfg.sampling.temperature >= 0, "sampling.temperature", f"must be >= 0, got {cfg.sampling.temperature}"),
+        (0 < cfg.sampling.top_p <= 1, "sampling.top_p", f"must be in (0, 1], got {cfg.sampling.top_p}"),
+        (cfg.drafter.ttt_steps >= 1, "drafter.ttt_steps", f"must be >= 1, got {cfg.drafter.ttt_steps}"),
+    ]
+    for ok, key, msg in checks:
+        if not ok:
+            raise ConfigError(f"{key}: {msg}")
+
+
+def save_config(cfg: Config, out_dir: str | Path) -> Path:
+    """Write the resolved config beside a run's outputs."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / "config.yaml"
+    path.write_text(OmegaConf.to_yaml(cfg, resolve=True))
+    return path
+
+
+def sampling_params(cfg: Config, **extra):
+    from drafttrain.spec import SamplingParams
+
+    s = cfg.sampling
+    return SamplingParams(temperature=s.temperature, top_k=s.top_k, top_p=s.top_p,
+                          max_new_tokens=s.max_new_tokens, **extra)

@@ -1,0 +1,73 @@
+"""The Drafter protocol and the registry: adding a drafter kind is one file plus one line in DRAFTERS.
+
+A drafter, as the engine sees it:
+    kind: str; aux_layer_ids: tuple[int, ...]      policy layers whose inputs the verify pass must hand back
+    state_dict() / load_state_dict(weights)         one layout, the one exported to vLLM
+    new_state(batch, max_len) -> state              per-generation cache; state.select_rows(idx) drops rows
+    propose(state, new_ids[B, m], aux[B, m, X], n_new[B], start[B], k, params, greedy_drafts, generator)
+        -> (draft_tokens[B, k], draft_probs[B, k, V] | None)
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Protocol
+
+import torch
+
+from drafttrain.drafters import eagle3
+
+
+class Drafter(Protocol):
+    kind: str
+
+    @property
+    def aux_layer_ids(self) -> tuple[int, ...]: ...
+
+    def state_dict(self) -> dict: ...
+
+    def load_state_dict(self, weights: dict, strict: bool = True): ...
+
+    def new_state(self, batch: int, max_len: int): ...
+
+    def propose(self, state, new_ids, aux, n_new, start, k, params, greedy_drafts, generator=None): ...
+
+
+def _fresh_eagle3(cfg, policy):
+    d = eagle3.Eagle3Drafter(eagle3.config_from_policy(
+        policy.config, cfg.aux_layer_ids, cfg.draft_vocab_size, cfg.intermediate_size))
+    with torch.no_grad():
+        d.embed_tokens.weight.copy_(policy.get_input_embeddings().weight)
+    return d
+
+
+DRAFTERS = {"eagle3": _fresh_eagle3}
+
+
+def build_drafter(cfg, policy):
+    """cfg: DrafterConfig. A fresh drafter sized from the policy; loads cfg.path when it is set."""
+    if cfg.kind not in DRAFTERS:
+        raise ValueError(f"drafter.kind: unknown drafter {cfg.kind!r} (known: {', '.join(sorted(DRAFTERS))})")
+    if cfg.path:
+        from drafttrain.config import resolve_path
+        from drafttrain.export import load_drafter
+
+        d = load_drafter(resolve_path(cfg.path))
+        check_compatible(d, policy)
+        return d
+    return DRAFTERS[cfg.kind](cfg, policy)
+
+
+def check_compatible(drafter, policy) -> None:
+    """A drafter built for another policy fails here, with the mismatching field named."""
+    c, pc = drafter.config, policy.config
+    if c.hidden_size != pc.hidden_size:
+        raise ValueError(f"drafter hidden_size {c.hidden_size} != policy hidden_size {pc.hidden_size}")
+    if c.vocab_size != pc.vocab_size:
+        raise ValueError(f"drafter vocab_size {c.vocab_size} != policy vocab_size {pc.vocab_size}")
+    if c.target_num_layers != pc.num_hidden_layers or max(drafter.aux_layer_ids) >= pc.num_hidden_layers:
+        raise ValueError(f"drafter aux_layer_ids {list(drafter.aux_layer_ids)} do not fit the policy's "
+                         f"{pc.num_hidden_layers} layers")
+
+
+def drafter_path_exists(path: str | Path) -> bool:
+    return (Path(path) / "config.json").is_file()

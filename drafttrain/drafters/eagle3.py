@@ -1,0 +1,315 @@
+"""EAGLE-3 drafter (Li et al. 2025) in the speculators / vLLM weight layout, with its training-time-test loss.
+
+Layout (exactly the tensor names vLLM's LlamaForCausalLMEagle3 loads):
+    embed_tokens [V, H]                 frozen copy of the policy's embeddings
+    fc           [H, A*H]               fuses A aux hidden states of the policy (inputs of layers aux_layer_ids)
+    midlayer.*   one Llama decoder layer over concat(input_layernorm(emb), hidden_norm(hidden)) of width 2H
+    norm [H], lm_head [Vd, H]           over a draft vocabulary of Vd tokens; d2t[Vd] offsets (target = i + d2t[i]),
+                                        t2d[V] bool mask of the target tokens the draft vocabulary covers
+Position t takes (token_{t+1}, fc(aux_t)) and predicts token_{t+2}. Chain drafting feeds the layer's pre-norm
+output back as the next position's hidden. Training unrolls that chain n steps (training-time test).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from drafttrain.modeling import KVCache, Rope, attend, rms_norm, step_mask
+from drafttrain.spec import processed_probs
+
+
+@dataclass
+class Eagle3Config:
+    hidden_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int  # the policy's
+    draft_vocab_size: int
+    aux_layer_ids: tuple[int, ...]
+    target_num_layers: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    max_position_embeddings: int = 512
+
+    def __post_init__(self):
+        self.aux_layer_ids = tuple(int(i) for i in self.aux_layer_ids)
+
+
+def default_aux_layer_ids(n_layers: int) -> tuple[int, ...]:
+    """(1, n//2, n-1): distinct for any n >= 3 (vLLM's default (2, n//2, n-3) collides on small targets)."""
+    return (1, n_layers // 2, n_layers - 1)
+
+
+class _Attn(nn.Module):
+    def __init__(self, c: Eagle3Config):
+        super().__init__()
+        H, D = c.num_attention_heads, c.head_dim
+        self.q_proj = nn.Linear(2 * c.hidden_size, H * D, bias=False)
+        self.k_proj = nn.Linear(2 * c.hidden_size, c.num_key_value_heads * D, bias=False)
+        self.v_proj = nn.Linear(2 * c.hidden_size, c.num_key_value_heads * D, bias=False)
+        self.o_proj = nn.Linear(H * D, c.hidden_size, bias=False)
+
+
+class _MLP(nn.Module):
+    def __init__(self, c: Eagle3Config):
+        super().__init__()
+        self.gate_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(c.intermediate_size, c.hidden_size, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class _MidLayer(nn.Module):
+    def __init__(self, c: Eagle3Config):
+        super().__init__()
+        self.input_layernorm = nn.Parameter(torch.ones(c.hidden_size))
+        self.hidden_norm = nn.Parameter(torch.ones(c.hidden_size))
+        self.post_attention_layernorm = nn.Parameter(torch.ones(c.hidden_size))
+        self.self_attn = _Attn(c)
+        self.mlp = _MLP(c)
+
+
+class Eagle3Drafter(nn.Module):
+    kind = "eagle3"
+
+    def __init__(self, c: Eagle3Config):
+        super().__init__()
+        if len(set(c.aux_layer_ids)) != len(c.aux_layer_ids) or any(
+                not 0 <= i < c.target_num_layers for i in c.aux_layer_ids) or list(c.aux_layer_ids) != sorted(
+                c.aux_layer_ids):
+            raise ValueError(f"drafter.aux_layer_ids: {list(c.aux_layer_ids)} must be distinct, ascending layers "
+                             f"of the policy in [0, {c.target_num_layers - 1}]")
+        if not 0 < c.draft_vocab_size <= c.vocab_size:
+            raise ValueError(f"drafter.draft_vocab_size: {c.draft_vocab_size} must be in [1, policy vocab "
+                             f"{c.vocab_size}]")
+        self.config = c
+        A, H = len(c.aux_layer_ids), c.hidden_size
+        self.embed_tokens = nn.Embedding(c.vocab_size, H)
+        self.embed_tokens.weight.requires_grad_(False)
+        self.fc = nn.Linear(A * H, H, bias=False)
+        self.midlayer = _MidLayer(c)
+        self.norm = nn.Parameter(torch.ones(H))
+        self.lm_head = nn.Linear(H, c.draft_vocab_size, bias=False)
+        self.register_buffer("d2t", torch.zeros(c.draft_vocab_size, dtype=torch.long))
+        self.register_buffer("t2d", torch.ones(c.vocab_size, dtype=torch.bool))
+        self.rope = Rope.from_theta(c.head_dim, c.rope_theta, c.max_position_embeddings)
+
+    # norms are stored as bare parameters; expose the `.weight` names of the speculators layout
+    def state_dict(self, *args, **kwargs):
+        sd = super().state_dict(*args, **kwargs)
+        return {_to_ext(k): v for k, v in sd.items()}
+
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        check_weights(self, state_dict)
+        return super().load_state_dict({_to_int(k): v for k, v in state_dict.items()}, strict=strict, assign=assign)
+
+    @property
+    def aux_layer_ids(self) -> tuple[int, ...]:
+        return self.config.aux_layer_ids
+
+    def set_vocab_map(self, draft_ids: torch.Tensor) -> None:
+        """draft_ids [Vd]: the target token ids the draft vocabulary covers, ascending."""
+        ids = draft_ids.sort().values
+        self.d2t.copy_(ids - torch.arange(len(ids)))
+        self.t2d.zero_()
+        self.t2d[ids] = True
+
+    def draft_ids(self) -> torch.Tensor:
+        return torch.arange(self.config.draft_vocab_size) + self.d2t  # [Vd] target ids
+
+    # ---- the decoder layer -------------------------------------------------------------------------------
+    def _qkv(self, emb, hidden, pos):
+        """emb, hidden [B, m, H], pos [B, m] -> q [B, Hq, m, D], k, v [B, Hkv, m, D], residual [B, m, H]."""
+        c, L = self.config, self.midlayer
+        x = torch.cat([rms_norm(emb, L.input_layernorm, c.rms_norm_eps),
+                       rms_norm(hidden, L.hidden_norm, c.rms_norm_eps)], -1)  # [B, m, 2H]
+        B, m, _ = x.shape
+        a = L.self_attn
+        q = a.q_proj(x).view(B, m, c.num_attention_heads, c.head_dim).transpose(1, 2)
+        k = a.k_proj(x).view(B, m, c.num_key_value_heads, c.head_dim).transpose(1, 2)
+        v = a.v_proj(x).view(B, m, c.num_key_value_heads, c.head_dim).transpose(1, 2)
+        return self.rope.apply(q, pos), self.rope.apply(k, pos), v, hidden
+
+    def _post(self, o, residual):
+        """attention output o [B, Hq, m, D] -> (draft logits [B, m, Vd], pre-norm hidden [B, m, H])."""
+        c, L = self.config, self.midlayer
+        B, _, m, _ = o.shape
+        h = L.self_attn.o_proj(o.transpose(1, 2).reshape(B, m, -1)) + residual
+        pre = L.mlp(rms_norm(h, L.post_attention_layernorm, c.rms_norm_eps)) + h
+        return self.lm_head(rms_norm(pre, self.norm, c.rms_norm_eps)), pre
+
+    # ---- training: training-time test ---------------------------------------------------------------------
+    def ttt_logits(self, aux: torch.Tensor, next_ids: torch.Tensor, steps: int) -> list[torch.Tensor]:
+        """aux [B, T, A*H] policy aux states at positions t; next_ids [B, T+steps-1] with next_ids[:, t] =
+        token_{t+1}. Returns `steps` draft-logit tensors [B, T, Vd]; step i at position t predicts token_{t+2+i}.
+
+        Step i >= 1 feeds token_{t+1+i} with the drafter's own hidden from step i-1 at t, exactly as chain
+        drafting does at position t+i. Its query sees the step-0 keys at positions <= t (the policy-derived
+        cache) plus, diagonally, its own chain's keys from steps 1..i (SpecForge's TTT attention)."""
+        c = self.config
+        B, T, _ = aux.shape
+        pos = torch.arange(T).expand(B, T)
+        hidden = self.fc(aux)  # [B, T, H]
+        scale = 1.0 / math.sqrt(c.head_dim)
+        rep = c.num_attention_heads // c.num_key_value_heads
+        causal = torch.ones(T, T, dtype=torch.bool).tril()
+        ks, vs, outs = [], [], []
+        for i in range(steps):
+            emb = self.embed_tokens(next_ids[:, i:i + T])  # token_{t+1+i}
+            q, k, v, res = self._qkv(emb, hidden, pos + i)
+            k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)  # [B, Hq, T, D]
+            if i == 0:
+                k0, v0 = k, v
+            else:
+                ks.append(k)
+                vs.append(v)
+            s0 = (q @ k0.transpose(-1, -2)) * scale  # [B, Hq, T, T]
+            s0 = s0.masked_fill(~causal, float("-inf"))
+            diag = [((q * kj).sum(-1) * scale).unsqueeze(-1) for kj in ks]  # each [B, Hq, T, 1]
+            p = torch.cat([s0, *diag], -1).softmax(-1)
+            o = p[..., :T] @ v0
+            for j, vj in enumerate(vs):
+                o = o + p[..., T + j:T + j + 1] * vj
+            logits, hidden = self._post(o, res)
+            outs.append(logits)
+        return outs
+
+    def ttt_loss(self, aux, next_ids, target_probs, valid, steps: int, decay: float):
+        """Soft cross-entropy against the policy's distribution, unrolled `steps` steps, step i weighted decay**i.
+
+        aux [B, T, A*H]; next_ids [B, T+steps-1]; target_probs [B, T+steps, V]: the policy's next-token
+        distribution at each position, so step i at t is scored against target_probs[:, t+1+i];
+        valid [B, T+steps] bool: positions whose target distribution is real (not padding, not past the end).
+        Returns (loss, per-step accuracy list) where accuracy = draft argmax == policy argmax."""
+        T = aux.shape[1]
+        ids = self.draft_ids()
+        logits = self.ttt_logits(aux, next_ids, steps)
+        total, accs, wsum = 0.0, [], 0.0
+        for i, lg in enumerate(logits):
+            tp = target_probs[:, 1 + i:1 + i + T].float()[..., ids]  # [B, T, Vd] policy mass on draft vocab
+            tp = tp / tp.sum(-1, keepdim=True).clamp_min(1e-8)
+            m = valid[:, 1 + i:1 + i + T].float()  # [B, T]
+            ce = -(tp * lg.log_softmax(-1)).sum(-1)  # [B, T]
+            denom = m.sum().clamp_min(1.0)
+            total = total + (decay ** i) * (ce * m).sum() / denom
+            wsum += decay ** i
+            accs.append(float(((lg.argmax(-1) == tp.argmax(-1)).float() * m).sum() / denom))
+        return total / wsum, accs
+
+    # ---- inference: chain drafting over a KV cache --------------------------------------------------------
+    def new_state(self, batch: int, max_len: int) -> "Eagle3State":
+        c = self.config
+        return Eagle3State(KVCache(1, batch, c.num_key_value_heads, max_len, c.head_dim))
+
+    def _cached_step(self, st, emb, hidden, pos0):
+        """m positions per row at pos0[B]..; returns (draft logits [B, m, Vd], pre-norm hidden [B, m, H])."""
+        B, m, _ = emb.shape
+        pos = pos0.view(B, 1) + torch.arange(m).view(1, m)
+        q, k, v, res = self._qkv(emb, hidden, pos)
+        st.cache.write(0, k, v, pos)
+        o = attend(q, st.cache, 0, step_mask(pos0, m, int(pos0.max()) + m))
+        return self._post(o, res)
+
+    def _to_target(self, draft_logits: torch.Tensor) -> torch.Tensor:
+        """[B, Vd] -> [B, V] with -inf outside the draft vocabulary."""
+        full = draft_logits.new_full((draft_logits.shape[0], self.config.vocab_size), float("-inf"))
+        full[:, self.draft_ids()] = draft_logits
+        return full
+
+    @torch.no_grad()
+    def propose(self, st, new_ids, aux, n_new, start, k, params, greedy_drafts, generator=None):
+        """Extend the drafter cache with the n_new[b] newly verified positions of each row (new_ids [B, m] =
+        token_{t+1}, aux [B, m, A*H] at positions start[b] + j), then chain-draft k tokens.
+        Returns (draft tokens [B, k], draft probs [B, k, V] or None for one-hot greedy drafts)."""
+        B = new_ids.shape[0]
+        rows = torch.arange(B)
+        logits, pre = self._cached_step(st, self.embed_tokens(new_ids), self.fc(aux), start)
+        last = n_new - 1
+        lg, h = logits[rows, last], pre[rows, last]  # [B, Vd], [B, H]
+        pos = start + n_new  # next chain position per row
+        toks, qs = [], []
+        for i in range(k):
+            q = processed_probs(self._to_target(lg), params)  # [B, V]
+            d = q.argmax(-1) if greedy_drafts else torch.multinomial(q, 1, generator=generator).squeeze(-1)
+            toks.append(d)
+            qs.append(q)
+            if i + 1 < k:
+                lg, h = self._cached_step(st, self.embed_tokens(d).unsqueeze(1), h.unsqueeze(1), pos + i)
+                lg, h = lg[:, 0], h[:, 0]
+        draft = torch.stack(toks, 1)
+        return draft, (None if greedy_drafts else torch.stack(qs, 1))
+
+
+class Eagle3State:
+    """Per-generation drafter state: its one-layer KV cache."""
+
+    def __init__(self, cache: KVCache):
+        self.cache = cache
+
+    def select_rows(self, idx: torch.Tensor) -> None:
+        self.cache.select_rows(idx)
+
+
+_NORMS = ("midlayer.input_layernorm", "midlayer.hidden_norm", "midlayer.post_attention_layernorm", "norm")
+
+
+def _to_ext(k: str) -> str:
+    return k + ".weight" if k in _NORMS else k
+
+
+def _to_int(k: str) -> str:
+    return k[: -len(".weight")] if k.endswith(".weight") and k[: -len(".weight")] in _NORMS else k
+
+
+def check_weights(drafter: nn.Module, weights: dict) -> None:
+    """One-line error naming the first missing, unexpected or mis-shaped tensor, or a non-finite one."""
+    want = drafter.state_dict()
+    missing = sorted(set(want) - set(weights))
+    extra = sorted(set(weights) - set(want))
+    if missing:
+        raise ValueError(f"drafter weights: missing tensor {missing[0]!r} ({len(missing)} missing)")
+    if extra:
+        raise ValueError(f"drafter weights: unexpected tensor {extra[0]!r}")
+    for name, t in want.items():
+        w = weights[name]
+        if tuple(w.shape) != tuple(t.shape):
+            raise ValueError(f"drafter weights: {name} has shape {list(w.shape)}, expected {list(t.shape)} "
+                             f"(policy/drafter size or vocabulary mismatch?)")
+        if w.is_floating_point() and not torch.isfinite(w).all():
+            raise ValueError(f"drafter weights: {name} has NaN or inf values")
+
+
+def config_from_policy(policy_config, aux_layer_ids=None, draft_vocab_size=None, intermediate_size=None):
+    """Size a fresh EAGLE-3 drafter from the policy's HF config."""
+    pc = policy_config
+    n_heads = pc.num_attention_heads
+    return Eagle3Config(
+        hidden_size=pc.hidden_size, num_attention_heads=n_heads,
+        num_key_value_heads=getattr(pc, "num_key_value_heads", None) or n_heads,
+        head_dim=getattr(pc, "head_dim", None) or pc.hidden_size // n_heads,
+        intermediate_size=intermediate_size or pc.intermediate_size, vocab_size=pc.vocab_size,
+        draft_vocab_size=draft_vocab_size or pc.vocab_size,
+        aux_layer_ids=tuple(aux_layer_ids) if aux_layer_ids else default_aux_layer_ids(pc.num_hidden_layers),
+        target_num_layers=pc.num_hidden_layers, rms_norm_eps=pc.rms_norm_eps,
+        rope_theta=float(_rope_theta(pc)), max_position_embeddings=pc.max_position_embeddings)
+
+
+def _rope_theta(pc) -> float:
+    rp = getattr(pc, "rope_parameters", None) or {}
+    return rp.get("rope_theta", getattr(pc, "rope_theta", 10000.0))
+
+
+def build(cfg_dict: dict) -> Eagle3Drafter:
+    return Eagle3Drafter(Eagle3Config(**cfg_dict))
+
+
+def config_dict(d: Eagle3Drafter) -> dict:
+    return asdict(d.config)

@@ -1,0 +1,56 @@
+"""The RolloutEngine contract (both engines pass one contract test suite) and build_engine.
+
+    engine = build_engine(cfg.engine, policy, drafter=None)
+    batch = engine.generate(prompts, params, speculative=True)   # -> RolloutBatch
+    engine.load_drafter(weights, version)                         # atomic, versioned hot-swap
+    engine.drafter_version
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from drafttrain.spec import SamplingParams, SpecStats
+
+
+@dataclass
+class RolloutBatch:
+    tokens: list[list[int]]  # response token ids per prompt (stop token included when one ended the row)
+    logprobs: list[list[float]]  # the policy's log-prob of each emitted token under processed_probs
+    stats: SpecStats
+    drafter_version: int  # version in use when the batch started; see drafter_versions for swaps mid-batch
+    finish_reasons: list[str] = field(default_factory=list)  # "stop" | "length"
+    wall_s: float = 0.0
+    drafter_versions: list[int] = field(default_factory=list)  # version used at each decode step
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(t) for t in self.tokens)
+
+
+class RolloutEngine(Protocol):
+    drafter_version: int
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams, speculative: bool = True
+                 ) -> RolloutBatch: ...
+
+    def load_drafter(self, weights: dict, version: int) -> None: ...
+
+    def update_policy(self, policy=None) -> None: ...
+
+
+class StaleVersionError(ValueError):
+    """load_drafter with a version that is not newer than the one being served."""
+
+
+def build_engine(cfg, policy, drafter=None) -> RolloutEngine:
+    """cfg: EngineConfig. policy: an HF causal LM (torch) or its checkpoint folder (vllm)."""
+    if cfg.kind == "torch":
+        from drafttrain.engines.torch_engine import TorchEngine
+
+        return TorchEngine(cfg, policy, drafter)
+    if cfg.kind == "vllm":
+        from drafttrain.engines.vllm_engine import VllmEngine
+
+        return VllmEngine(cfg, policy, drafter)
+    raise ValueError(f"engine.kind: unknown engine {cfg.kind!r} (known: torch, vllm)")

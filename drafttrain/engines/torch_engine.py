@@ -1,0 +1,202 @@
+"""The embedded rollout engine: batched AR and lossless speculative decoding over a static KV cache.
+
+Each decode step: the drafter extends its cache with the positions the last verify pass committed and chains k
+drafts; the policy verifies [last token, d_1..d_k] for every active row in one forward pass that also returns
+the drafter's aux hidden states (no extra pass); spec.rejection_sample keeps the output distribution exactly the
+policy's. Rows advance by their own accepted count, finish independently (stop token or max_new_tokens) and are
+dropped from every cache when they do. AR mode is the same loop with k = 0.
+
+Drafter hot-swap: load_drafter builds the new drafter (validated, optionally int8) off the decode path, then
+swaps one reference; each decode step reads that reference once, so a step never mixes versions. In-flight rows
+keep the drafter KV cache the old version wrote (context only); every weight a step uses is the new version's.
+"""
+from __future__ import annotations
+
+import copy
+import threading
+import time
+import warnings
+
+import torch
+
+from drafttrain.engines.base import RolloutBatch, StaleVersionError
+from drafttrain.modeling import LeanLlama
+from drafttrain.spec import SamplingParams, SpecStats, processed_probs, rejection_sample
+
+
+def quantize_int8(module: torch.nn.Module) -> torch.nn.Module:
+    """torch.ao dynamic int8 linears (x86/fbgemm): 4-8x cheaper than fp32 here (ENVIRONMENT.md)."""
+    from torch.ao.quantization import quantize_dynamic
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return quantize_dynamic(module, {torch.nn.Linear}, dtype=torch.qint8)
+
+
+class TorchEngine:
+    def __init__(self, cfg, policy, drafter=None):
+        self.cfg = cfg
+        self.policy = policy
+        self.lean = LeanLlama(policy, cfg.max_len)
+        self._template = drafter  # the structure new weights are loaded into
+        self._active: tuple[object, int] | None = None  # (runtime drafter, version): swapped as one reference
+        self._swap_lock = threading.Lock()
+        self._seed = cfg.seed
+        self.last_swap_s = 0.0
+        if drafter is not None:
+            self._active = (self._runtime(drafter), 0)
+
+    # ---- drafter hot-swap ---------------------------------------------------------------------------------
+    @property
+    def drafter_version(self) -> int:
+        return self._active[1] if self._active else -1
+
+    @property
+    def drafter(self):
+        return self._active[0] if self._active else None
+
+    def _runtime(self, drafter):
+        rt = copy.deepcopy(drafter).eval().requires_grad_(False)
+        return quantize_int8(rt) if self.cfg.drafter_int8 else rt
+
+    def load_drafter(self, weights: dict, version: int) -> None:
+        """Atomic, versioned swap; a version not newer than the served one is refused (StaleVersionError)."""
+        if self._template is None:
+            raise ValueError("load_drafter: this engine was built without a drafter (build_engine(..., drafter=))")
+        if version <= self.drafter_version:
+            raise StaleVersionError(f"load_drafter: version {version} is not newer than the served version "
+                                    f"{self.drafter_version}")
+        t0 = time.perf_counter()
+        staged = copy.deepcopy(self._template)
+        staged.load_state_dict(weights)  # validates names, shapes, finiteness: one-line error
+        rt = self._runtime(staged)
+        with self._swap_lock:
+            if version <= self.drafter_version:
+                raise StaleVersionError(f"load_drafter: version {version} lost a race to {self.drafter_version}")
+            self._active = (rt, version)
+        self.last_swap_s = time.perf_counter() - t0
+
+    def update_policy(self, policy=None) -> None:
+        """The policy's weights changed (an RL step): refresh the packed copies in place."""
+        if policy is not None and policy is not self.policy:
+            self.policy = policy
+            self.lean = LeanLlama(policy, self.cfg.max_len)
+        else:
+            self.lean.refresh()
+
+    # ---- generation ---------------------------------------------------------------------------------------
+    def _check_prompts(self, prompts: list[list[int]]) -> None:
+        if not prompts:
+            raise ValueError("generate: prompts is empty")
+        V, maxpos = self.lean.vocab_size, self.lean.max_len
+        for i, p in enumerate(prompts):
+            if len(p) == 0:
+                raise ValueError(f"generate: prompt {i} is empty")
+            if len(p) >= maxpos:
+                raise ValueError(f"generate: prompt {i} has {len(p)} tokens; the maximum position is {maxpos}")
+            if min(p) < 0 or max(p) >= V:
+                raise ValueError(f"generate: prompt {i} has a token id outside the policy vocabulary [0, {V})")
+
+    @torch.no_grad()
+    def generate(self, prompts: list[list[int]], params: SamplingParams, speculative: bool = True) -> RolloutBatch:
+        self._check_prompts(prompts)
+        t_start = time.perf_counter()
+        lean, cfg = self.lean, self.cfg
+        active = self._active if speculative else None
+        drafter, version = active if active else (None, self.drafter_version)
+        aux_ids = tuple(drafter.aux_layer_ids) if drafter is not None else ()
+        B = len(prompts)
+        lens = torch.tensor([len(p) for p in prompts])
+        P = int(lens.max())
+        k_max = cfg.k if drafter is not None else 0
+        L = min(lean.max_len, P + params.max_new_tokens + k_max + 1)
+        if params.seed is None:
+            self._seed += 1
+        gen = torch.Generator().manual_seed(params.seed if params.seed is not None else self._seed)
+        greedy_drafts = cfg.draft_sampling == "greedy" or params.greedy
+        stop = set(params.stop_token_ids)
+
+        tokens = torch.zeros(B, P, dtype=torch.long)
+        for i, p in enumerate(prompts):
+            tokens[i, : len(p)] = torch.tensor(p)
+        cache = lean.new_cache(B, L)
+        dstate = drafter.new_state(B, L) if drafter is not None else None
+        logits, aux = lean.forward(tokens, torch.zeros(B, dtype=torch.long), cache, aux_ids)  # prefill
+        rows = torch.arange(B)
+        # the prefill acts as a k=0 verify of the last prompt position
+        logits = logits[rows, lens - 1].unsqueeze(1)  # [B, 1, V]
+        out, n, lp = self._sample(logits, None, torch.zeros(B, 0, dtype=torch.long), params, gen)
+        # drafter inputs: position t of the prompt pairs aux_t with token_{t+1}; the last one is the sampled token
+        nxt = torch.cat([tokens[:, 1:], tokens.new_zeros(B, 1)], 1)
+        nxt[rows, lens - 1] = out[:, 0]
+        new_ids, n_new, start = nxt, lens.clone(), torch.zeros(B, dtype=torch.long)
+        pos = lens.clone()  # position of the last committed token, fed next
+        resp: list[list[int]] = [[] for _ in range(B)]
+        lps: list[list[float]] = [[] for _ in range(B)]
+        reasons = ["length"] * B
+        row_ids = list(range(B))  # original index of each active row
+        stats, versions = SpecStats(), []
+        last = out[:, 0]
+
+        while True:
+            # commit what the last verify emitted; find rows that finished
+            done = []
+            out_l, n_l, lp_l = out.tolist(), n.tolist(), lp.tolist()
+            for j, b in enumerate(row_ids):
+                for t, l in zip(out_l[j][: n_l[j] + 1], lp_l[j][: n_l[j] + 1]):
+                    resp[b].append(t)
+                    lps[b].append(l)
+                    if t in stop:
+                        reasons[b] = "stop"
+                        break
+                    if len(resp[b]) >= params.max_new_tokens:
+                        break
+                if reasons[b] == "stop" or len(resp[b]) >= params.max_new_tokens:
+                    done.append(j)
+            if done:
+                keep = torch.tensor([j for j in range(len(row_ids)) if j not in set(done)], dtype=torch.long)
+                row_ids = [row_ids[j] for j in keep.tolist()]
+                if not row_ids:
+                    break
+                cache.select_rows(keep)
+                if dstate is not None:
+                    dstate.select_rows(keep)
+                pos, last, new_ids, n_new, start = (x[keep] for x in (pos, last, new_ids, n_new, start))
+                aux = aux[keep] if aux is not None else None
+            if int(pos.max()) + 1 >= L:  # no room left in the cache (max position reached)
+                break
+
+            # one decode step: draft (maybe), verify, accept
+            if active is not None and self._active is not None and self._active[1] != version:
+                active = self._active  # a hot-swap landed: use the new version from this step on
+                drafter, version = active
+            versions.append(version)
+            k = min(k_max, L - 1 - int(pos.max()))
+            Bn = len(row_ids)
+            if k > 0:
+                d, q = drafter.propose(dstate, new_ids, aux, n_new, start, k, params, greedy_drafts, gen)
+                inp = torch.cat([last.view(Bn, 1), d], 1)  # [B, k+1]
+            else:
+                d, q = torch.zeros(Bn, 0, dtype=torch.long), None
+                inp = last.view(Bn, 1)
+            logits, aux_v = lean.forward(inp, pos, cache, aux_ids if k_max > 0 else ())
+            out, n, lp = self._sample(logits, q, d, params, gen)
+            stats.update(n, k)
+            new_ids, n_new, start = out.clamp_min(0), n + 1, pos
+            if aux_v is not None:
+                aux = aux_v
+            pos = pos + n + 1
+            last = out.gather(1, n.view(-1, 1)).squeeze(1)
+
+        return RolloutBatch(resp, lps, stats, self.drafter_version if not versions else versions[0], reasons,
+                            time.perf_counter() - t_start, versions)
+
+    @staticmethod
+    def _sample(logits, q, d, params, gen):
+        """logits [B, k+1, V] -> (tokens [B, k+1], num_accepted [B], log-probs [B, k+1] of those tokens)."""
+        if not torch.isfinite(logits).all():
+            raise FloatingPointError("generate: the policy produced NaN/inf logits (check the policy weights)")
+        p = processed_probs(logits, params)  # [B, k+1, V]
+        out, n = rejection_sample(p, q, d, gen)
+        lp = p.gather(-1, out.clamp_min(0).unsqueeze(-1)).squeeze(-1).log()  # [B, k+1]
+        return out, n, lp

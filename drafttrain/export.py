@@ -1,0 +1,115 @@
+"""Drafter checkpoints in the speculators format, which vLLM loads as is, both directions.
+
+    save_drafter(drafter, "checkpoints/eagle3", verifier="checkpoints/policy", k=4)
+    drafter = load_drafter("checkpoints/eagle3")
+
+A folder holds config.json (speculators_model_type, transformer_layer_config, speculators_config,
+draft_vocab_size, eagle_aux_hidden_state_layer_ids, plus a `drafttrain` block with the exact build config) and
+model.safetensors. Writes go to a temporary folder that is renamed into place: never half-written.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from drafttrain.drafters import eagle3
+
+FORMAT_VERSION = 1
+
+
+def speculators_config(d: eagle3.Eagle3Drafter, verifier: str, k: int) -> dict:
+    c = d.config
+    return {
+        "speculators_model_type": "eagle3",
+        "architectures": ["Eagle3Speculator"],
+        "draft_vocab_size": c.draft_vocab_size,
+        "target_hidden_size": c.hidden_size,
+        "norm_before_residual": False,  # residual is the un-normed hidden, as in eagle3.py
+        "eagle_aux_hidden_state_layer_ids": list(c.aux_layer_ids),
+        "transformer_layer_config": {
+            "model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_act": "silu",
+            "hidden_size": c.hidden_size, "intermediate_size": c.intermediate_size,
+            "num_attention_heads": c.num_attention_heads, "num_key_value_heads": c.num_key_value_heads,
+            "head_dim": c.head_dim, "num_hidden_layers": 1, "rms_norm_eps": c.rms_norm_eps,
+            "rope_theta": c.rope_theta, "rope_parameters": {"rope_type": "default", "rope_theta": c.rope_theta},
+            "max_position_embeddings": c.max_position_embeddings, "vocab_size": c.vocab_size,
+            "attention_bias": False, "mlp_bias": False, "tie_word_embeddings": False, "torch_dtype": "float32",
+        },
+        "speculators_config": {
+            "algorithm": "eagle3",
+            "default_proposal_method": "greedy",
+            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": int(k)}],
+            "verifier": {"name_or_path": str(verifier), "architectures": ["LlamaForCausalLM"]},
+        },
+        "drafttrain": {"format_version": FORMAT_VERSION, "kind": d.kind, "config": eagle3.config_dict(d)},
+    }
+
+
+def save_drafter(d: eagle3.Eagle3Drafter, path: str | Path, verifier: str | Path = "", k: int = 4,
+                 extra: dict | None = None) -> Path:
+    """Atomic write of config.json + model.safetensors (+ optional extra JSON under drafttrain.extra)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    cfg = speculators_config(d, str(verifier), k)
+    if extra:
+        cfg["drafttrain"]["extra"] = extra
+    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
+    try:
+        weights = {n: t.detach().contiguous().cpu() for n, t in d.state_dict().items()}
+        save_file(weights, str(tmp / "model.safetensors"))
+        (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
+        old = None
+        if path.exists():
+            old = path.with_name(f".{path.name}.old")
+            shutil.rmtree(old, ignore_errors=True)
+            os.replace(path, old)
+        os.replace(tmp, path)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return path
+
+
+def load_drafter(path: str | Path) -> eagle3.Eagle3Drafter:
+    path = Path(path)
+    cfg_file, w_file = path / "config.json", path / "model.safetensors"
+    if not cfg_file.is_file() or not w_file.is_file():
+        raise FileNotFoundError(f"drafter checkpoint {path}: missing config.json or model.safetensors")
+    cfg = json.loads(cfg_file.read_text())
+    if cfg.get("speculators_model_type") != "eagle3":
+        raise ValueError(f"drafter checkpoint {path}: speculators_model_type "
+                         f"{cfg.get('speculators_model_type')!r} is not supported (eagle3)")
+    if "drafttrain" in cfg:
+        d = eagle3.build(cfg["drafttrain"]["config"])
+    else:  # a speculators checkpoint made elsewhere
+        d = eagle3.build(_config_from_speculators(cfg, path))
+    weights = load_file(str(w_file))
+    d.load_state_dict(weights)
+    return d
+
+
+def _config_from_speculators(cfg: dict, path: Path) -> dict:
+    t = cfg["transformer_layer_config"]
+    aux = cfg.get("eagle_aux_hidden_state_layer_ids")
+    if not aux:
+        raise ValueError(f"drafter checkpoint {path}: eagle_aux_hidden_state_layer_ids is required")
+    theta = (t.get("rope_parameters") or {}).get("rope_theta", t.get("rope_theta", 10000.0))
+    return dict(hidden_size=t["hidden_size"], num_attention_heads=t["num_attention_heads"],
+                num_key_value_heads=t.get("num_key_value_heads", t["num_attention_heads"]),
+                head_dim=t.get("head_dim", t["hidden_size"] // t["num_attention_heads"]),
+                intermediate_size=t["intermediate_size"], vocab_size=t["vocab_size"],
+                draft_vocab_size=cfg.get("draft_vocab_size") or t["vocab_size"], aux_layer_ids=aux,
+                target_num_layers=max(aux) + 1, rms_norm_eps=t.get("rms_norm_eps", 1e-6), rope_theta=theta,
+                max_position_embeddings=t.get("max_position_embeddings", 2048))
+
+
+def weights_fingerprint(weights: dict[str, torch.Tensor]) -> float:
+    """A cheap order-independent checksum used to verify that a swap landed (read-back)."""
+    return float(sum(t.double().sum() for t in weights.values() if t.is_floating_point()))

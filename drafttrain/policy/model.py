@@ -1,0 +1,101 @@
+"""Build, save and load the tiny Llama policy (fp32 on CPU).
+
+`PolicyConfig` holds the sizes; `build_policy` makes a fresh
+`LlamaForCausalLM`; `save_policy` writes model + tokenizer to a temporary
+directory and then renames it into place, so a reader never sees a
+half-written checkpoint; `load_policy` checks the directory is complete,
+then loads it in fp32.
+
+Sizes (SIZE_NOTE below is the measured reasoning; `checkpoints/policy/config.json`
+is the shipped truth).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from dataclasses import asdict, dataclass
+
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+from drafttrain.policy.tokenizer import VOCAB_SIZE, build_tokenizer, load_tokenizer
+
+REQUIRED_FILES = ("config.json", "model.safetensors", "tokenizer.json")
+
+
+@dataclass
+class PolicyConfig:
+    hidden_size: int = 512
+    num_hidden_layers: int = 6
+    num_attention_heads: int = 8
+    num_key_value_heads: int = 8
+    intermediate_size: int = 1024
+    max_position_embeddings: int = 512
+    vocab_size: int = VOCAB_SIZE
+    rope_theta: float = 10000.0
+    tie_word_embeddings: bool = False
+
+
+def build_policy(cfg: PolicyConfig | dict | None = None) -> LlamaForCausalLM:
+    """A freshly initialised fp32 Llama with the tokenizer's special ids."""
+    if cfg is None:
+        cfg = PolicyConfig()
+    elif isinstance(cfg, dict):
+        cfg = PolicyConfig(**cfg)
+    tok = build_tokenizer()
+    fields = asdict(cfg)
+    rope_theta = fields.pop("rope_theta")
+    config = LlamaConfig(
+        **fields,
+        rope_parameters={"rope_type": "default", "rope_theta": rope_theta},
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+        dtype="float32",
+    )
+    return LlamaForCausalLM(config).float()
+
+
+def save_policy(model: LlamaForCausalLM, tok: PreTrainedTokenizerFast, path: str, extra: dict | None = None) -> None:
+    """Write to `<path>.tmp-*` then rename into `path`; `extra` maps file name -> text."""
+    path = os.path.abspath(path)
+    parent = os.path.dirname(path)
+    os.makedirs(parent, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=os.path.basename(path) + ".tmp-", dir=parent)
+    try:
+        os.chmod(tmp, 0o755)
+        model.save_pretrained(tmp, safe_serialization=True)
+        tok.save_pretrained(tmp)
+        for name, text in (extra or {}).items():
+            with open(os.path.join(tmp, name), "w") as f:
+                f.write(text)
+        old = None
+        if os.path.exists(path):
+            old = tempfile.mkdtemp(prefix=os.path.basename(path) + ".old-", dir=parent)
+            os.rmdir(old)
+            os.rename(path, old)
+        os.rename(tmp, path)
+        if old is not None:
+            shutil.rmtree(old)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def check_checkpoint(path: str) -> None:
+    """Raise FileNotFoundError naming `path` if it is not a complete policy checkpoint."""
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"policy checkpoint not found: {path}")
+    missing = [f for f in REQUIRED_FILES if not os.path.isfile(os.path.join(path, f))]
+    if missing:
+        raise FileNotFoundError(f"policy checkpoint {path} is incomplete: missing {', '.join(missing)}")
+
+
+def load_policy(path: str) -> tuple[LlamaForCausalLM, PreTrainedTokenizerFast]:
+    """(model in fp32, eval mode; tokenizer) from a directory written by `save_policy`."""
+    check_checkpoint(path)
+    model = LlamaForCausalLM.from_pretrained(path, dtype=torch.float32)
+    model.eval()
+    return model, load_tokenizer(path)

@@ -1,0 +1,84 @@
+"""Supervised data and sampling eval for the tiny policy (used by scripts/make_policy.py).
+
+`sft_batches` yields length-bucketed, right-padded batches of
+`BOS prompt solution EOS` with the loss masked to the response (solution + EOS).
+Bucketing by length keeps padding small without packing documents together.
+`sample_eval` draws responses at a given temperature with HF `generate` and
+reports exact-match accuracy and response lengths in tokens (EOS included).
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterator
+
+import numpy as np
+import torch
+
+from drafttrain.policy.task import Problem, reward, sample_problem
+from drafttrain.policy.tokenizer import decode, encode_prompt
+
+IGNORE = -100
+
+
+def encode_example(tok, p: Problem) -> tuple[list[int], list[int]]:
+    """(input_ids, labels); labels are IGNORE on BOS + prompt."""
+    prompt = encode_prompt(tok, p.prompt)
+    response = tok.encode(p.solution, add_special_tokens=False) + [tok.eos_token_id]
+    return prompt + response, [IGNORE] * len(prompt) + response
+
+
+def sft_batches(tok, seed: int, tokens_per_batch: int, pool: int = 512) -> Iterator[dict[str, torch.Tensor]]:
+    """Endless batches of about `tokens_per_batch` tokens (padded), deterministic in `seed`."""
+    rng = random.Random(seed)
+    while True:
+        examples = sorted((encode_example(tok, sample_problem(rng)) for _ in range(pool)), key=lambda e: len(e[0]))
+        batches, cur = [], []
+        for ex in examples:
+            if cur and (len(cur) + 1) * len(ex[0]) > tokens_per_batch:  # sorted: ex is the longest so far
+                batches.append(cur)
+                cur = []
+            cur.append(ex)
+        batches.append(cur)  # the tail batch is kept: long examples are rare and matter
+        rng.shuffle(batches)
+        for b in batches:
+            T = max(len(ids) for ids, _ in b)
+            ids = torch.full((len(b), T), tok.pad_token_id, dtype=torch.long)  # [B, T]
+            labels = torch.full((len(b), T), IGNORE, dtype=torch.long)  # [B, T]
+            for i, (x, y) in enumerate(b):
+                ids[i, : len(x)] = torch.tensor(x)
+                labels[i, : len(y)] = torch.tensor(y)
+            yield {"input_ids": ids, "labels": labels}
+
+
+@torch.inference_mode()
+def sample_eval(
+    model, tok, problems: list[Problem], temperature: float = 1.0, max_new_tokens: int = 256,
+    batch_size: int = 64, seed: int = 0,
+) -> dict:
+    """Exact-match accuracy and response-length stats (tokens, EOS included) from sampling."""
+    torch.manual_seed(seed)
+    model.eval()
+    rewards, lengths = [], []
+    order = sorted(range(len(problems)), key=lambda i: len(problems[i].prompt))  # similar lengths together
+    for s in range(0, len(order), batch_size):
+        chunk = [problems[i] for i in order[s : s + batch_size]]
+        enc = [encode_prompt(tok, p.prompt) for p in chunk]
+        T = max(map(len, enc))
+        ids = torch.tensor([[tok.pad_token_id] * (T - len(e)) + e for e in enc])  # [B, T] left-padded
+        mask = (torch.arange(T) >= torch.tensor([T - len(e) for e in enc])[:, None]).long()
+        out = model.generate(
+            input_ids=ids, attention_mask=mask, do_sample=temperature > 0, temperature=temperature or None,
+            top_k=0, top_p=1.0, max_new_tokens=max_new_tokens, eos_token_id=tok.eos_token_id,
+            pad_token_id=tok.pad_token_id,
+        )[:, T:]  # [B, <=max_new_tokens]
+        for p, row in zip(chunk, out.tolist()):
+            n = row.index(tok.eos_token_id) + 1 if tok.eos_token_id in row else len(row)
+            lengths.append(n)
+            rewards.append(reward(p, decode(tok, row)))
+    L = np.array(lengths)
+    return {
+        "n": len(problems), "temperature": temperature, "accuracy": float(np.mean(rewards)),
+        "response_tokens_mean": float(L.mean()), "response_tokens_p50": float(np.percentile(L, 50)),
+        "response_tokens_p90": float(np.percentile(L, 90)), "response_tokens_max": int(L.max()),
+    }

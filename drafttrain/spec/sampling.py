@@ -1,0 +1,58 @@
+"""Sampling parameters and the one place that turns logits into the distribution AR sampling draws from.
+
+Order is fixed: temperature, then top-k, then top-p (nucleus). temperature == 0 means greedy: a one-hot on the
+argmax (ties go to the lowest token id, as torch.argmax does). Speculative decoding, AR decoding, log-probs and
+acceptance estimates all call `processed_probs`, so the SD output distribution is exactly AR's by construction.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 1.0
+    top_k: int = 0  # 0 = off
+    top_p: float = 1.0  # 1.0 = off
+    max_new_tokens: int = 256
+    stop_token_ids: tuple[int, ...] = ()
+    seed: int | None = None
+
+    def __post_init__(self):
+        if self.temperature < 0:
+            raise ValueError(f"SamplingParams.temperature must be >= 0, got {self.temperature}")
+        if self.top_k < 0:
+            raise ValueError(f"SamplingParams.top_k must be >= 0, got {self.top_k}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"SamplingParams.top_p must be in (0, 1], got {self.top_p}")
+        if self.max_new_tokens < 1:
+            raise ValueError(f"SamplingParams.max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+def processed_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """logits[..., V] -> probs[..., V] (float32): temperature, then top-k, then top-p."""
+    logits = logits.float()
+    if params.greedy:
+        return torch.zeros_like(logits).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
+    logits = logits / params.temperature
+    V = logits.shape[-1]
+    if 0 < params.top_k < V:
+        kth = logits.topk(params.top_k, dim=-1).values[..., -1:]  # [..., 1] smallest kept logit
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = logits.softmax(-1)
+    if params.top_p < 1.0:
+        sorted_p, idx = probs.sort(-1, descending=True)
+        # keep a token if the mass strictly before it is < top_p (so the top token is always kept)
+        before = sorted_p.cumsum(-1) - sorted_p
+        keep_sorted = before < params.top_p
+        keep = torch.zeros_like(keep_sorted).scatter_(-1, idx, keep_sorted)
+        probs = probs.masked_fill(~keep, 0.0)
+        probs = probs / probs.sum(-1, keepdim=True)
+    return probs

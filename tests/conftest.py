@@ -1,0 +1,46 @@
+"""Shared fixtures: tiny random policies (nanochat's mock-model idea) and drafters, no checkpoint needed."""
+from __future__ import annotations
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from drafttrain.config import Config
+
+
+def tiny_policy(vocab=32, hidden=64, layers=4, heads=4, kv_heads=2, inter=128, max_pos=256, seed=0, family="llama"):
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(seed)
+    kw = dict(vocab_size=vocab, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
+              num_key_value_heads=kv_heads, intermediate_size=inter, max_position_embeddings=max_pos,
+              tie_word_embeddings=False)
+    cls = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM),
+           "qwen3": (Qwen3Config, Qwen3ForCausalLM)}[family]
+    m = cls[1](cls[0](**kw)).eval()
+    # sharpen the output so sequences have structure (random init is near-uniform)
+    with torch.no_grad():
+        m.lm_head.weight.mul_(8.0)
+    return m
+
+
+def engine_cfg(**kw):
+    cfg = OmegaConf.structured(Config).engine
+    for k, v in kw.items():
+        setattr(cfg, k, v)
+    return cfg
+
+
+@pytest.fixture(scope="session")
+def policy():
+    return tiny_policy()
+
+
+@pytest.fixture(scope="session")
+def drafter(policy):
+    from drafttrain.drafters import build_drafter
+
+    cfg = OmegaConf.structured(Config).drafter
+    cfg.path = None
+    torch.manual_seed(1)
+    return build_drafter(cfg, policy)

@@ -1,0 +1,169 @@
+"""Unit tests for the tiny policy world: task, reward, tokenizer, save/load, shipped checkpoint."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from drafttrain.policy.model import PolicyConfig, build_policy, load_policy, save_policy
+from drafttrain.policy.sft import IGNORE, encode_example
+from drafttrain.policy.task import (
+    MAX_TERMS,
+    extract_answer,
+    make_prompts,
+    problem_from_terms,
+    reward,
+    sample_problem,
+)
+from drafttrain.policy.tokenizer import VOCAB_SIZE, build_tokenizer, decode, encode_prompt, load_tokenizer
+
+SHIPPED = Path(__file__).resolve().parents[2] / "checkpoints" / "policy"
+TINY = PolicyConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2,
+                    intermediate_size=64)
+
+
+# --- task -------------------------------------------------------------------------------------
+
+def test_problem_format_and_solution():
+    p = problem_from_terms([37, 5, 81, 9])
+    assert p.prompt == "Q:37+5+81+9="
+    assert p.solution == "37+5=42;42+81=123;123+9=132;A:132"
+    assert p.answer == "132"
+
+
+def test_task_is_deterministic_in_seed():
+    a, b, c = make_prompts(50, seed=3), make_prompts(50, seed=3), make_prompts(50, seed=4)
+    assert a == b
+    assert a != c
+
+
+def test_solutions_are_correct():
+    rng = random.Random(0)
+    for _ in range(200):
+        p = sample_problem(rng)
+        terms = [int(t) for t in p.prompt[2:-1].split("+")]
+        assert 2 <= len(terms) <= MAX_TERMS
+        assert all(1 <= t <= 99 for t in terms)
+        assert int(p.answer) == sum(terms)
+        assert reward(p, p.solution) == 1.0
+
+
+def test_lengths_are_long_tailed():
+    lens = np.array([len(p.solution) + 1 for p in make_prompts(4000, seed=0)])
+    p50, p90 = np.percentile(lens, [50, 90])
+    assert p90 >= 2.0 * p50
+    assert lens.max() >= 4 * p50
+
+
+def test_reward_exact_match():
+    p = problem_from_terms([37, 5, 81, 9])
+    assert reward(p, "37+5=42;42+81=123;123+9=132;A:132") == 1.0
+    assert reward("132", "A:132") == 1.0
+    assert reward(p, "37+5=42;42+81=123;123+9=131;A:131") == 0.0  # wrong
+    assert reward(p, "A:1320") == 0.0  # extra digit
+    assert reward(p, "A:13") == 0.0  # truncated
+    assert reward(p, "37+5=42;42+81=123;123+9=132") == 0.0  # no A:
+    assert reward(p, "") == 0.0
+    assert reward(p, "A:5;A:132") == 1.0  # the last A: counts
+    assert extract_answer("x;A:77") == "77"
+    assert extract_answer("no answer") is None
+
+
+# --- tokenizer --------------------------------------------------------------------------------
+
+def test_tokenizer_round_trip(tmp_path):
+    tok = build_tokenizer()
+    assert len(tok) == VOCAB_SIZE and VOCAB_SIZE % 8 == 0
+    p = problem_from_terms([98, 7, 60])
+    text = p.prompt + p.solution
+    ids = encode_prompt(tok, text)
+    assert ids[0] == tok.bos_token_id and len(ids) == len(text) + 1  # one token per char
+    assert decode(tok, ids + [tok.eos_token_id] + encode_prompt(tok, "A:1")[1:]) == text  # cut at EOS
+    assert tok(p.prompt)["input_ids"] == encode_prompt(tok, p.prompt)  # HF path adds BOS too
+    tok.save_pretrained(tmp_path)
+    tok2 = load_tokenizer(str(tmp_path))
+    assert encode_prompt(tok2, text) == ids
+    assert (tok2.pad_token_id, tok2.bos_token_id, tok2.eos_token_id) == (tok.pad_token_id, tok.bos_token_id,
+                                                                         tok.eos_token_id)
+
+
+def test_sft_labels_mask_prompt():
+    tok = build_tokenizer()
+    p = problem_from_terms([1, 2])
+    ids, labels = encode_example(tok, p)
+    n_prompt = len(p.prompt) + 1
+    assert labels[:n_prompt] == [IGNORE] * n_prompt
+    assert labels[n_prompt:] == ids[n_prompt:] and ids[-1] == tok.eos_token_id
+
+
+# --- model save / load ------------------------------------------------------------------------
+
+def test_load_policy_missing_path_names_it(tmp_path):
+    missing = tmp_path / "nope"
+    with pytest.raises(FileNotFoundError, match=str(missing)):
+        load_policy(str(missing))
+    missing.mkdir()
+    (missing / "config.json").write_text("{}")
+    with pytest.raises(FileNotFoundError, match="model.safetensors"):
+        load_policy(str(missing))
+
+
+def test_save_load_round_trip_and_atomic(tmp_path):
+    torch.manual_seed(0)
+    model, tok = build_policy(TINY), build_tokenizer()
+    out = tmp_path / "pol"
+    save_policy(model, tok, str(out))
+    save_policy(model, tok, str(out))  # overwriting works
+    assert sorted(os.listdir(tmp_path)) == ["pol"]  # no temp dirs left behind
+    loaded, tok2 = load_policy(str(out))
+    x = torch.tensor([encode_prompt(tok2, "Q:1+2=")])
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(x).logits, model.eval()(x).logits)
+
+    class Boom(RuntimeError):
+        pass
+
+    def fail(*a, **k):
+        raise Boom
+
+    tok.save_pretrained = fail  # a failure mid-write must leave the old checkpoint intact
+    with pytest.raises(Boom):
+        save_policy(build_policy(TINY), tok, str(out))
+    assert sorted(os.listdir(tmp_path)) == ["pol"]
+    again, _ = load_policy(str(out))
+    torch.testing.assert_close(again.model.embed_tokens.weight, model.model.embed_tokens.weight)
+
+
+# --- shipped checkpoint -----------------------------------------------------------------------
+
+def test_shipped_checkpoint_matches_documented_config():
+    model, tok = load_policy(str(SHIPPED))
+    want = PolicyConfig()
+    c = model.config
+    assert c.model_type == "llama"
+    for k in ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+              "intermediate_size", "max_position_embeddings", "vocab_size"):
+        assert getattr(c, k) == getattr(want, k), k
+    assert next(model.parameters()).dtype == torch.float32
+    assert (c.bos_token_id, c.eos_token_id, c.pad_token_id) == (tok.bos_token_id, tok.eos_token_id, tok.pad_token_id)
+    ev = json.loads((SHIPPED / "task_eval.json").read_text())
+    assert 0.3 <= ev["accuracy"] <= 0.9  # decent but imperfect: RL has room
+    assert ev["response_tokens_p90"] > ev["response_tokens_p50"]
+    size = sum(f.stat().st_size for f in SHIPPED.iterdir())
+    assert size < 45e6
+
+
+def test_shipped_policy_solves_greedy():
+    """A short problem greedily decoded: the trained policy gets it right (a random one would not)."""
+    model, tok = load_policy(str(SHIPPED))
+    p = problem_from_terms([12, 34])
+    ids = torch.tensor([encode_prompt(tok, p.prompt)])
+    out = model.generate(ids, do_sample=False, max_new_tokens=24, eos_token_id=tok.eos_token_id,
+                         pad_token_id=tok.pad_token_id)
+    assert decode(tok, out[0, ids.shape[1]:].tolist()) == p.solution
