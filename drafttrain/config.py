@@ -68,9 +68,35 @@ class TrainConfig:
 
 
 @dataclass
+class OnlineConfig:
+    track: bool = True  # False: the drafter is never updated (the frozen baseline)
+    mode: str = "sync"  # sync: train between RL steps | async: train in the background during rollouts
+    buffer_mb: float = 64.0  # feature buffer cap (reduced precision)
+    steps_per_update: int = 16  # drafter optimizer steps per RL step
+    time_budget_s: float = 10.0  # sync mode: cap on drafter training per RL step
+    canary_prompts: int = 4  # probe size after each swap (recent prompts, SD, short)
+    canary_max_new_tokens: int = 48
+    canary_min_ratio: float = 0.5  # roll back if engine (MAL-1) < ratio * trainer-estimated (MAL-1)
+
+
+@dataclass
+class RLConfig:
+    steps: int = 30
+    prompts_per_step: int = 8
+    group_size: int = 4  # G samples per prompt
+    lr: float = 3e-5
+    clip_eps: float = 0.2
+    micro_batch: int = 16  # sequences per policy forward/backward
+    mode: str = "sync"  # sync: generate then train | async: generate step t+1 with the step-t policy
+    prompt_seed: int = 1
+
+
+@dataclass
 class RunConfig:
     out_dir: str = "runs/${recipe}"
     seed: int = 0
+    resume: bool = True  # continue from out_dir's checkpoint when there is one
+    tensorboard: bool = True
 
 
 @dataclass
@@ -81,6 +107,8 @@ class Config:
     engine: EngineConfig = field(default_factory=EngineConfig)
     drafter: DrafterConfig = field(default_factory=DrafterConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    online: OnlineConfig = field(default_factory=OnlineConfig)
+    rl: RLConfig = field(default_factory=RLConfig)
     run: RunConfig = field(default_factory=RunConfig)
 
 
@@ -144,6 +172,10 @@ def validate(cfg: Config) -> None:
          f"must be sample or greedy, got {cfg.engine.draft_sampling!r}"),
         (cfg.sampling.temperature >= 0, "sampling.temperature", f"must be >= 0, got {cfg.sampling.temperature}"),
         (0 < cfg.sampling.top_p <= 1, "sampling.top_p", f"must be in (0, 1], got {cfg.sampling.top_p}"),
+        (cfg.online.mode in ("sync", "async"), "online.mode", f"must be sync or async, got {cfg.online.mode!r}"),
+        (cfg.rl.mode in ("sync", "async"), "rl.mode", f"must be sync or async, got {cfg.rl.mode!r}"),
+        (cfg.online.buffer_mb > 0, "online.buffer_mb", f"must be > 0, got {cfg.online.buffer_mb}"),
+        (cfg.rl.group_size >= 2, "rl.group_size", f"must be >= 2 (group-normalized advantages), got {cfg.rl.group_size}"),
         (cfg.drafter.ttt_steps >= 1, "drafter.ttt_steps", f"must be >= 1, got {cfg.drafter.ttt_steps}"),
     ]
     for ok, key, msg in checks:
@@ -164,5 +196,21 @@ def sampling_params(cfg: Config, **extra):
     from drafttrain.spec import SamplingParams
 
     s = cfg.sampling
-    return SamplingParams(temperature=s.temperature, top_k=s.top_k, top_p=s.top_p,
-                          max_new_tokens=s.max_new_tokens, **extra)
+    kw = dict(temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, max_new_tokens=s.max_new_tokens)
+    return SamplingParams(**{**kw, **extra})
+
+
+def script_config(defaults: dict, argv: list[str] | None = None) -> DictConfig:
+    """A script's `key=value` command line over its defaults; an unknown key or a bad type fails naming it."""
+    import sys
+
+    base = OmegaConf.create(defaults)
+    OmegaConf.set_struct(base, True)
+    args = sys.argv[1:] if argv is None else argv
+    bad = [a for a in args if "=" not in a]
+    if bad:
+        raise SystemExit(f"error: argument {bad[0]!r}: expected key=value")
+    try:
+        return OmegaConf.merge(base, OmegaConf.from_dotlist(args))
+    except OmegaConfBaseException as e:
+        raise SystemExit(f"error: {_one_line(e)}") from None

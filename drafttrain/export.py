@@ -113,3 +113,46 @@ def _config_from_speculators(cfg: dict, path: Path) -> dict:
 def weights_fingerprint(weights: dict[str, torch.Tensor]) -> float:
     """A cheap order-independent checksum used to verify that a swap landed (read-back)."""
     return float(sum(t.double().sum() for t in weights.values() if t.is_floating_point()))
+
+
+# ---- vLLM: the fields vLLM itself reads from an exported folder, checked against the target ------------------
+
+def read_speculators_config(path: str | Path) -> dict:
+    """config.json of a speculators folder; FileNotFoundError naming what is missing."""
+    path = Path(path)
+    if not (path / "config.json").is_file() or not (path / "model.safetensors").is_file():
+        raise FileNotFoundError(f"drafter checkpoint {path}: missing config.json or model.safetensors")
+    return json.loads((path / "config.json").read_text())
+
+
+def check_vllm_target(cfg: dict, target: dict, where: str = "drafter") -> None:
+    """One-line ValueError when a speculators config does not fit the target's HF config (a dict with
+    num_hidden_layers, hidden_size, vocab_size). Checks what vLLM reads, not the `drafttrain` block: vLLM takes
+    eagle_aux_hidden_state_layer_ids as the inputs of those target layers, so they must be distinct and in
+    [0, num_hidden_layers); an unchecked collision only surfaces as a reshape error inside the engine."""
+    n, V, H = int(target["num_hidden_layers"]), int(target["vocab_size"]), int(target["hidden_size"])
+    if cfg.get("speculators_model_type") != "eagle3":
+        raise ValueError(f"{where}: speculators_model_type {cfg.get('speculators_model_type')!r} is not supported "
+                         f"by the vLLM engine (eagle3)")
+    aux = cfg.get("eagle_aux_hidden_state_layer_ids")
+    if not aux:
+        raise ValueError(f"{where}: eagle_aux_hidden_state_layer_ids is missing (vLLM's default ids collide on "
+                         f"small targets)")
+    aux = [int(i) for i in aux]
+    if len(set(aux)) != len(aux):
+        raise ValueError(f"{where}: eagle_aux_hidden_state_layer_ids {aux} collide (each target layer at most once)")
+    if any(not 0 <= i < n for i in aux):
+        raise ValueError(f"{where}: eagle_aux_hidden_state_layer_ids {aux} exceed the target's {n} layers "
+                         f"(valid ids: 0..{n - 1})")
+    t = cfg.get("transformer_layer_config") or {}
+    if int(t.get("hidden_size", H)) != H or int(cfg.get("target_hidden_size", H)) != H:
+        raise ValueError(f"{where}: hidden size {t.get('hidden_size')} does not match the target's {H}")
+    if int(t.get("vocab_size", V)) != V:
+        raise ValueError(f"{where}: vocab_size {t.get('vocab_size')} does not match the target's {V}")
+    dv = int(cfg.get("draft_vocab_size") or t.get("vocab_size", V))
+    if not 0 < dv <= V:
+        raise ValueError(f"{where}: draft_vocab_size {dv} is larger than the target's vocabulary {V}")
+    block = (cfg.get("drafttrain") or {}).get("config")
+    if block and (list(block["aux_layer_ids"]) != aux or int(block["draft_vocab_size"]) != dv):
+        raise ValueError(f"{where}: eagle_aux_hidden_state_layer_ids/draft_vocab_size {aux}/{dv} disagree with "
+                         f"the drafttrain block {list(block['aux_layer_ids'])}/{block['draft_vocab_size']}")

@@ -4,7 +4,7 @@ embedded engine (policy) and by the EAGLE-3 drafter's decoder layer, in inferenc
 Each row b of a batch sits at its own position pos[b]; a step feeds m tokens per row at pos[b] .. pos[b]+m-1.
 The cache is [B, Hkv, L, D] per layer; entries past a row's position are stale (padding, rejected drafts) and
 are masked out, then overwritten. Weights are read from the HF module (Llama, Qwen2 with qkv bias, Qwen3 with
-q/k norms); q/k/v and gate/up are packed into one matrix each and refreshed in place by `refresh()`.
+q/k norms); q/k/v and gate/up are packed into one matrix each; `refresh()` re-snapshots the weights in place.
 """
 from __future__ import annotations
 
@@ -100,31 +100,33 @@ class LeanLlama:
         rot = model.model.rotary_emb
         self.rope = Rope(rot.inv_freq, self.max_len, float(getattr(rot, "attention_scaling", 1.0)))
         self.layers = list(model.model.layers)
+        self.weights: dict[str, torch.Tensor] = {}
         self.packed: list[dict] = []
         self.refresh()
 
     @torch.no_grad()
     def refresh(self) -> None:
-        """(Re)pack the policy's current weights; in place after the first call (no reallocation)."""
-        first = not self.packed
+        """Snapshot the policy's current weights into the engine's own buffers (packed q|k|v and gate|up).
+        In place after the first call: no reallocation, and training the policy never touches a decode step."""
+        m = self.model
+        snap = {"embed": m.model.embed_tokens.weight, "norm": m.model.norm.weight, "lm_head": m.lm_head.weight}
         for i, layer in enumerate(self.layers):
             a, mlp = layer.self_attn, layer.mlp
-            ws = {
-                "qkv": torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]),
-                "gate_up": torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]),
-            }
+            snap[f"{i}.qkv"] = torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight])
+            snap[f"{i}.gate_up"] = torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight])
+            snap[f"{i}.o"], snap[f"{i}.down"] = a.o_proj.weight, mlp.down_proj.weight
+            snap[f"{i}.ln1"], snap[f"{i}.ln2"] = layer.input_layernorm.weight, layer.post_attention_layernorm.weight
             if a.q_proj.bias is not None:
-                ws["qkv_b"] = torch.cat([a.q_proj.bias, a.k_proj.bias, a.v_proj.bias])
-            if first:
-                d = {k: t.detach().clone().contiguous() for k, t in ws.items()}
-                d["o"], d["down"] = a.o_proj.weight, mlp.down_proj.weight
-                d["ln1"], d["ln2"] = layer.input_layernorm.weight, layer.post_attention_layernorm.weight
-                d["q_norm"] = getattr(a, "q_norm", None)
-                d["k_norm"] = getattr(a, "k_norm", None)
-                self.packed.append(d)
-            else:
-                for k, t in ws.items():
-                    self.packed[i][k].copy_(t)
+                snap[f"{i}.qkv_b"] = torch.cat([a.q_proj.bias, a.k_proj.bias, a.v_proj.bias])
+            if getattr(a, "q_norm", None) is not None:
+                snap[f"{i}.q_norm"], snap[f"{i}.k_norm"] = a.q_norm.weight, a.k_norm.weight
+        if not self.weights:
+            self.weights = {k: t.detach().float().clone().contiguous() for k, t in snap.items()}
+            self.packed = [{k.split(".", 1)[1]: t for k, t in self.weights.items() if k.startswith(f"{i}.")}
+                           for i in range(self.n_layers)]
+        else:
+            for k, t in snap.items():
+                self.weights[k].copy_(t)
 
     def new_cache(self, batch: int, length: int) -> KVCache:
         return KVCache(self.n_layers, batch, self.n_kv, length, self.head_dim)
@@ -136,7 +138,7 @@ class LeanLlama:
         pos = pos0.view(B, 1) + torch.arange(m).view(1, m)  # [B, m]
         length = int(pos0.max()) + m
         mask = step_mask(pos0, m, length)  # [B, 1, m, length]
-        x = self.model.model.embed_tokens(tokens)  # [B, m, H*D]
+        x = F.embedding(tokens, self.weights["embed"])  # [B, m, hidden]
         aux = []
         for i, w in enumerate(self.packed):
             if i in aux_ids:
@@ -147,9 +149,8 @@ class LeanLlama:
             q = q.view(B, m, H, D).transpose(1, 2)  # [B, H, m, D]
             k = k.view(B, m, Hkv, D).transpose(1, 2)
             v = v.view(B, m, Hkv, D).transpose(1, 2)
-            if w["q_norm"] is not None:
-                q = w["q_norm"](q)
-                k = w["k_norm"](k)
+            if "q_norm" in w:
+                q, k = rms_norm(q, w["q_norm"], self.eps), rms_norm(k, w["k_norm"], self.eps)
             q, k = self.rope.apply(q, pos), self.rope.apply(k, pos)
             cache.write(i, k, v, pos)
             o = attend(q, cache, i, mask).transpose(1, 2).reshape(B, m, H * D)
@@ -157,8 +158,7 @@ class LeanLlama:
             h = rms_norm(x, w["ln2"], self.eps)
             g, u = F.linear(h, w["gate_up"]).chunk(2, dim=-1)
             x = x + F.linear(F.silu(g) * u, w["down"])
-        x = self.model.model.norm(x)
-        logits = self.model.lm_head(x)  # [B, m, V]
+        logits = F.linear(rms_norm(x, self.weights["norm"], self.eps), self.weights["lm_head"])  # [B, m, V]
         if aux_ids and len(aux) != len(aux_ids):
             raise ValueError(f"aux_layer_ids {list(aux_ids)} must be distinct layers in [0, {self.n_layers - 1}]")
         return logits, (torch.cat(aux, -1) if aux_ids else None)

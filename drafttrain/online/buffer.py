@@ -1,0 +1,109 @@
+"""FeatureBuffer: a bounded, memory-capped store of per-sequence drafter training records.
+
+    buf = FeatureBuffer(max_bytes=256 << 20, dtype=torch.bfloat16, seed=0)
+    buf.add(build_features(...))          # splits a padded batch into per-row records, evicts the oldest
+    batch = buf.sample(16)                # padded float32 batch: aux, next_ids, target_probs, valid, lengths
+
+A record is one row of build_features trimmed to its length L: aux [L, X] and target_probs [L+s, V] in reduced
+precision, next_ids [L+s-1] (int32), valid [L+s] (bool), where s is the TTT unroll the features were built for.
+Memory is the sum of the stored tensors' bytes; records whose loss mask is empty are not stored. Sampling is
+uniform without replacement from a seeded generator, so a restored buffer continues the same draws.
+"""
+from __future__ import annotations
+
+from collections import deque
+
+import torch
+
+_KEYS = ("aux", "next_ids", "target_probs", "valid")
+
+
+def _nbytes(rec: dict) -> int:
+    return sum(rec[k].numel() * rec[k].element_size() for k in _KEYS)
+
+
+class FeatureBuffer:
+    def __init__(self, max_bytes: int, dtype: torch.dtype = torch.bfloat16, seed: int = 0,
+                 name: str = "online.buffer_mb"):
+        if max_bytes <= 0:
+            raise ValueError(f"{name}: the feature buffer size must be > 0, got {max_bytes}")
+        if dtype not in (torch.bfloat16, torch.float16, torch.float32):
+            raise ValueError(f"{name}: dtype must be bfloat16, float16 or float32, got {dtype}")
+        self.max_bytes, self.dtype = int(max_bytes), dtype
+        self.records: deque[dict] = deque()
+        self.nbytes = 0
+        self.added = 0  # records ever added
+        self.evicted = 0  # records dropped for the cap (including one too large to store at all)
+        self.steps: int | None = None  # TTT unroll the stored records were built for
+        self.gen = torch.Generator().manual_seed(seed)
+
+    def __len__(self) -> int:
+        return len(self.records)
+
+    def add(self, batch: dict[str, torch.Tensor]) -> int:
+        """batch: build_features output. Returns the number of records stored."""
+        L = batch["lengths"].tolist()
+        T = batch["aux"].shape[1]
+        s = batch["valid"].shape[1] - T
+        if self.steps is None:
+            self.steps = s
+        elif s != self.steps:
+            raise ValueError(f"FeatureBuffer.add: features built for ttt_steps={s}, the buffer holds "
+                             f"ttt_steps={self.steps}")
+        n = 0
+        for b, n_b in enumerate(L):
+            if not bool(batch["valid"][b].any()):
+                continue
+            rec = {"aux": batch["aux"][b, :n_b].to(self.dtype).clone(),
+                   "next_ids": batch["next_ids"][b, :n_b + s - 1].to(torch.int32).clone(),
+                   "target_probs": batch["target_probs"][b, :n_b + s].to(self.dtype).clone(),
+                   "valid": batch["valid"][b, :n_b + s].clone()}
+            self.records.append(rec)
+            self.nbytes += _nbytes(rec)
+            self.added += 1
+            n += 1
+        self._evict()
+        return n
+
+    def _evict(self) -> None:
+        while self.records and self.nbytes > self.max_bytes:
+            self.nbytes -= _nbytes(self.records.popleft())
+            self.evicted += 1
+
+    def sample(self, n: int) -> dict[str, torch.Tensor]:
+        """min(n, len) records without replacement, padded to the longest: float32 aux/target_probs."""
+        if not self.records:
+            raise ValueError("FeatureBuffer.sample: the buffer is empty")
+        idx = torch.randperm(len(self.records), generator=self.gen)[:n].tolist()
+        return collate([self.records[i] for i in idx], self.steps)
+
+    def state_dict(self) -> dict:
+        return {"records": list(self.records), "nbytes": self.nbytes, "added": self.added,
+                "evicted": self.evicted, "steps": self.steps, "gen": self.gen.get_state()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.records = deque(state["records"])
+        self.nbytes = sum(_nbytes(r) for r in self.records)
+        self.added, self.evicted, self.steps = state["added"], state["evicted"], state["steps"]
+        self.gen.set_state(state["gen"])
+        self._evict()  # a smaller cap than the saved buffer's
+
+
+def collate(records: list[dict], steps: int) -> dict[str, torch.Tensor]:
+    """Per-sequence records -> padded batch: aux [B, T, X], next_ids [B, T+s-1], target_probs [B, T+s, V],
+    valid [B, T+s], lengths [B]."""
+    B, s = len(records), steps
+    lengths = torch.tensor([r["aux"].shape[0] for r in records])
+    T = int(lengths.max())
+    X, V = records[0]["aux"].shape[1], records[0]["target_probs"].shape[1]
+    aux = torch.zeros(B, T, X)
+    next_ids = torch.zeros(B, T + s - 1, dtype=torch.long)
+    probs = torch.zeros(B, T + s, V)
+    valid = torch.zeros(B, T + s, dtype=torch.bool)
+    for b, r in enumerate(records):
+        L = r["aux"].shape[0]
+        aux[b, :L] = r["aux"]
+        next_ids[b, :L + s - 1] = r["next_ids"]
+        probs[b, :L + s] = r["target_probs"]
+        valid[b, :L + s] = r["valid"]
+    return {"aux": aux, "next_ids": next_ids, "target_probs": probs, "valid": valid, "lengths": lengths}

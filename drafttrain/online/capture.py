@@ -1,0 +1,107 @@
+"""Hidden-state capture from an ordinary policy forward, and the features the drafter trains on.
+
+    with HiddenCapture(policy, drafter.aux_layer_ids) as cap:
+        logits = policy(ids, attention_mask=mask).logits       # e.g. the RL loss forward: no extra pass
+    batch = build_features(ids, mask, cap.features(), logits, steps=3, response_start=prompt_lens)
+    loss, accs = drafter.ttt_loss(batch["aux"], batch["next_ids"], batch["target_probs"], batch["valid"], 3, 0.8)
+
+Forward pre-hooks on policy.model.layers[i] record each layer's input, which is HF hidden_states[i] and the aux
+layer id convention of LeanLlama and vLLM's EAGLE-3. The hooks only store a detached reference (no copy, no
+graph kept). They are removed on exit, also on exceptions.
+
+Simplifies on purpose: features() returns the latest forward's capture (one forward per context is the normal
+use; with gradient checkpointing the recompute overwrites it with identical values).
+"""
+from __future__ import annotations
+
+import torch
+
+
+class HiddenCapture:
+    def __init__(self, policy, layer_ids):
+        layers = policy.model.layers
+        ids = sorted(int(i) for i in layer_ids)
+        if not ids or len(set(ids)) != len(ids) or ids[0] < 0 or ids[-1] >= len(layers):
+            raise ValueError(f"HiddenCapture: layer_ids {list(layer_ids)} must be distinct layers in "
+                             f"[0, {len(layers) - 1}]")
+        self.policy, self.layer_ids = policy, tuple(ids)
+        self._layers = [layers[i] for i in ids]
+        self._handles: list = []
+        self._saved: dict[int, torch.Tensor] = {}
+
+    def _hook(self, i: int):
+        def pre_hook(module, args, kwargs):
+            x = args[0] if args else kwargs["hidden_states"]
+            self._saved[i] = x.detach()  # [B, T, H]
+
+        return pre_hook
+
+    def __enter__(self) -> "HiddenCapture":
+        self._saved.clear()
+        for i, layer in zip(self.layer_ids, self._layers):
+            self._handles.append(layer.register_forward_pre_hook(self._hook(i), with_kwargs=True))
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+
+    def features(self) -> torch.Tensor:
+        """[B, T, A*H] detached: the captured layer inputs concatenated in layer-id order."""
+        missing = [i for i in self.layer_ids if i not in self._saved]
+        if missing:
+            raise RuntimeError(f"HiddenCapture: nothing captured for layers {missing} (run the policy forward "
+                               f"inside the `with` block)")
+        return torch.cat([self._saved[i] for i in self.layer_ids], -1)
+
+
+@torch.no_grad()
+def build_features(ids: torch.Tensor, mask: torch.Tensor, aux: torch.Tensor, logits: torch.Tensor, steps: int,
+                   response_start) -> dict[str, torch.Tensor]:
+    """One captured forward -> the tensors ttt_loss needs (rows moved to start at column 0).
+
+    ids [B, T]; mask: attention mask [B, T] (1 = real token, contiguous per row, left or right padding) or row
+    lengths [B]; aux [B, T, X]; logits [B, T, V]; response_start: int or [B], the column (in the given layout)
+    of each row's first response token. Returns, with T' = the longest row:
+        aux [B, T', X] (float32), next_ids [B, T'+steps-1] (next_ids[:, t] = token_{t+1}, 0 past the end),
+        target_probs [B, T'+steps, V] = softmax(logits) (temperature 1), valid [B, T'+steps] (position j counts
+        iff the token it predicts, j+1, is a response token of that row), lengths [B].
+    """
+    B, T = ids.shape
+    if mask.dim() == 1:  # lengths, right-padded
+        lengths, offset = mask.long(), torch.zeros(B, dtype=torch.long)
+    else:
+        m = mask.bool()
+        lengths = m.sum(1)
+        offset = m.long().argmax(1)  # first real column
+    rs = torch.as_tensor(response_start, dtype=torch.long).expand(B) - offset  # response start per row, shifted
+    Tp = int(lengths.max())
+    col = torch.arange(Tp).view(1, Tp)
+    src = (col + offset.view(B, 1)).clamp_max(T - 1)  # [B, T'] gather index into the given layout
+    real = col < lengths.view(B, 1)  # [B, T']
+    tok = ids.gather(1, src).masked_fill(~real, 0)
+    a = aux.gather(1, src.unsqueeze(-1).expand(B, Tp, aux.shape[-1])).float() * real.unsqueeze(-1)
+    lg = logits.gather(1, src.unsqueeze(-1).expand(B, Tp, logits.shape[-1])).float()
+    probs = lg.softmax(-1) * real.unsqueeze(-1)  # [B, T', V]
+    pad = steps
+    next_ids = torch.cat([tok[:, 1:], tok.new_zeros(B, pad)], 1)  # [B, T'+steps-1]
+    target_probs = torch.cat([probs, probs.new_zeros(B, pad, probs.shape[-1])], 1)  # [B, T'+steps, V]
+    j = torch.arange(Tp + pad).view(1, -1)
+    valid = (j + 1 >= rs.view(B, 1)) & (j + 1 < lengths.view(B, 1))  # predicted token j+1 is in the response
+    return {"aux": a, "next_ids": next_ids, "target_probs": target_probs, "valid": valid, "lengths": lengths}
+
+
+@torch.no_grad()
+def teacher_forced_features(policy, prompts: list[list[int]], responses: list[list[int]], layer_ids,
+                            steps: int) -> dict[str, torch.Tensor]:
+    """Features of finished rollouts (offline data): one policy forward over prompt + response, right-padded."""
+    seqs = [p + r for p, r in zip(prompts, responses)]
+    lengths = torch.tensor([len(s) for s in seqs])
+    ids = torch.zeros(len(seqs), int(lengths.max()), dtype=torch.long)  # [B, T]
+    for i, s in enumerate(seqs):
+        ids[i, :len(s)] = torch.tensor(s)
+    mask = (torch.arange(ids.shape[1]).view(1, -1) < lengths.view(-1, 1)).long()
+    with HiddenCapture(policy, layer_ids) as cap:
+        logits = policy(input_ids=ids, attention_mask=mask).logits  # [B, T, V]
+    return build_features(ids, lengths, cap.features(), logits, steps, torch.tensor([len(p) for p in prompts]))

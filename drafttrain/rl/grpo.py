@@ -1,0 +1,138 @@
+"""The embedded GRPO host (Shao et al. 2024): small on purpose; it hosts drafttrain, it is not the product.
+
+Per step: P prompts x G samples from the rollout engine (speculative decoding); exact-match rewards;
+group-normalised advantages A = (r - mean_group) / (std_group + eps); the clipped policy-gradient loss
+    L = -mean_tokens min(rho A, clip(rho, 1-eps, 1+eps) A),  rho = pi_theta(y_t) / pi_behaviour(y_t)
+with the behaviour log-probs taken from the engine's verify pass. The loss forward runs inside
+tracker.capture(), so the drafter's features cost no extra pass.
+
+rl.mode=sync: generate, then train. rl.mode=async: the rollouts for step t+1 are generated with the step-t policy
+while step t trains (one step stale; rho corrects for it). No KL term, no reference model.
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+import statistics
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import torch
+
+from drafttrain.config import sampling_params
+from drafttrain.policy import decode, encode_prompt, make_prompts, reward
+
+
+@dataclass
+class Rollouts:
+    step: int
+    prompts: list[list[int]]  # one per sample (each prompt repeated G times)
+    responses: list[list[int]]
+    logprobs: list[list[float]]
+    rewards: list[float]
+    batch: object  # RolloutBatch
+
+
+class GRPO:
+    def __init__(self, cfg, policy, tok, engine, tracker=None, accelerator=None, rank: int = 0):
+        self.cfg, self.policy, self.tok, self.engine, self.tracker = cfg, policy, tok, engine, tracker
+        self.rank = rank
+        self.opt = torch.optim.AdamW(policy.parameters(), lr=cfg.rl.lr, weight_decay=0.0)
+        self.acc = accelerator
+        if accelerator is not None:
+            self.model, self.opt = accelerator.prepare(policy, self.opt)
+        else:
+            self.model = policy
+        self._pool = ThreadPoolExecutor(max_workers=1) if cfg.rl.mode == "async" else None
+
+    def rollout(self, step: int) -> Rollouts:
+        rl = self.cfg.rl
+        seed = rl.prompt_seed * 1_000_003 + step * 101 + self.rank  # each step (and process) its own prompts
+        problems = make_prompts(rl.prompts_per_step, seed=seed)
+        prompts = [encode_prompt(self.tok, p.prompt) for p in problems for _ in range(rl.group_size)]
+        params = sampling_params(self.cfg, stop_token_ids=(self.tok.eos_token_id,), seed=seed)
+        batch = self.engine.generate(prompts, params, speculative=True)
+        rewards = [reward(problems[i // rl.group_size], decode(self.tok, r)) for i, r in enumerate(batch.tokens)]
+        if self.tracker is not None:
+            self.tracker.set_probe(prompts[:: rl.group_size])
+        return Rollouts(step, prompts, batch.tokens, batch.logprobs, rewards, batch)
+
+    def advantages(self, rewards: list[float]) -> torch.Tensor:
+        G = self.cfg.rl.group_size
+        r = torch.tensor(rewards).view(-1, G)  # [P, G]
+        return ((r - r.mean(1, keepdim=True)) / (r.std(1, keepdim=True) + 1e-4)).view(-1)  # [P*G]
+
+    def train_step(self, ro: Rollouts) -> dict:
+        """One clipped policy-gradient update on a rollout batch (micro-batched, token-mean loss)."""
+        rl, T = self.cfg.rl, self.cfg.sampling.temperature or 1.0
+        adv = self.advantages(ro.rewards)
+        n_tok = sum(len(r) for r in ro.responses)
+        self.model.train()
+        losses, clipped = 0.0, 0
+        for s in range(0, len(ro.prompts), rl.micro_batch):
+            idx = range(s, min(s + rl.micro_batch, len(ro.prompts)))
+            seqs = [ro.prompts[i] + ro.responses[i] for i in idx]
+            L = max(map(len, seqs))
+            ids = torch.zeros(len(seqs), L, dtype=torch.long)
+            mask = torch.zeros(len(seqs), L, dtype=torch.long)
+            resp = torch.zeros(len(seqs), L, dtype=torch.bool)  # positions whose *next* token is a response token
+            old = torch.zeros(len(seqs), L)
+            for j, i in enumerate(idx):
+                p, r = len(ro.prompts[i]), len(ro.responses[i])
+                ids[j, : p + r] = torch.tensor(seqs[j])
+                mask[j, : p + r] = 1
+                resp[j, p - 1: p + r - 1] = True
+                old[j, p - 1: p + r - 1] = torch.tensor(ro.logprobs[i])
+            starts = torch.tensor([len(ro.prompts[i]) for i in idx])
+            ctx = self.tracker.capture(self.policy, response_start=starts) if self.tracker else contextlib.nullcontext()
+            with ctx:
+                logits = self.model(input_ids=ids, attention_mask=mask).logits  # [b, L, V]
+            logp = (logits.float() / T).log_softmax(-1)[:, :-1].gather(-1, ids[:, 1:].unsqueeze(-1)).squeeze(-1)
+            m = resp[:, :-1]
+            ratio = (logp - old[:, :-1]).exp()
+            a = adv[list(idx)].view(-1, 1)
+            obj = torch.minimum(ratio * a, ratio.clamp(1 - rl.clip_eps, 1 + rl.clip_eps) * a)
+            loss = -(obj * m).sum() / n_tok
+            if not torch.isfinite(loss):
+                raise FloatingPointError(f"rl loss is NaN/inf at step {ro.step} (rl.lr={rl.lr} too high?)")
+            (self.acc.backward(loss) if self.acc else loss.backward())
+            losses += float(loss.detach())
+            clipped += int((((ratio - 1).abs() > rl.clip_eps) & m).sum())
+        torch.nn.utils.clip_grad_norm_(self.policy.parameters(), 1.0)
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        self.model.eval()
+        return {"rl_loss": losses, "clip_frac": clipped / max(n_tok, 1)}
+
+    def run_step(self, step: int, ro: Rollouts) -> tuple[dict, Rollouts]:
+        """Train on `ro` (rollouts of this step), update engines and drafter; return metrics + next rollouts."""
+        t0 = time.perf_counter()
+        nxt = self._pool.submit(self.rollout, step + 1) if self._pool else None  # async: step-t policy
+        rec = rollout_metrics(ro)
+        rec.update(self.train_step(ro))  # its loss forward feeds the tracker's capture
+        if self.tracker is not None:
+            rec.update(self.tracker.measure())  # the drafter that generated ro vs the frozen step-0 drafter
+        if self.tracker is not None:
+            rec.update(self.tracker.on_policy_update(self.policy, step))
+        if nxt is not None:
+            ro_next = nxt.result()
+            self.engine.update_policy()
+        else:
+            self.engine.update_policy()
+            ro_next = None
+        if self.tracker is not None:
+            rec.update(self.tracker.wait())
+        rec["rl_step_s"] = time.perf_counter() - t0
+        return rec, ro_next if ro_next is not None else self.rollout(step + 1)
+
+
+def rollout_metrics(ro: Rollouts) -> dict:
+    lens = sorted(len(r) for r in ro.responses)
+    st = ro.batch.stats
+    return {"step": ro.step, "reward_mean": statistics.fmean(ro.rewards), "resp_len_mean": statistics.fmean(lens),
+            "resp_len_p90": lens[min(len(lens) - 1, math.ceil(0.9 * len(lens)) - 1)], "resp_len_max": lens[-1],
+            "rollout_tokens_per_s": ro.batch.num_tokens / max(ro.batch.wall_s, 1e-9),
+            "rollout_wall_s": ro.batch.wall_s, "live_mal": st.mean_accepted_length,
+            "live_acc_pos": st.acceptance_per_position, "rollout_drafter_version": ro.batch.drafter_version}
+

@@ -1,0 +1,174 @@
+"""DraftTracker: what any RL loop calls to keep its rollout engines' drafter fresh.
+
+    tracker = DraftTracker.from_recipe("eagle3_track", policy=policy, engines=[engine])
+    with tracker.capture(policy, response_start=prompt_lens):   # hidden states of the loss forward: no extra pass
+        loss = rl_loss(policy(ids, attention_mask=mask))
+    tracker.on_policy_update(policy, step)                      # train the drafter, publish v+1 to every engine
+    tracker.measure(k)                                          # live vs frozen step-0 drafter, teacher-forced
+
+online.mode=sync trains within online.time_budget_s between RL steps; online.mode=async trains and publishes in a
+background thread (call wait() before reading its result; the next on_policy_update waits by itself).
+online.track=false keeps the drafter frozen (the baseline recipe) but still captures for measurement.
+"""
+from __future__ import annotations
+
+import contextlib
+import copy
+import threading
+import time
+
+import torch
+
+from drafttrain.config import load_recipe, sampling_params
+from drafttrain.drafters import build_drafter
+from drafttrain.online.acceptance import teacher_forced_acceptance
+from drafttrain.online.buffer import FeatureBuffer, collate
+from drafttrain.online.capture import HiddenCapture, build_features
+from drafttrain.online.hotswap import Publisher
+from drafttrain.online.trainer import DrafterTrainer
+
+
+class DraftTracker:
+    def __init__(self, cfg, policy, engines, drafter=None, accelerator=None, log=print):
+        self.cfg, self.engines, self.log = cfg, list(engines), log
+        self.drafter = drafter if drafter is not None else build_drafter(cfg.drafter, policy)
+        n_layers = policy.config.num_hidden_layers
+        if max(self.drafter.aux_layer_ids) >= n_layers:
+            raise ValueError(f"drafter.aux_layer_ids: {list(self.drafter.aux_layer_ids)} do not exist in the "
+                             f"policy ({n_layers} layers)")
+        self.frozen = copy.deepcopy(self.drafter).eval().requires_grad_(False)  # the step-0 drafter
+        self.steps = max(cfg.drafter.ttt_steps, cfg.engine.k)  # features serve training and k-step measurement
+        self.buffer = FeatureBuffer(int(cfg.online.buffer_mb * 2 ** 20), seed=cfg.run.seed, name="online.buffer_mb")
+        self.trainer = DrafterTrainer(self.drafter, cfg.train, cfg.drafter, accelerator, buffer=self.buffer)
+        self.publisher = Publisher(self.engines, self.drafter.state_dict(), cfg.online, log)
+        self.pending: list[dict] = []  # features captured since the last on_policy_update
+        self.latest: list[dict] = []  # the previous step's: the background update reads only these
+        self.probe_prompts: list[list[int]] = []
+        self.policy_version = 0
+        self._thread: threading.Thread | None = None
+        self._result: dict = {}
+        self._lock = threading.Lock()  # guards the drafter and the buffer against a background update
+
+    @classmethod
+    def from_recipe(cls, name_or_path, policy, engines, overrides=(), **kw) -> "DraftTracker":
+        return cls(load_recipe(name_or_path, list(overrides)), policy, engines, **kw)
+
+    @property
+    def version(self) -> int:
+        return self.publisher.version
+
+    # ---- capture ------------------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def capture(self, policy, response_start=0):
+        """Every policy forward inside the block feeds the buffer: aux states via layer pre-hooks, token ids and
+        logits via a hook on the model itself. response_start: int or [B] (first response column per row)."""
+        cap = HiddenCapture(policy, self.drafter.aux_layer_ids)
+
+        def on_forward(module, args, kwargs, output):
+            ids = kwargs.get("input_ids", args[0] if args else None)
+            mask = kwargs.get("attention_mask")
+            if mask is None:
+                mask = torch.ones_like(ids)
+            rs = response_start if not torch.is_tensor(response_start) else response_start[: ids.shape[0]]
+            feats = build_features(ids.detach(), mask.detach(), cap.features(), output.logits.detach(), self.steps,
+                                   rs)
+            with self._lock:
+                self.buffer.add(feats)
+            self.pending.append(feats)
+
+        handle = policy.register_forward_hook(on_forward, with_kwargs=True)
+        try:
+            with cap:
+                yield cap
+        finally:
+            handle.remove()
+
+    def set_probe(self, prompts: list[list[int]]) -> None:
+        """Recent prompts the canary generates from after each swap."""
+        self.probe_prompts = [list(p) for p in prompts[: self.cfg.online.canary_prompts]]
+
+    # ---- training + publishing ----------------------------------------------------------------------------
+    def on_policy_update(self, policy=None, step: int | None = None, background: bool | None = None) -> dict:
+        """The policy just changed: train the drafter on buffered features and publish v+1 to every engine."""
+        self.wait()
+        self.latest, self.pending = self.pending, []
+        self.policy_version = step + 1 if step is not None else self.policy_version + 1
+        if not self.cfg.online.track or len(self.buffer) == 0:
+            return {}
+        bg = self.cfg.online.mode == "async" if background is None else background
+        if bg:
+            self._thread = threading.Thread(target=self._update, daemon=True)
+            self._thread.start()
+            return {}
+        return self._update()
+
+    def wait(self) -> dict:
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        return self._result
+
+    def _update(self) -> dict:
+        oc, t0 = self.cfg.online, time.perf_counter()
+        losses, skipped = [], 0
+        for _ in range(oc.steps_per_update):
+            with self._lock:  # per step, so captures and measurements wait at most one drafter step
+                out = self.trainer.step(self.buffer.sample(self.cfg.train.batch_size))
+            skipped += out["nonfinite"]
+            losses.append(out["loss"])
+            if oc.mode == "sync" and time.perf_counter() - t0 > oc.time_budget_s:
+                break
+        with self._lock:
+            weights = {k: v.detach().clone() for k, v in self.drafter.state_dict().items()}
+            est = teacher_forced_acceptance(self.drafter, _rows(self.latest, self.steps),
+                                            self.cfg.engine.k)["mal"] if self.latest else None
+        train_s = time.perf_counter() - t0
+        params = sampling_params(self.cfg, max_new_tokens=oc.canary_max_new_tokens)
+        pub = self.publisher.publish(weights, est, self.probe_prompts, params)
+        self._result = {"drafter_train_s": train_s, "drafter_loss": sum(losses) / max(len(losses), 1),
+                        "drafter_steps": len(losses), "drafter_skipped_nonfinite": skipped,
+                        "swap_s": pub.get("swap_s"), "canary_mal": pub.get("canary_mal"),
+                        "expected_mal": est, "rolled_back": pub.get("rolled_back", False),
+                        "published": pub["published"], "drafter_version": self.version}
+        return self._result
+
+    # ---- measurement --------------------------------------------------------------------------------------
+    def measure(self, k: int | None = None) -> dict:
+        """Teacher-forced acceptance of the live and the frozen step-0 drafter on the rollouts captured since the
+        last on_policy_update (call it before on_policy_update: live is then the drafter that generated them)."""
+        if not self.pending:
+            return {}
+        k = k or self.cfg.engine.k
+        batch = _rows(self.pending, self.steps)
+        with self._lock:
+            live = teacher_forced_acceptance(self.drafter, batch, k)
+        frozen = teacher_forced_acceptance(self.frozen, batch, k)
+        return {"live_tf_mal": live["mal"], "live_tf_acc_pos": live["acceptance_per_position"],
+                "frozen_tf_mal": frozen["mal"], "frozen_tf_acc_pos": frozen["acceptance_per_position"],
+                "policy_minus_drafter_version": self.policy_version - self.version}
+
+    # ---- checkpointing ------------------------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        self.wait()
+        return {"frozen": self.frozen.state_dict(), "version": self.publisher.version,
+                "good_weights": self.publisher.good_weights, "good_version": self.publisher.good_version,
+                "policy_version": self.policy_version}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.frozen.load_state_dict(state["frozen"])
+        self.policy_version = state["policy_version"]
+        self.publisher.good_weights, self.publisher.good_version = state["good_weights"], state["good_version"]
+        if state["version"] > 0:
+            self.publisher._load_all({k: v.detach().clone() for k, v in self.drafter.state_dict().items()},
+                                     max(state["version"], self.publisher.version + 1))
+
+
+def _rows(features: list[dict], steps: int, max_rows: int = 64) -> dict:
+    """The last max_rows sequences of several build_features batches, re-padded into one batch."""
+    recs = []
+    for f in features:
+        for b in range(f["aux"].shape[0]):
+            n = int(f["lengths"][b])
+            recs.append({"aux": f["aux"][b, :n], "next_ids": f["next_ids"][b, :n + steps - 1],
+                         "target_probs": f["target_probs"][b, :n + steps], "valid": f["valid"][b, :n + steps]})
+    return collate(recs[-max_rows:], steps)

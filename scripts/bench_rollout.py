@@ -1,0 +1,116 @@
+"""Rollout throughput: HF `generate` AR vs the embedded engine's AR vs its speculative decoding with the shipped
+EAGLE-3 drafter, on the same task prompts, at several batch sizes. Prints a table, writes bench/rollout.json.
+
+    python scripts/bench_rollout.py                      # batches 1,4,16,64
+    python scripts/bench_rollout.py batches=[1] n_prompts=8 max_new_tokens=128
+
+Theory check: with per-token acceptance alpha (solved from the measured mean accepted length) and drafter cost
+ratio c (one drafted token / one AR decode step, both at batch 1), the textbook speed-up is
+(1 - alpha^(k+1)) / ((1 - alpha)(k c + 1)); it assumes verifying k+1 tokens costs one decode step. On this CPU
+that is false, so the table also gives the verify cost ratio v and the corrected E[tokens] / (k c + v).
+"""
+from __future__ import annotations
+
+import sys
+import time
+
+import torch
+from omegaconf import OmegaConf
+
+from drafttrain.config import load_recipe, resolve_path, script_config
+from drafttrain.drafters import build_drafter
+from drafttrain.engines import build_engine
+from drafttrain.engines.torch_engine import measure_costs
+from drafttrain.policy import encode_prompt, load_policy, make_prompts
+from drafttrain.report import format_table, write_json
+from drafttrain.spec import SamplingParams
+
+DEFAULTS = dict(recipe="eagle3_track", batches=[1, 4, 16, 64], n_prompts=64, max_new_tokens=256, seed=1234,
+                out="bench/rollout.json", hf=True, threads=2)
+
+
+def alpha_from_mal(mal: float, k: int) -> float:
+    """Solve (1 - a^(k+1)) / (1 - a) = mal for a in [0, 1) by bisection."""
+    lo, hi = 0.0, 1.0 - 1e-9
+    for _ in range(100):
+        a = (lo + hi) / 2
+        if (1 - a ** (k + 1)) / (1 - a) < mal:
+            lo = a
+        else:
+            hi = a
+    return (lo + hi) / 2
+
+
+def hf_generate(policy, tok, prompts, params):
+    """HF generate, left-padded, sampling at the same temperature; counts tokens up to and including EOS."""
+    eos = tok.eos_token_id
+    P = max(map(len, prompts))
+    ids = torch.tensor([[tok.pad_token_id] * (P - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (P - len(p)) + [1] * len(p) for p in prompts])
+    out = policy.generate(input_ids=ids, attention_mask=mask, max_new_tokens=params.max_new_tokens, do_sample=True,
+                          temperature=params.temperature, top_k=0, top_p=1.0, eos_token_id=eos,
+                          pad_token_id=tok.pad_token_id)
+    n = 0
+    for row in out[:, P:].tolist():
+        n += row.index(eos) + 1 if eos in row else len(row)
+    return n
+
+
+def main(cfg) -> dict:
+    torch.set_num_threads(cfg.threads)
+    rc = load_recipe(cfg.recipe)
+    policy, tok = load_policy(str(resolve_path(rc.policy.path)))
+    drafter = build_drafter(rc.drafter, policy)
+    engine = build_engine(rc.engine, policy, drafter)
+    k = rc.engine.k
+    problems = make_prompts(cfg.n_prompts, seed=cfg.seed)
+    prompts = [encode_prompt(tok, p.prompt) for p in problems]
+    params = SamplingParams(temperature=rc.sampling.temperature, max_new_tokens=cfg.max_new_tokens,
+                            stop_token_ids=(tok.eos_token_id,), seed=cfg.seed)
+    engine.generate(prompts[:2], params)  # warm-up
+    rows = []
+    for B in cfg.batches:
+        chunks = [prompts[i:i + B] for i in range(0, len(prompts), B)]
+        cases = [("hf", "hf"), ("torch", "ar"), ("torch", "sd")] if cfg.hf else [("torch", "ar"), ("torch", "sd")]
+        for eng_name, mode in cases:
+            t0, ntok, stats = time.perf_counter(), 0, None
+            for ch in chunks:
+                if mode == "hf":
+                    ntok += hf_generate(policy, tok, ch, params)
+                else:
+                    b = engine.generate(ch, params, speculative=(mode == "sd"))
+                    ntok += b.num_tokens
+                    stats = b.stats if stats is None else stats.merge(b.stats)
+            dt = time.perf_counter() - t0
+            rows.append({"engine": eng_name, "mode": mode, "batch": B, "tokens_per_s": ntok / dt, "tokens": ntok,
+                         "wall_s": dt, "mean_accepted_length": stats.mean_accepted_length if stats else None,
+                         "acceptance_per_position": stats.acceptance_per_position if mode == "sd" else None})
+            print(f"  batch {B:>3} {eng_name}/{mode}: {ntok / dt:8.1f} tok/s", file=sys.stderr)
+    ar = {r["batch"]: r["tokens_per_s"] for r in rows if r["mode"] == "ar"}
+    for r in rows:
+        r["vs_embedded_ar"] = r["tokens_per_s"] / ar[r["batch"]]
+
+    costs = measure_costs(engine, 1, [1, k + 1], k)
+    c = costs["draft_ms_per_token"] / costs["target_ms"][1]
+    v = costs["target_ms"][k + 1] / costs["target_ms"][1]
+    sd1 = next(r for r in rows if r["mode"] == "sd" and r["batch"] == cfg.batches[0])
+    alpha = alpha_from_mal(sd1["mean_accepted_length"], k)
+    expected = (1 - alpha ** (k + 1)) / (1 - alpha)
+    theory = expected / (k * c + 1)
+    theory_cpu = expected / (k * c + v)
+    measured = sd1["vs_embedded_ar"]
+    result = {"rows": rows, "alpha": alpha, "cost_ratio_c": c, "verify_cost_ratio_v": v, "k": k,
+              "theory_speedup": theory, "theory_speedup_cpu": theory_cpu, "measured_speedup": measured,
+              "measured_over_theory": measured / theory, "measured_over_theory_cpu": measured / theory_cpu,
+              "theory_batch": cfg.batches[0], "costs_ms": costs, "config": OmegaConf.to_container(cfg)}
+    print(format_table(rows, ["engine", "mode", "batch", "tokens_per_s", "vs_embedded_ar", "mean_accepted_length",
+                              "acceptance_per_position"]))
+    print(f"\nk={k}  alpha={alpha:.3f}  c={c:.3f}  v={v:.2f}  theory={theory:.2f}x  theory(v)={theory_cpu:.2f}x  "
+          f"measured={measured:.2f}x  measured/theory={measured / theory:.2f}  "
+          f"measured/theory(v)={measured / theory_cpu:.2f}")
+    print(f"wrote {write_json(result, cfg.out)}")
+    return result
+
+
+if __name__ == "__main__":
+    main(script_config(DEFAULTS))

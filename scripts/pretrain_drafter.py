@@ -1,0 +1,162 @@
+"""Pretrain the shipped EAGLE-3 drafter on the policy's own rollouts; save it in the speculators format.
+
+    python scripts/pretrain_drafter.py                                   # -> checkpoints/eagle3/
+    python scripts/pretrain_drafter.py prompts=256 epochs=2 out=/tmp/e3 train.lr=1e-3 drafter.ttt_steps=4
+    ACCELERATE_USE_CPU=1 accelerate launch --multi_gpu --num_processes 2 --num_machines 1 --mixed_precision no \
+        --dynamo_backend no scripts/pretrain_drafter.py threads=1
+
+Keys: this script's (PretrainConfig below) plus any recipe key (`recipe=eagle3_track`, then e.g. `train.lr=`).
+Data is regenerated in chunks, each process its own shard: the policy samples responses to fresh task prompts
+through the embedded engine (AR, the recipe's sampling), one teacher-forced policy forward per chunk under
+HiddenCapture yields the aux states and the policy's distributions, and the chunk enters a FeatureBuffer. The
+drafter (DrafterTrainer, ttt_loss) then trains until each sequence has been drawn `epochs` times on average.
+Training state (drafter, optimizer, step, buffer, data cursor) is checkpointed to `<out>.state/` every
+`save_every` steps and at `max_steps`; a rerun with resume=true continues there. At the end the drafter is
+scored on fresh rollouts (speculative, the recipe's engine and k) and the mean accepted length is printed and
+stored under drafttrain.extra in the saved config.json.
+
+Simplifies on purpose: no validation split (the acceptance measurement on fresh prompts is the validation).
+"""
+from __future__ import annotations
+
+import json
+import math
+import shutil
+import sys
+import time
+from dataclasses import asdict, dataclass, field, fields, replace
+from pathlib import Path
+
+import torch
+from accelerate import Accelerator
+from omegaconf import OmegaConf
+from tqdm import tqdm
+
+from drafttrain.config import ConfigError, load_recipe, resolve_path, sampling_params
+from drafttrain.drafters import build_drafter
+from drafttrain.engines import build_engine
+from drafttrain.export import save_drafter
+from drafttrain.online import DrafterTrainer, FeatureBuffer, teacher_forced_features
+from drafttrain.policy import encode_prompt, load_policy, make_prompts
+from drafttrain.spec import SpecStats
+
+
+@dataclass
+class PretrainConfig:
+    recipe: str = "eagle3_track"
+    overrides: list[str] = field(default_factory=list)  # recipe key=value (the CLI routes them here)
+    out: str = "checkpoints/eagle3"
+    prompts: int = 4096  # rollouts to train on, all processes together
+    chunk: int = 64  # rollouts per generation round and per policy forward, per process
+    epochs: float = 2.0  # mean number of times each rollout is drawn
+    warmup: int = 20  # lr warmup steps, then cosine to 10%
+    buffer_mb: int = 2048  # per process; the oldest chunks are evicted beyond it
+    save_every: int = 100
+    max_steps: int = 0  # stop (state saved, drafter exported) after this step; 0 = run the whole schedule
+    resume: bool = True
+    keep_state: bool = False  # keep <out>.state/ after a completed run
+    eval_prompts: int = 128
+    seed: int = 0
+    threads: int = 0  # torch threads per process; 0 = torch's default
+
+
+def main(pc: PretrainConfig) -> dict:
+    if pc.threads:
+        torch.set_num_threads(pc.threads)
+    cfg = load_recipe(pc.recipe, [*pc.overrides, "drafter.path=null"])
+    acc = Accelerator(cpu=True)
+    rank, world, main_proc = acc.process_index, acc.num_processes, acc.is_main_process
+    policy, tok = load_policy(str(resolve_path(cfg.policy.path)))
+    torch.manual_seed(pc.seed)
+    drafter = build_drafter(cfg.drafter, policy)
+    buffer = FeatureBuffer(pc.buffer_mb << 20, torch.bfloat16, seed=pc.seed * 7919 + rank, name="buffer_mb")
+    trainer = DrafterTrainer(drafter, cfg.train, cfg.drafter, acc, buffer)
+    out, state = Path(pc.out), Path(f"{pc.out}.state") / "trainer.pt"
+    chunks_done = 0
+    if pc.resume and state.is_file():
+        chunks_done = trainer.load(state)["chunks_done"]
+        if main_proc:
+            print(f"resumed from {state} at step {trainer.step_count}, chunk {chunks_done}")
+    n_chunks = math.ceil(pc.prompts / (pc.chunk * world))
+    total = math.ceil(pc.epochs * n_chunks * pc.chunk / cfg.train.batch_size)  # steps; each takes one batch
+    gen_engine = build_engine(cfg.engine, policy)  # AR for data: no drafter
+    params = sampling_params(cfg, stop_token_ids=(tok.eos_token_id,))
+    steps, t0, last, bad = cfg.drafter.ttt_steps, time.time(), {}, 0
+    bar = tqdm(total=total, initial=trainer.step_count, desc="drafter", disable=not main_proc)
+    stop = pc.max_steps or total
+    for c in range(chunks_done, n_chunks):
+        if trainer.step_count >= stop:
+            break
+        probs = make_prompts(pc.chunk, seed=(pc.seed * 100_003 + c) * world + rank)  # this process's shard
+        prompts = [encode_prompt(tok, p.prompt) for p in probs]
+        resp = gen_engine.generate(prompts, replace(params, seed=c * world + rank), speculative=False).tokens
+        buffer.add(teacher_forced_features(policy, prompts, resp, drafter.aux_layer_ids, steps))
+        chunks_done = c + 1
+        target = min(stop, math.ceil(total * chunks_done / n_chunks))
+        while trainer.step_count < target:
+            s = trainer.step_count
+            trainer.set_lr(cfg.train.lr * lr_factor(s, total, pc.warmup))
+            last = trainer.step(buffer.sample(cfg.train.batch_size))
+            bad = bad + 1 if last["nonfinite"] else 0
+            if bad >= 10:
+                raise FloatingPointError(f"pretrain_drafter: {bad} non-finite drafter steps in a row at step {s}")
+            bar.update(trainer.step_count - s)
+            bar.set_postfix(loss=f"{last['loss']:.3f}", acc="/".join(f"{a:.2f}" for a in last["acc"]), chunk=c)
+            if trainer.step_count % pc.save_every == 0 or trainer.step_count == stop:
+                trainer.save(state, extra={"chunks_done": chunks_done})
+    bar.close()
+    done = trainer.step_count >= total
+    train_s = time.time() - t0
+    extra = {"pretrain": {**asdict(pc), "steps": trainer.step_count, "total_steps": total, "world": world,
+                          "train_wall_s": round(train_s, 1), "last": last},
+             "recipe_config": OmegaConf.to_container(cfg)}
+    if done:
+        acc.wait_for_everyone()
+        extra["eval"] = evaluate(cfg, policy, tok, drafter, pc) if main_proc else {}
+    if main_proc:
+        save_drafter(drafter.eval(), out, verifier=cfg.policy.path, k=cfg.engine.k, extra=extra)
+        print(json.dumps({"out": str(out), "steps": trainer.step_count, "done": done, **extra.get("eval", {})}))
+        if done and not pc.keep_state:
+            shutil.rmtree(state.parent, ignore_errors=True)
+    acc.wait_for_everyone()
+    return extra
+
+
+def lr_factor(step: int, total: int, warmup: int) -> float:
+    if step < warmup:
+        return (step + 1) / warmup
+    t = (step - warmup) / max(1, total - warmup)
+    return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, t)))
+
+
+@torch.no_grad()
+def evaluate(cfg, policy, tok, drafter, pc: PretrainConfig) -> dict:
+    """Speculative rollouts on fresh prompts with the recipe's engine (k, int8, draft sampling) and sampling."""
+    engine = build_engine(cfg.engine, policy, drafter)
+    problems = make_prompts(pc.eval_prompts, seed=10**9 + pc.seed)
+    params = sampling_params(cfg, stop_token_ids=(tok.eos_token_id,), seed=pc.seed)
+    stats, t0 = SpecStats(), time.time()
+    for i in range(0, len(problems), cfg.engine.max_batch):
+        prompts = [encode_prompt(tok, p.prompt) for p in problems[i:i + cfg.engine.max_batch]]
+        stats = stats.merge(engine.generate(prompts, params, speculative=True).stats)
+    return {"k": cfg.engine.k, "mean_accepted_length": round(stats.mean_accepted_length, 4),
+            "acceptance_per_position": [round(a, 4) for a in stats.acceptance_per_position],
+            "eval_prompts": len(problems), "temperature": cfg.sampling.temperature,
+            "drafter_int8": cfg.engine.drafter_int8, "draft_sampling": cfg.engine.draft_sampling,
+            "eval_wall_s": round(time.time() - t0, 1)}
+
+
+def parse(argv: list[str]) -> PretrainConfig:
+    mine = {f.name for f in fields(PretrainConfig)} - {"overrides"}
+    own = [a for a in argv if a.split("=", 1)[0] in mine]
+    schema = OmegaConf.structured(PretrainConfig)
+    pc = OmegaConf.to_object(OmegaConf.merge(schema, OmegaConf.from_dotlist(own)))
+    pc.overrides = [a for a in argv if a not in own]
+    return pc
+
+
+if __name__ == "__main__":
+    try:
+        main(parse(sys.argv[1:]))
+    except (FileNotFoundError, ConfigError) as e:
+        sys.exit(f"pretrain_drafter: {e}")
