@@ -73,7 +73,8 @@ class OnlineConfig:
     mode: str = "sync"  # sync: train between RL steps | async: train in the background during rollouts
     buffer_mb: float = 64.0  # feature buffer cap (reduced precision)
     steps_per_update: int = 16  # drafter optimizer steps per RL step
-    time_budget_s: float = 10.0  # sync mode: cap on drafter training per RL step
+    time_budget_s: float = 10.0  # sync mode: hard cap on drafter training per RL step
+    budget_frac: float = 0.05  # sync mode: also stop at this fraction of the last RL step's own time
     canary_prompts: int = 4  # probe size after each swap (recent prompts, SD, short)
     canary_max_new_tokens: int = 48
     canary_min_ratio: float = 0.5  # roll back if engine (MAL-1) < ratio * trainer-estimated (MAL-1)

@@ -62,6 +62,9 @@ def save_drafter(d: eagle3.Eagle3Drafter, path: str | Path, verifier: str | Path
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
     try:
         weights = {n: t.detach().contiguous().cpu() for n, t in d.state_dict().items()}
+        if _identity_vocab_map(d):  # vLLM refuses d2t when the draft vocabulary is the whole vocabulary
+            weights.pop("d2t")
+            weights.pop("t2d")
         save_file(weights, str(tmp / "model.safetensors"))
         (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
         old = None
@@ -91,8 +94,14 @@ def load_drafter(path: str | Path) -> eagle3.Eagle3Drafter:
     else:  # a speculators checkpoint made elsewhere
         d = eagle3.build(_config_from_speculators(cfg, path))
     weights = load_file(str(w_file))
+    if "d2t" not in weights and "t2d" not in weights and _identity_vocab_map(d):
+        weights.update(d2t=d.d2t.clone(), t2d=d.t2d.clone())  # omitted on save: the identity map
     d.load_state_dict(weights)
     return d
+
+
+def _identity_vocab_map(d: eagle3.Eagle3Drafter) -> bool:
+    return d.config.draft_vocab_size == d.config.vocab_size and not d.d2t.any() and bool(d.t2d.all())
 
 
 def _config_from_speculators(cfg: dict, path: Path) -> dict:

@@ -49,6 +49,7 @@ class PretrainConfig:
     prompts: int = 4096  # rollouts to train on, all processes together
     chunk: int = 64  # rollouts per generation round and per policy forward, per process
     epochs: float = 2.0  # mean number of times each rollout is drawn
+    bucket: int = 8  # batches drawn at once and grouped by length (less padding); 1 = plain random batches
     warmup: int = 20  # lr warmup steps, then cosine to 10%
     buffer_mb: int = 2048  # per process; the oldest chunks are evicted beyond it
     save_every: int = 100
@@ -81,7 +82,7 @@ def main(pc: PretrainConfig) -> dict:
     total = math.ceil(pc.epochs * n_chunks * pc.chunk / cfg.train.batch_size)  # steps; each takes one batch
     gen_engine = build_engine(cfg.engine, policy)  # AR for data: no drafter
     params = sampling_params(cfg, stop_token_ids=(tok.eos_token_id,))
-    steps, t0, last, bad = cfg.drafter.ttt_steps, time.time(), {}, 0
+    steps, t0, last, bad, queue = cfg.drafter.ttt_steps, time.time(), {}, 0, []
     bar = tqdm(total=total, initial=trainer.step_count, desc="drafter", disable=not main_proc)
     stop = pc.max_steps or total
     for c in range(chunks_done, n_chunks):
@@ -96,7 +97,8 @@ def main(pc: PretrainConfig) -> dict:
         while trainer.step_count < target:
             s = trainer.step_count
             trainer.set_lr(cfg.train.lr * lr_factor(s, total, pc.warmup))
-            last = trainer.step(buffer.sample(cfg.train.batch_size))
+            queue = queue or buffer.sample_batches(cfg.train.batch_size, pc.bucket)
+            last = trainer.step(queue.pop())
             bad = bad + 1 if last["nonfinite"] else 0
             if bad >= 10:
                 raise FloatingPointError(f"pretrain_drafter: {bad} non-finite drafter steps in a row at step {s}")

@@ -22,6 +22,7 @@ class RolloutBatch:
     finish_reasons: list[str] = field(default_factory=list)  # "stop" | "length"
     wall_s: float = 0.0
     drafter_versions: list[int] = field(default_factory=list)  # version used at each decode step
+    step_ends: list[float] = field(default_factory=list)  # time.perf_counter() at the end of each decode step
 
     @property
     def num_tokens(self) -> int:

@@ -42,7 +42,7 @@ class TorchEngine:
         self._active: tuple[object, int] | None = None  # (runtime drafter, version): swapped as one reference
         self._swap_lock = threading.Lock()
         self._seed = cfg.seed
-        self.last_swap_s = 0.0
+        self.last_swap_s = self.last_swap_critical_s = 0.0
         if drafter is not None:
             self._active = (self._runtime(drafter), 0)
 
@@ -70,11 +70,13 @@ class TorchEngine:
         staged = copy.deepcopy(self._template)
         staged.load_state_dict(weights)  # validates names, shapes, finiteness: one-line error
         rt = self._runtime(staged)
+        t1 = time.perf_counter()
         with self._swap_lock:
             if version <= self.drafter_version:
                 raise StaleVersionError(f"load_drafter: version {version} lost a race to {self.drafter_version}")
             self._active = (rt, version)
-        self.last_swap_s = time.perf_counter() - t0
+        self.last_swap_s = time.perf_counter() - t0  # staging (copy, validate, quantize) + the swap itself
+        self.last_swap_critical_s = time.perf_counter() - t1  # the part a decode step could wait on
 
     def update_policy(self, policy=None) -> None:
         """The policy's weights changed (an RL step): refresh the packed copies in place."""
@@ -135,13 +137,14 @@ class TorchEngine:
         lps: list[list[float]] = [[] for _ in range(B)]
         reasons = ["length"] * B
         row_ids = list(range(B))  # original index of each active row
-        stats, versions = SpecStats(), []
+        lens_l = lens.tolist()
+        stats, versions, ends = SpecStats(), [], []
         last = out[:, 0]
 
         while True:
             # commit what the last verify emitted; find rows that finished
             done = []
-            out_l, n_l, lp_l, pos_l = out.tolist(), n.tolist(), lp.tolist(), pos.tolist()
+            out_l, n_l, lp_l = out.tolist(), n.tolist(), lp.tolist()
             for j, b in enumerate(row_ids):
                 for t, l in zip(out_l[j][: n_l[j] + 1], lp_l[j][: n_l[j] + 1]):
                     resp[b].append(t)
@@ -149,10 +152,10 @@ class TorchEngine:
                     if t in stop:
                         reasons[b] = "stop"
                         break
-                    if len(resp[b]) >= params.max_new_tokens:
+                    if len(resp[b]) >= params.max_new_tokens or lens_l[b] + len(resp[b]) >= L:
                         break
-                # pos + 1 >= L: no room left in the cache for this row (its maximum position); others go on
-                if reasons[b] == "stop" or len(resp[b]) >= params.max_new_tokens or pos_l[j] + 1 >= L:
+                # a row whose last token sits at position L-1 has no room left (its maximum position); others go on
+                if reasons[b] == "stop" or len(resp[b]) >= params.max_new_tokens or lens_l[b] + len(resp[b]) >= L:
                     done.append(j)
             if done:
                 keep = torch.tensor([j for j in range(len(row_ids)) if j not in set(done)], dtype=torch.long)
@@ -186,9 +189,10 @@ class TorchEngine:
                 aux = aux_v
             pos = pos + n + 1
             last = out.gather(1, n.view(-1, 1)).squeeze(1)
+            ends.append(time.perf_counter())
 
         return RolloutBatch(resp, lps, stats, self.drafter_version if not versions else versions[0], reasons,
-                            time.perf_counter() - t_start, versions)
+                            time.perf_counter() - t_start, versions, ends)
 
     @staticmethod
     def _sample(logits, q, d, params, gen):

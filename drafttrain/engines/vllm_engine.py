@@ -60,7 +60,6 @@ from drafttrain.spec import SamplingParams, SpecStats
 
 TRANSFER_BACKEND = "drafttrain_inline"
 EXTENSION = "drafttrain.engines.vllm_engine.DrafttrainWorkerExtension"
-_REL_TOL = 1e-6  # read-back checksums: fp32 values summed in float64 in a different order
 
 
 def _import_vllm():
@@ -83,14 +82,6 @@ def _unpack(blob: bytes) -> dict[str, torch.Tensor]:
     from safetensors.torch import load
 
     return load(bytes(blob))
-
-
-def _fingerprints(weights: dict[str, torch.Tensor]) -> dict[str, float]:
-    return {n: float(t.double().sum()) for n, t in weights.items() if t.is_floating_point()}
-
-
-def _close(a: float, b: float, scale: float) -> bool:
-    return abs(a - b) <= _REL_TOL * max(1.0, scale)
 
 
 class VllmEngine:
@@ -146,7 +137,7 @@ class VllmEngine:
             self.worker_info = self._rpc("dt_info")
             if drafter_dir is not None:
                 self._version = 0
-                self._verify_drafter(self._template.state_dict())
+                self._read_back_drafter(self._template.state_dict())
         except BaseException:
             self.close()
             raise
@@ -227,47 +218,45 @@ class VllmEngine:
             self._swap(weights, 0)
 
     def _swap(self, weights: dict, version: int) -> None:
+        from drafttrain.export import weights_fingerprint
+
         t0 = time.perf_counter()
         staged = copy.deepcopy(self._template)
         staged.load_state_dict(weights)  # validates names, shapes, finiteness: one-line error
-        sd = staged.state_dict()
+        sd, served = staged.state_dict(), self._template.state_dict()
         shared = set(self.worker_info["drafter_shared"])
-        if "lm_head.weight" in shared and not torch.equal(sd["lm_head.weight"], self._template.state_dict()[
-                "lm_head.weight"]):
+        if "lm_head.weight" in shared and not torch.equal(sd["lm_head.weight"], served["lm_head.weight"]):
             raise ValueError("load_drafter: lm_head.weight is shared with the policy in this vLLM engine (they were "
                              "identical at start-up), so it cannot change; start the engine with a distinct lm_head")
-        push = {n: t for n, t in sd.items() if n not in shared and n != "t2d"}  # vLLM derives t2d from d2t
-        if not self.worker_info["drafter_has_d2t"]:
-            if sd["d2t"].any():
-                raise ValueError("load_drafter: d2t is non-zero but the served drafter covers the whole vocabulary")
-            push.pop("d2t")
+        if not self.worker_info["drafter_has_d2t"] and sd["d2t"].any():
+            raise ValueError("load_drafter: d2t is non-zero but the served drafter covers the whole vocabulary")
+        push = self._drafter_tensors(sd)
         self._push(push, draft=True)
         try:
-            self._verify_drafter(sd)
-        except ValueError:  # the worker holds something else now: put the served weights back
-            self._push({n: t for n, t in self._template.state_dict().items() if n in push}, draft=True)
+            _read_back(self, push, draft=True, what="load_drafter")
+        except ValueError:  # the worker may hold a mix now: put the served weights back
+            self._push(self._drafter_tensors(served), draft=True)
             raise
         self._template = staged
         self._version = version
         self.llm.reset_prefix_cache()
         self.last_swap_s = time.perf_counter() - t0
-        self.last_swap_info = {"version": version, "seconds": self.last_swap_s, "skipped_shared": sorted(shared)}
+        self.last_swap_info = {"version": version, "seconds": self.last_swap_s, "fingerprint":
+                               weights_fingerprint(push), "not_pushed_shared_with_policy": sorted(shared)}
 
-    def _verify_drafter(self, sd: dict) -> None:
-        got = self._rpc("dt_drafter_fingerprints")
-        want = _fingerprints(sd)
-        for name, value in got.items():
-            if name in want and not _close(value, want[name], float(sd[name].double().abs().sum())):
-                if name in self.worker_info["drafter_shared"]:
-                    continue  # follows the policy's tensor (see the module docstring)
-                raise ValueError(f"load_drafter: read-back mismatch for {name} (worker {value:.6g}, sent "
-                                 f"{want[name]:.6g}): the swap did not land")
-        missing = sorted(set(want) - set(got) - {"t2d"} - ({"d2t"} if not self.worker_info["drafter_has_d2t"]
-                                                          else set()))
-        if missing:
-            raise ValueError(f"load_drafter: read-back has no tensor {missing[0]!r}")
+    def _drafter_tensors(self, sd: dict) -> dict:
+        """The tensors vLLM's EAGLE-3 head holds: no t2d (derived from d2t), no d2t for a full draft vocabulary,
+        nothing it shares with the policy (writing those would overwrite the policy)."""
+        drop = set(self.worker_info["drafter_shared"]) | {"t2d"}
+        if not self.worker_info["drafter_has_d2t"]:
+            drop.add("d2t")
+        return {n: t for n, t in sd.items() if n not in drop}
+
+    def _read_back_drafter(self, sd: dict) -> None:
+        _read_back(self, self._drafter_tensors(sd), draft=True, what="drafter")
 
     def _push(self, weights: dict, draft: bool) -> None:
+        """vLLM's native update session; the transport is this module's inline backend."""
         blob = _pack(weights)
         self._rpc("start_draft_weight_update" if draft else "start_weight_update")
         try:
@@ -278,8 +267,8 @@ class VllmEngine:
     # ---- policy updates -------------------------------------------------------------------------------------
     def update_policy(self, policy=None) -> None:
         """Push new policy weights (an HF module, a state dict, or None = the module this engine was built from)
-        into the running engine, check names/shapes first (one-line ValueError), read the total back, then reset
-        the prefix cache."""
+        into the running engine: names and shapes are checked first (one-line ValueError), every tensor is read
+        back after the push, then the prefix cache is reset."""
         if policy is None:
             if self._module is None:
                 raise ValueError("update_policy: this engine was built from a checkpoint folder; pass the policy "
@@ -303,13 +292,9 @@ class VllmEngine:
             if missing:
                 raise ValueError(f"update_policy: missing tensor {missing[0]!r} ({len(missing)} missing)")
             self._push(weights, draft=False)
-            got = self._rpc("dt_policy_fingerprint")
-            want = sum(_fingerprints(weights).values())
-            scale = sum(float(t.double().abs().sum()) for t in weights.values() if t.is_floating_point())
-            if not (math.isnan(got) and math.isnan(want)) and not _close(got, want, scale):
-                raise RuntimeError(f"update_policy: read-back checksum {got:.6g} != sent {want:.6g}: the policy "
-                                   f"update did not land")
             self.llm.reset_prefix_cache()
+            finite = {n: t for n, t in weights.items() if torch.isfinite(t).all()}  # NaN never compares equal
+            _read_back(self, finite, draft=False, what="update_policy")
             self.last_policy_update_s = time.perf_counter() - t0
 
     # ---- generation -----------------------------------------------------------------------------------------
@@ -447,27 +432,60 @@ def _shutdown(llm, tmp: Path) -> None:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-# ---- worker side: runs inside vLLM's engine process -------------------------------------------------------------
+# ---- read-back: what the worker's kernels hold, compared with what was sent ------------------------------------
 
-# EAGLE-3 speculators names -> (vLLM parameter of Eagle3LlamaForCausalLM, fused shard index or None)
-_DRAFT_NAMES = {
-    "embed_tokens.weight": ("model.embed_tokens.weight", None),
-    "fc.weight": ("model.fc.weight", None),
-    "norm.weight": ("model.norm.weight", None),
-    "lm_head.weight": ("lm_head.weight", None),
-    "d2t": ("draft_id_to_target_id", None),
-    "midlayer.input_layernorm.weight": ("model.layers.0.input_layernorm.weight", None),
-    "midlayer.hidden_norm.weight": ("model.layers.0.hidden_norm.weight", None),
-    "midlayer.post_attention_layernorm.weight": ("model.layers.0.post_attention_layernorm.weight", None),
-    "midlayer.self_attn.q_proj.weight": ("model.layers.0.self_attn.qkv_proj.weight", 0),
-    "midlayer.self_attn.k_proj.weight": ("model.layers.0.self_attn.qkv_proj.weight", 1),
-    "midlayer.self_attn.v_proj.weight": ("model.layers.0.self_attn.qkv_proj.weight", 2),
-    "midlayer.self_attn.o_proj.weight": ("model.layers.0.self_attn.o_proj.weight", None),
-    "midlayer.mlp.gate_proj.weight": ("model.layers.0.mlp.gate_up_proj.weight", 0),
-    "midlayer.mlp.up_proj.weight": ("model.layers.0.mlp.gate_up_proj.weight", 1),
-    "midlayer.mlp.down_proj.weight": ("model.layers.0.mlp.down_proj.weight", None),
-}
+_STACKED = {".q_proj.": (".qkv_proj.", 0), ".k_proj.": (".qkv_proj.", 1), ".v_proj.": (".qkv_proj.", 2),
+            ".gate_proj.": (".gate_up_proj.", 0), ".up_proj.": (".gate_up_proj.", 1)}
 
+
+def _vllm_name(name: str, draft: bool) -> tuple[str, int | None]:
+    """An HF / speculators tensor name -> (vLLM parameter name, shard index in a fused parameter or None)."""
+    if draft:
+        if name == "d2t":
+            return "draft_id_to_target_id", None
+        name = name.replace("midlayer.", "layers.0.")
+        name = name if name.startswith("lm_head.") else "model." + name
+    for old, (new, shard) in _STACKED.items():
+        if old in name:
+            return name.replace(old, new), shard
+    return name, None
+
+
+def _probe_x(n: int) -> torch.Tensor:
+    """A fixed probe vector (no RNG, so both processes build the same one)."""
+    return torch.sin(torch.arange(n, dtype=torch.float64) * 0.7 + 0.3)
+
+
+def _probe(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(W @ x, |W| @ |x|) for a matrix, (t, |t|) otherwise, in float64."""
+    t = t.detach().double()
+    if t.dim() == 2:
+        x = _probe_x(t.shape[1])
+        return t @ x, t.abs() @ x.abs()
+    return t.flatten(), t.flatten().abs()
+
+
+def _read_back(engine, weights: dict, draft: bool, what: str) -> None:
+    """Probe every sent tensor in the worker (through the layer's own kernel where weights are repacked, as on
+    CPU) and compare with the same probe of the sent tensor; ValueError naming the first tensor that differs."""
+    groups: dict[str, list[tuple[int, str]]] = {}
+    for name in weights:
+        theirs, shard = _vllm_name(name, draft)
+        groups.setdefault(theirs, []).append((shard or 0, name))
+    got = _unpack(engine._rpc("dt_probe", sorted(groups), draft))
+    for theirs, members in groups.items():
+        if theirs not in got:
+            raise ValueError(f"{what}: read-back found no tensor {members[0][1]!r} in the worker's model")
+        want, scale = zip(*(_probe(weights[n]) for _, n in sorted(members)))
+        want, scale = torch.cat(want), torch.cat(scale)
+        y = got[theirs].double()
+        bad = (y - want).abs() > 1e-4 * scale + 1e-6 if y.shape == want.shape else torch.ones(1, dtype=torch.bool)
+        if bad.any():
+            raise ValueError(f"{what}: read-back of {sorted(members)[0][1]} does not match what was sent (the "
+                             f"update did not land)")
+
+
+# ---- worker side: runs inside vLLM's worker process ----------------------------------------------------------
 
 class DrafttrainWorkerExtension:
     """Mixed into vLLM's Worker (parallel_config.worker_extension_cls); called through collective_rpc."""
@@ -477,33 +495,39 @@ class DrafttrainWorkerExtension:
         info = {"has_drafter": draft is not None, "drafter_shared": [], "drafter_has_d2t": False,
                 "supports_draft_weight_updates": bool(self.supports_draft_weight_updates())}
         if draft is not None:
-            tp = {p.data_ptr() for p in target.parameters()}
+            tp = {p.data_ptr() for p in target.parameters() if p.numel()}
             params = dict(draft.named_parameters(remove_duplicate=False))
-            for ours, (theirs, _) in _DRAFT_NAMES.items():
-                if theirs in params and params[theirs].data_ptr() in tp:
+            for ours in ("embed_tokens.weight", "lm_head.weight"):
+                p = params.get(_vllm_name(ours, True)[0])
+                if p is not None and p.numel() and p.data_ptr() in tp:
                     info["drafter_shared"].append(ours)
             info["drafter_has_d2t"] = getattr(draft, "draft_id_to_target_id", None) is not None
         return info
 
-    def dt_drafter_fingerprints(self) -> dict:
-        """Read-back: the float64 sum of every drafter tensor, in the speculators layout."""
-        draft = self.get_draft_model()
-        params = dict(draft.named_parameters(remove_duplicate=False))
-        qkv = draft.model.layers[0].self_attn
-        splits = {"model.layers.0.self_attn.qkv_proj.weight": [qkv.q_size, qkv.kv_size, qkv.kv_size]}
-        out = {}
-        for ours, (theirs, shard) in _DRAFT_NAMES.items():
-            t = params.get(theirs)
-            if t is None or not t.is_floating_point():
-                continue
-            if shard is not None:
-                sizes = splits.get(theirs) or [t.shape[0] // 2] * 2
-                t = torch.split(t, sizes, 0)[shard]
-            out[ours] = float(t.detach().double().sum())
-        return out
+    @torch.no_grad()
+    def dt_probe(self, names: list[str], draft: bool) -> bytes:
+        """{vLLM parameter name: probe} where probe = W @ x computed by the layer's own kernel for linear layers
+        (vLLM-CPU repacks their weights and leaves an empty parameter), W @ x for other matrices, the values of
+        vectors. Missing names are left out."""
+        from vllm.model_executor.layers.linear import LinearBase
 
-    def dt_policy_fingerprint(self) -> float:
-        return float(sum(p.detach().double().sum() for p in self.get_model().parameters() if p.is_floating_point()))
+        model = self.get_draft_model() if draft else self.get_model()
+        out = {}
+        for name in names:
+            mod_name, _, pname = name.rpartition(".")
+            try:
+                mod = model.get_submodule(mod_name)
+            except AttributeError:
+                continue
+            t = getattr(mod, pname, None)
+            if not isinstance(t, torch.Tensor):
+                continue
+            if pname == "weight" and isinstance(mod, LinearBase):
+                x = _probe_x(mod.input_size).to(torch.float32).unsqueeze(0)
+                out[name] = mod.quant_method.apply(mod, x, None)[0].double().cpu()
+            else:
+                out[name] = _probe(t)[0].cpu()
+        return _pack(out)
 
     def dt_set_drafting(self, on: bool) -> None:
         """off: the model runner proposes zero draft tokens per request, so every step is a plain decode step."""
@@ -529,9 +553,11 @@ class _UpdateInfo:
 
 
 def _transfer_engine_cls():
-    """vLLM's WeightTransferEngine for weights that travel inline (one safetensors blob per update). No layerwise
-    reload: tensors are copied in place by the model's own load_weights (unquantized models)."""
+    """vLLM's WeightTransferEngine for weights that travel inline (one safetensors blob per update). Like vLLM's
+    IPC engine it reloads layerwise, so layers whose weights the platform repacks after loading (oneDNN on CPU,
+    quantized kernels) are re-processed."""
     from vllm.distributed.weight_transfer.base import WeightTransferEngine
+    from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
 
     class InlineWeightTransferEngine(WeightTransferEngine):
         init_info_cls = _InitInfo
@@ -542,10 +568,10 @@ def _transfer_engine_cls():
             pass
 
         def start_weight_update(self) -> None:
-            pass
+            initialize_layerwise_reload(self.model)
 
         def finish_weight_update(self) -> None:
-            pass
+            finalize_layerwise_reload(self.model, self.model_config)
 
         def update_weights(self, update_info: dict) -> None:
             self.receive_weights(self.parse_update_info(update_info))

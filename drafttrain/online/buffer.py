@@ -3,6 +3,7 @@
     buf = FeatureBuffer(max_bytes=256 << 20, dtype=torch.bfloat16, seed=0)
     buf.add(build_features(...))          # splits a padded batch into per-row records, evicts the oldest
     batch = buf.sample(16)                # padded float32 batch: aux, next_ids, target_probs, valid, lengths
+    batches = buf.sample_batches(16, 8)   # 8 such batches of similar-length records (less padding)
 
 A record is one row of build_features trimmed to its length L: aux [L, X] and target_probs [L+s, V] in reduced
 precision, next_ids [L+s-1] (int32), valid [L+s] (bool), where s is the TTT unroll the features were built for.
@@ -76,6 +77,17 @@ class FeatureBuffer:
             raise ValueError("FeatureBuffer.sample: the buffer is empty")
         idx = torch.randperm(len(self.records), generator=self.gen)[:n].tolist()
         return collate([self.records[i] for i in idx], self.steps)
+
+    def sample_batches(self, n: int, count: int) -> list[dict[str, torch.Tensor]]:
+        """Up to `count` batches of n records: min(n*count, len) records drawn as in sample(), grouped by length
+        (less padding: each record is used once, so long rollouts are not under-drawn), in random order."""
+        if not self.records:
+            raise ValueError("FeatureBuffer.sample_batches: the buffer is empty")
+        idx = torch.randperm(len(self.records), generator=self.gen)[:n * count].tolist()
+        idx.sort(key=lambda i: self.records[i]["aux"].shape[0])
+        groups = [idx[j:j + n] for j in range(0, len(idx), n)]
+        order = torch.randperm(len(groups), generator=self.gen).tolist()
+        return [collate([self.records[i] for i in groups[g]], self.steps) for g in order]
 
     def state_dict(self) -> dict:
         return {"records": list(self.records), "nbytes": self.nbytes, "added": self.added,

@@ -45,9 +45,12 @@ class DraftTracker:
         self.latest: list[dict] = []  # the previous step's: the background update reads only these
         self.probe_prompts: list[list[int]] = []
         self.policy_version = 0
+        self._last_update_t: float | None = None  # when the last on_policy_update returned
+        self._last_train_s = 0.0
         self._thread: threading.Thread | None = None
         self._result: dict = {}
         self._lock = threading.Lock()  # guards the drafter and the buffer against a background update
+        self._capture: tuple[HiddenCapture, list] | None = None  # start_capture's hooks, until stop_capture
 
     @classmethod
     def from_recipe(cls, name_or_path, policy, engines, overrides=(), **kw) -> "DraftTracker":
@@ -59,29 +62,69 @@ class DraftTracker:
 
     # ---- capture ------------------------------------------------------------------------------------------
     @contextlib.contextmanager
-    def capture(self, policy, response_start=0):
-        """Every policy forward inside the block feeds the buffer: aux states via layer pre-hooks, token ids and
-        logits via a hook on the model itself. response_start: int or [B] (first response column per row)."""
+    def capture(self, policy, response_start=None, grad_only: bool = False):
+        """Every policy forward inside the block feeds the buffer (start_capture ... stop_capture)."""
+        cap = self.start_capture(policy, response_start, grad_only)
+        try:
+            yield cap
+        finally:
+            self.stop_capture()
+
+    def start_capture(self, policy, response_start=None, grad_only: bool = False) -> HiddenCapture:
+        """From now until stop_capture(), every policy forward feeds the buffer: aux states via layer pre-hooks,
+        token ids and logits via a hook on the model itself.
+        response_start: int or [B] (first response column per row); None = the first column whose `labels` is not
+        -100 when the forward gets labels, else 0. grad_only: keep only forwards run with autograd on (the loss
+        forward), not no-grad generation or scoring forwards of the same model (TRL). A forward that returns no
+        logits (TRL's fused LM head) has them projected from the captured final hidden state (no extra backbone
+        pass); with logits_to_keep=n only the last n positions can be targets."""
+        if self._capture is not None:
+            raise RuntimeError("start_capture: a capture is already running (call stop_capture first)")
         cap = HiddenCapture(policy, self.drafter.aux_layer_ids)
+        final: dict[str, torch.Tensor] = {}
+
+        def on_backbone(module, args, output):
+            final["h"] = (output[0] if isinstance(output, tuple) else output.last_hidden_state).detach()
 
         def on_forward(module, args, kwargs, output):
+            if grad_only and not torch.is_grad_enabled():
+                return
             ids = kwargs.get("input_ids", args[0] if args else None)
             mask = kwargs.get("attention_mask")
             if mask is None:
                 mask = torch.ones_like(ids)
-            rs = response_start if not torch.is_tensor(response_start) else response_start[: ids.shape[0]]
-            feats = build_features(ids.detach(), mask.detach(), cap.features(), output.logits.detach(), self.steps,
-                                   rs)
+            logits = getattr(output, "logits", None)
+            if logits is None:
+                with torch.no_grad():
+                    logits = policy.get_output_embeddings()(final["h"])  # [B, T, V]
+            B, T = ids.shape
+            logits = logits.detach()
+            kept = logits.shape[1]  # logits_to_keep: the last `kept` positions
+            if kept < T:
+                logits = torch.cat([logits.new_zeros(B, T - kept, logits.shape[-1]), logits], 1)
+            rs = _response_start(response_start, kwargs.get("labels"), B, T)
+            if kept < T:
+                rs = rs.clamp_min(T - kept + 1)  # a position's target needs its logits
+            feats = build_features(ids.detach(), mask.detach(), cap.features(), logits, self.steps, rs)
             with self._lock:
                 self.buffer.add(feats)
             self.pending.append(feats)
 
-        handle = policy.register_forward_hook(on_forward, with_kwargs=True)
-        try:
-            with cap:
-                yield cap
-        finally:
-            handle.remove()
+        handles = [policy.register_forward_hook(on_forward, with_kwargs=True),
+                   policy.model.register_forward_hook(on_backbone)]
+        cap.__enter__()
+        self._capture = (cap, handles)
+        return cap
+
+    def stop_capture(self) -> None:
+        """Remove the hooks start_capture installed (a no-op when none are)."""
+        if self._capture is None:
+            return
+        cap, handles = self._capture
+        self._capture = None
+        for h in handles:
+            h.remove()
+        cap.__exit__(None, None, None)
 
     def set_probe(self, prompts: list[list[int]]) -> None:
         """Recent prompts the canary generates from after each swap."""
@@ -95,12 +138,18 @@ class DraftTracker:
         self.policy_version = step + 1 if step is not None else self.policy_version + 1
         if not self.cfg.online.track or len(self.buffer) == 0:
             return {}
+        now = time.perf_counter()
+        # the RL step's own time since the last update (its drafter training excluded) sets the sync budget
+        rl_s = None if self._last_update_t is None else now - self._last_update_t - self._last_train_s
         bg = self.cfg.online.mode == "async" if background is None else background
         if bg:
-            self._thread = threading.Thread(target=self._update, daemon=True)
+            self._thread = threading.Thread(target=self._update, args=(None,), daemon=True)
             self._thread.start()
+            self._last_update_t, self._last_train_s = time.perf_counter(), 0.0
             return {}
-        return self._update()
+        out = self._update(rl_s)
+        self._last_update_t, self._last_train_s = time.perf_counter(), out["drafter_train_s"] + out["publish_s"]
+        return out
 
     def wait(self) -> dict:
         if self._thread is not None:
@@ -108,15 +157,18 @@ class DraftTracker:
             self._thread = None
         return self._result
 
-    def _update(self) -> dict:
+    def _update(self, rl_s: float | None) -> dict:
+        """Train up to online.steps_per_update steps (sync: within min(time_budget_s, budget_frac * rl_s); at
+        least one step), then publish."""
         oc, t0 = self.cfg.online, time.perf_counter()
+        budget = oc.time_budget_s if rl_s is None else min(oc.time_budget_s, oc.budget_frac * rl_s)
         losses, skipped = [], 0
         for _ in range(oc.steps_per_update):
             with self._lock:  # per step, so captures and measurements wait at most one drafter step
                 out = self.trainer.step(self.buffer.sample(self.cfg.train.batch_size))
             skipped += out["nonfinite"]
             losses.append(out["loss"])
-            if oc.mode == "sync" and time.perf_counter() - t0 > oc.time_budget_s:
+            if oc.mode == "sync" and time.perf_counter() - t0 > budget:
                 break
         with self._lock:
             weights = {k: v.detach().clone() for k, v in self.drafter.state_dict().items()}
@@ -124,8 +176,9 @@ class DraftTracker:
                                             self.cfg.engine.k)["mal"] if self.latest else None
         train_s = time.perf_counter() - t0
         params = sampling_params(self.cfg, max_new_tokens=oc.canary_max_new_tokens)
+        t1 = time.perf_counter()
         pub = self.publisher.publish(weights, est, self.probe_prompts, params)
-        self._result = {"drafter_train_s": train_s, "drafter_loss": sum(losses) / max(len(losses), 1),
+        self._result = {"drafter_train_s": train_s, "publish_s": time.perf_counter() - t1, "drafter_loss": sum(losses) / max(len(losses), 1),
                         "drafter_steps": len(losses), "drafter_skipped_nonfinite": skipped,
                         "swap_s": pub.get("swap_s"), "canary_mal": pub.get("canary_mal"),
                         "expected_mal": est, "rolled_back": pub.get("rolled_back", False),
@@ -161,6 +214,16 @@ class DraftTracker:
         if state["version"] > 0:
             self.publisher._load_all({k: v.detach().clone() for k, v in self.drafter.state_dict().items()},
                                      max(state["version"], self.publisher.version + 1))
+
+
+def _response_start(given, labels, B: int, T: int) -> torch.Tensor:
+    """[B] first response column: as given, else the first column whose label is not -100 (T if none), else 0."""
+    if given is not None:
+        return torch.as_tensor(given, dtype=torch.long).flatten()[:B].expand(B)
+    if labels is None:
+        return torch.zeros(B, dtype=torch.long)
+    scored = labels != -100  # [B, T]
+    return torch.where(scored.any(1), scored.long().argmax(1), torch.full((B,), T)).long()
 
 
 def _rows(features: list[dict], steps: int, max_rows: int = 64) -> dict:

@@ -1,0 +1,170 @@
+"""Does the tracking drafter keep up with a drifting policy? Tracking vs frozen vs an oracle, plus the overheads.
+
+    python scripts/bench_tracking.py                          # 24 RL steps, oracle at steps 12 and 24
+    python scripts/bench_tracking.py checkpoints=[4] rl_lr=1e-4 oracle_steps=50   # quick look
+
+1. Runs the recipe (default eagle3_track, sync) with an RL learning rate that really moves the policy, resuming
+   the same run folder up to each checkpoint step.
+2. At each checkpoint: fresh rollouts of the current policy (held out) score three drafters by teacher-forced
+   mean accepted length (k = engine.k): the tracking drafter of the run, the frozen step-0 drafter, and an oracle
+   (the step-0 drafter trained to convergence on other fresh rollouts of the current policy).
+3. At the last checkpoint: rollout wall time on the same prompts with SD tracking, SD frozen, and AR.
+4. Overhead: drafter training + publishing as a % of the RL step's own time (sync mode), per step.
+5. Swap stall: generation runs while another thread hot-swaps drafters; the decode steps in which a swap landed
+   are compared with the median step, in decode steps.
+Writes bench/tracking.json (tracking_over_frozen, tracking_over_oracle, overhead_pct, swap_stall_decode_steps,
+per-step series) and prints a table.
+"""
+from __future__ import annotations
+
+import copy
+import statistics
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+from drafttrain.config import load_recipe, resolve_path, script_config
+from drafttrain.drafters import build_drafter
+from drafttrain.engines import build_engine
+from drafttrain.online.acceptance import teacher_forced_acceptance
+from drafttrain.online.buffer import FeatureBuffer
+from drafttrain.online.capture import teacher_forced_features
+from drafttrain.online.run import main as run_main
+from drafttrain.online.trainer import DrafterTrainer
+from drafttrain.policy import encode_prompt, load_policy, make_prompts
+from drafttrain.report import format_table, read_jsonl, write_json
+from drafttrain.spec import SamplingParams
+
+DEFAULTS = dict(recipe="eagle3_track", checkpoints=[12, 24], rl_lr=1e-4, run_dir="runs/bench_tracking", fresh=True,
+                oracle_rollouts=96, oracle_steps=300, eval_rollouts=48, max_new_tokens=256, out="bench/tracking.json",
+                overrides=[])
+
+
+def rollouts(engine, tok, n, seed, max_new, speculative=False):
+    probs = make_prompts(n, seed=seed)
+    prompts = [encode_prompt(tok, p.prompt) for p in probs]
+    params = SamplingParams(temperature=1.0, max_new_tokens=max_new, stop_token_ids=(tok.eos_token_id,), seed=seed)
+    b = engine.generate(prompts, params, speculative=speculative)
+    return prompts, b
+
+
+def features(policy, drafter, prompts, responses, k):
+    out = []
+    for i in range(0, len(prompts), 16):
+        out.append(teacher_forced_features(policy, prompts[i:i + 16], responses[i:i + 16], drafter.aux_layer_ids, k))
+    return out
+
+
+def score(drafter, feats, k) -> float:
+    vals = [(teacher_forced_acceptance(drafter, f, k)["mal"], int(f["valid"].sum())) for f in feats]
+    return sum(m * n for m, n in vals) / sum(n for _, n in vals)
+
+
+def train_oracle(base, feats, rc, steps):
+    oracle = copy.deepcopy(base)
+    buf = FeatureBuffer(1 << 30, dtype=torch.float32)
+    for f in feats:
+        buf.add(f)
+    tr = DrafterTrainer(oracle, rc.train, rc.drafter, buffer=buf)
+    for _ in range(steps):
+        tr.step(buf.sample(rc.train.batch_size))
+    return oracle.eval()
+
+
+def swap_stall(engine, weights, tok, n_swaps=4) -> dict:
+    """Generate while another thread swaps drafters; stall = (swap step - median step) / median step."""
+    prompts = [encode_prompt(tok, p.prompt) for p in make_prompts(16, seed=777)]
+    params = SamplingParams(temperature=1.0, max_new_tokens=256, stop_token_ids=(tok.eos_token_id,), seed=777)
+    result, landed = {}, []
+
+    def gen():
+        result["b"] = engine.generate(prompts, params)
+
+    t = threading.Thread(target=gen)
+    t.start()
+    time.sleep(0.3)
+    for _ in range(n_swaps):
+        engine.load_drafter(weights, engine.drafter_version + 1)
+        landed.append((time.perf_counter(), engine.last_swap_s, engine.last_swap_critical_s))
+        time.sleep(0.2)
+    t.join()
+    ends = result["b"].step_ends
+    durs = [b - a for a, b in zip(ends, ends[1:])]
+    med = statistics.median(durs)
+    stalls = []
+    for t_land, swap_s, _ in landed:
+        # every step that overlapped the swap's staging or its landing
+        hit = [d for (a, b), d in zip(zip(ends, ends[1:]), durs) if b >= t_land - swap_s and a <= t_land]
+        if hit:
+            stalls.append(sum(d - med for d in hit) / med)
+    return {"median_decode_step_ms": med * 1e3, "swap_s": [x[1] for x in landed],
+            "swap_critical_ms": [x[2] * 1e3 for x in landed],
+            "stall_decode_steps": max(0.0, statistics.fmean(stalls)) if stalls else 0.0}
+
+
+def main(cfg) -> dict:
+    run_dir = Path(cfg.run_dir)
+    if cfg.fresh and run_dir.exists():
+        import shutil
+
+        shutil.rmtree(run_dir)
+    base_over = [f"rl.lr={cfg.rl_lr}", f"run.out_dir={run_dir}", "run.resume=true", *cfg.overrides]
+    rc = load_recipe(cfg.recipe, base_over)
+    k = rc.engine.k
+    torch.manual_seed(rc.run.seed)  # as the run does, so a fresh (path=null) drafter is the run's step-0 drafter
+    pol0, tok = load_policy(str(resolve_path(rc.policy.path)))
+    frozen = build_drafter(rc.drafter, pol0).eval()
+    points = []
+    for c in cfg.checkpoints:
+        run_main(load_recipe(cfg.recipe, [*base_over, f"rl.steps={c}"]))
+        last = run_dir / "ckpt" / (run_dir / "ckpt" / "latest").read_text().strip()
+        policy, _ = load_policy(str(last / "policy"))
+        tracking = copy.deepcopy(frozen)
+        tracking.load_state_dict(torch.load(last / "trainer.pt", weights_only=False)["drafter"])
+        tracking.eval()
+        ar = build_engine(rc.engine, policy, None)
+        p_or, b_or = rollouts(ar, tok, cfg.oracle_rollouts, 10_000 + c, cfg.max_new_tokens)
+        p_ev, b_ev = rollouts(ar, tok, cfg.eval_rollouts, 20_000 + c, cfg.max_new_tokens)
+        f_ev = features(policy, frozen, p_ev, b_ev.tokens, k)
+        oracle = train_oracle(frozen, features(policy, frozen, p_or, b_or.tokens, k), rc, cfg.oracle_steps)
+        pt = {"step": c, "tracking_tf_mal": score(tracking, f_ev, k), "frozen_tf_mal": score(frozen, f_ev, k),
+              "oracle_tf_mal": score(oracle, f_ev, k)}
+        pt["tracking_over_frozen"] = pt["tracking_tf_mal"] / pt["frozen_tf_mal"]
+        pt["tracking_over_oracle"] = pt["tracking_tf_mal"] / pt["oracle_tf_mal"]
+        points.append(pt)
+        print(format_table([pt], list(pt)))
+
+    # rollout wall time at the last checkpoint, same prompts
+    eng = build_engine(rc.engine, policy, tracking)
+    wall = {}
+    for name, spec in [("ar", False), ("sd_tracking", True)]:
+        _, b = rollouts(eng, tok, cfg.eval_rollouts, 30_000, cfg.max_new_tokens, spec)
+        wall[name] = {"wall_s": b.wall_s, "tokens": b.num_tokens, "mal": b.stats.mean_accepted_length}
+    eng.load_drafter(frozen.state_dict(), eng.drafter_version + 1)
+    _, b = rollouts(eng, tok, cfg.eval_rollouts, 30_000, cfg.max_new_tokens, True)
+    wall["sd_frozen"] = {"wall_s": b.wall_s, "tokens": b.num_tokens, "mal": b.stats.mean_accepted_length}
+    stall = swap_stall(eng, tracking.state_dict(), tok)
+
+    recs = read_jsonl(run_dir / "metrics.jsonl")
+    ov = [100 * (r["drafter_train_s"] + r.get("publish_s", 0)) / max(r["rl_step_s"] - r["drafter_train_s"]
+                                                                    - r.get("publish_s", 0), 1e-9)
+          for r in recs if r.get("drafter_train_s") is not None]
+    last = points[-1]
+    result = {"tracking_over_frozen": last["tracking_over_frozen"], "tracking_over_oracle": last["tracking_over_oracle"],
+              "overhead_pct": statistics.fmean(ov) if ov else None, "overhead_pct_per_step": ov,
+              "swap_stall_decode_steps": stall["stall_decode_steps"], "swap": stall, "checkpoints": points,
+              "rollout_wall": wall, "series": recs, "k": k, "rl_lr": cfg.rl_lr}
+    print(format_table(points, ["step", "tracking_tf_mal", "frozen_tf_mal", "oracle_tf_mal", "tracking_over_frozen",
+                                "tracking_over_oracle"]))
+    print(format_table([{"mode": m, **v, "tok_per_s": v["tokens"] / v["wall_s"]} for m, v in wall.items()],
+                       ["mode", "wall_s", "tokens", "tok_per_s", "mal"]))
+    print(f"overhead {result['overhead_pct']:.1f}% of the RL step  |  swap stall "
+          f"{stall['stall_decode_steps']:.2f} decode steps (median step {stall['median_decode_step_ms']:.1f} ms)")
+    print(f"wrote {write_json(result, cfg.out)}")
+    return result
+
+
+if __name__ == "__main__":
+    main(script_config(DEFAULTS))
