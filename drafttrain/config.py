@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
@@ -39,7 +39,14 @@ class SamplingConfig:
 @dataclass
 class EngineConfig:
     kind: str = "torch"  # torch (embedded) | vllm
-    k: int = 4  # draft tokens per verify step
+    k: Any = 4  # draft tokens per verify step: an int, "auto" (max predicted speed-up) or "ladder"
+    k_max: int = 8  # k=auto searches 1..k_max
+    toggle: bool = False  # run SD only where the calibrated cost model predicts >= toggle_threshold
+    toggle_threshold: float = 1.05
+    toggle_hysteresis: float = 0.05
+    ladder: list[int] = field(default_factory=lambda: [2, 3, 4, 6, 8])  # k=ladder rungs
+    ladder_up: float = 0.94  # (L-1)/k at or above: one rung up (two decisions in a row)
+    ladder_down: float = 0.85
     max_batch: int = 64
     max_len: int = 512  # prompt + response, per row
     draft_sampling: str = "sample"  # sample (draw from the drafter's q) | greedy (one-hot argmax drafts)
@@ -167,7 +174,11 @@ def validate(cfg: Config) -> None:
     """Checks that types alone cannot express; each error names its key."""
     checks = [
         (cfg.engine.kind in ("torch", "vllm"), "engine.kind", f"must be torch or vllm, got {cfg.engine.kind!r}"),
-        (cfg.engine.k >= 1, "engine.k", f"must be >= 1, got {cfg.engine.k}"),
+        (cfg.engine.k in ("auto", "ladder") or (isinstance(cfg.engine.k, int) and cfg.engine.k >= 1), "engine.k",
+         f"must be an int >= 1, auto or ladder, got {cfg.engine.k!r}"),
+        (cfg.engine.k_max >= 1, "engine.k_max", f"must be >= 1, got {cfg.engine.k_max}"),
+        (len(cfg.engine.ladder) > 0 and min(cfg.engine.ladder) >= 1, "engine.ladder",
+         f"must be a non-empty list of ints >= 1, got {list(cfg.engine.ladder)}"),
         (cfg.engine.max_batch >= 1, "engine.max_batch", f"must be >= 1, got {cfg.engine.max_batch}"),
         (cfg.engine.draft_sampling in ("sample", "greedy"), "engine.draft_sampling",
          f"must be sample or greedy, got {cfg.engine.draft_sampling!r}"),
@@ -215,3 +226,9 @@ def script_config(defaults: dict, argv: list[str] | None = None) -> DictConfig:
         return OmegaConf.merge(base, OmegaConf.from_dotlist(args))
     except OmegaConfBaseException as e:
         raise SystemExit(f"error: {_one_line(e)}") from None
+
+
+def max_draft_len(engine_cfg) -> int:
+    """The longest draft the engine config can ask for (fixed k, auto's k_max, or the ladder's top rung)."""
+    k = engine_cfg.k
+    return k if isinstance(k, int) else (engine_cfg.k_max if k == "auto" else max(engine_cfg.ladder))

@@ -80,7 +80,9 @@ def save_drafter(d: eagle3.Eagle3Drafter, path: str | Path, verifier: str | Path
     return path
 
 
-def load_drafter(path: str | Path) -> eagle3.Eagle3Drafter:
+def load_drafter(path: str | Path, target_num_layers: int | None = None) -> eagle3.Eagle3Drafter:
+    """target_num_layers: the policy's depth, used only for a speculators checkpoint made elsewhere (the format
+    does not record it; without it, max(aux ids) + 1 is assumed)."""
     path = Path(path)
     cfg_file, w_file = path / "config.json", path / "model.safetensors"
     if not cfg_file.is_file() or not w_file.is_file():
@@ -92,7 +94,7 @@ def load_drafter(path: str | Path) -> eagle3.Eagle3Drafter:
     if "drafttrain" in cfg:
         d = eagle3.build(cfg["drafttrain"]["config"])
     else:  # a speculators checkpoint made elsewhere
-        d = eagle3.build(_config_from_speculators(cfg, path))
+        d = eagle3.build(_config_from_speculators(cfg, path, target_num_layers))
     weights = load_file(str(w_file))
     if "d2t" not in weights and "t2d" not in weights and _identity_vocab_map(d):
         weights.update(d2t=d.d2t.clone(), t2d=d.t2d.clone())  # omitted on save: the identity map
@@ -104,7 +106,7 @@ def _identity_vocab_map(d: eagle3.Eagle3Drafter) -> bool:
     return d.config.draft_vocab_size == d.config.vocab_size and not d.d2t.any() and bool(d.t2d.all())
 
 
-def _config_from_speculators(cfg: dict, path: Path) -> dict:
+def _config_from_speculators(cfg: dict, path: Path, target_num_layers: int | None = None) -> dict:
     t = cfg["transformer_layer_config"]
     aux = cfg.get("eagle_aux_hidden_state_layer_ids")
     if not aux:
@@ -115,8 +117,8 @@ def _config_from_speculators(cfg: dict, path: Path) -> dict:
                 head_dim=t.get("head_dim", t["hidden_size"] // t["num_attention_heads"]),
                 intermediate_size=t["intermediate_size"], vocab_size=t["vocab_size"],
                 draft_vocab_size=cfg.get("draft_vocab_size") or t["vocab_size"], aux_layer_ids=aux,
-                target_num_layers=max(aux) + 1, rms_norm_eps=t.get("rms_norm_eps", 1e-6), rope_theta=theta,
-                max_position_embeddings=t.get("max_position_embeddings", 2048))
+                target_num_layers=target_num_layers or max(aux) + 1, rms_norm_eps=t.get("rms_norm_eps", 1e-6),
+                rope_theta=theta, max_position_embeddings=t.get("max_position_embeddings", 2048))
 
 
 def weights_fingerprint(weights: dict[str, torch.Tensor]) -> float:

@@ -3,7 +3,9 @@
 A drafter, as the engine sees it:
     kind: str; aux_layer_ids: tuple[int, ...]      policy layers whose inputs the verify pass must hand back
     state_dict() / load_state_dict(weights)         one layout, the one exported to vLLM
-    new_state(batch, max_len) -> state              per-generation cache; state.select_rows(idx) drops rows
+    new_state(batch, max_len, prompts[B, P]) -> state  per-generation cache (prompts right-padded: a drafter
+                                                    with its own context reads position 0 there);
+                                                    state.select_rows(idx) drops rows
     propose(state, new_ids[B, m], aux[B, m, X], n_new[B], start[B], k, params, greedy_drafts, generator)
         -> (draft_tokens[B, k], draft_probs[B, k, V] | None)
 """
@@ -27,7 +29,7 @@ class Drafter(Protocol):
 
     def load_state_dict(self, weights: dict, strict: bool = True): ...
 
-    def new_state(self, batch: int, max_len: int): ...
+    def new_state(self, batch: int, max_len: int, prompts=None): ...
 
     def propose(self, state, new_ids, aux, n_new, start, k, params, greedy_drafts, generator=None): ...
 
@@ -51,7 +53,7 @@ def build_drafter(cfg, policy):
         from drafttrain.config import resolve_path
         from drafttrain.export import load_drafter
 
-        d = load_drafter(resolve_path(cfg.path))
+        d = load_drafter(resolve_path(cfg.path), target_num_layers=policy.config.num_hidden_layers)
         check_compatible(d, policy)
         return d
     return DRAFTERS[cfg.kind](cfg, policy)

@@ -205,7 +205,7 @@ class Eagle3Drafter(nn.Module):
         return total / wsum, accs
 
     # ---- inference: chain drafting over a KV cache --------------------------------------------------------
-    def new_state(self, batch: int, max_len: int) -> "Eagle3State":
+    def new_state(self, batch: int, max_len: int, prompts: torch.Tensor | None = None) -> "Eagle3State":
         c = self.config
         return Eagle3State(KVCache(1, batch, c.num_key_value_heads, max_len, c.head_dim))
 

@@ -23,6 +23,7 @@ class RolloutBatch:
     wall_s: float = 0.0
     drafter_versions: list[int] = field(default_factory=list)  # version used at each decode step
     step_ends: list[float] = field(default_factory=list)  # time.perf_counter() at the end of each decode step
+    trace: list[dict] = field(default_factory=list)  # SD schedule per decode step: batch, on, k, predicted speed-up
 
     @property
     def num_tokens(self) -> int:

@@ -20,6 +20,7 @@ import warnings
 import torch
 
 from drafttrain.engines.base import RolloutBatch, StaleVersionError
+from drafttrain.engines.schedule import CostModel, SpecController
 from drafttrain.modeling import LeanLlama
 from drafttrain.spec import SamplingParams, SpecStats, processed_probs, rejection_sample
 
@@ -43,6 +44,8 @@ class TorchEngine:
         self._swap_lock = threading.Lock()
         self._seed = cfg.seed
         self.last_swap_s = self.last_swap_critical_s = 0.0
+        self._ctl: SpecController | None = None
+        self._draft_cost_stale = False
         if drafter is not None:
             self._active = (self._runtime(drafter), 0)
 
@@ -77,6 +80,23 @@ class TorchEngine:
             self._active = (rt, version)
         self.last_swap_s = time.perf_counter() - t0  # staging (copy, validate, quantize) + the swap itself
         self.last_swap_critical_s = time.perf_counter() - t1  # the part a decode step could wait on
+        self._draft_cost_stale = True  # recalibrated (drafter part only) before the next generation
+
+    def controller(self) -> SpecController:
+        """The per-step SD schedule (engine.k / toggle); calibrates its cost model on this engine when needed."""
+        cfg = self.cfg
+        if self._ctl is None:
+            self._ctl = SpecController(cfg.k, cfg.k_max, cfg.toggle, cfg.toggle_threshold, cfg.toggle_hysteresis,
+                                       tuple(cfg.ladder), cfg.ladder_up, cfg.ladder_down)
+        ctl = self._ctl
+        if cfg.toggle or ctl.mode != "fixed":
+            if ctl.cost is None:
+                ctl.cost = CostModel.calibrate(self, ctl.k_max)
+            elif self._draft_cost_stale:
+                ctl.cost.draft_ms = {b: measure_costs(self, b, [], min(ctl.k_max, 4), repeats=3)["draft_ms_per_token"]
+                                     for b in ctl.cost.draft_ms}
+        self._draft_cost_stale = False
+        return ctl
 
     def update_policy(self, policy=None) -> None:
         """The policy's weights changed (an RL step): refresh the packed copies in place."""
@@ -110,7 +130,9 @@ class TorchEngine:
         B = len(prompts)
         lens = torch.tensor([len(p) for p in prompts])
         P = int(lens.max())
-        k_max = cfg.k if drafter is not None else 0
+        ctl = self.controller() if drafter is not None else None
+        k_max = ctl.k_max if ctl is not None else 0
+        trace0 = len(ctl.trace) if ctl is not None else 0
         L = min(lean.max_len, P + params.max_new_tokens + k_max + 1)
         if params.seed is None:
             self._seed += 1
@@ -122,7 +144,7 @@ class TorchEngine:
         for i, p in enumerate(prompts):
             tokens[i, : len(p)] = torch.tensor(p)
         cache = lean.new_cache(B, L)
-        dstate = drafter.new_state(B, L) if drafter is not None else None
+        dstate = drafter.new_state(B, L, tokens) if drafter is not None else None
         logits, aux = lean.forward(tokens, torch.zeros(B, dtype=torch.long), cache, aux_ids)  # prefill
         rows = torch.arange(B)
         # the prefill acts as a k=0 verify of the last prompt position
@@ -131,6 +153,7 @@ class TorchEngine:
         # drafter inputs: position t of the prompt pairs aux_t with token_{t+1}; the last one is the sampled token
         nxt = torch.cat([tokens[:, 1:], tokens.new_zeros(B, 1)], 1)
         nxt[rows, lens - 1] = out[:, 0]
+        # the drafter's pending input: positions committed since it last ran (ragged: n_new[b] of them per row)
         new_ids, n_new, start = nxt, lens.clone(), torch.zeros(B, dtype=torch.long)
         pos = lens.clone()  # position of the last committed token, fed next
         resp: list[list[int]] = [[] for _ in range(B)]
@@ -140,11 +163,14 @@ class TorchEngine:
         lens_l = lens.tolist()
         stats, versions, ends = SpecStats(), [], []
         last = out[:, 0]
+        k = 0
 
         while True:
             # commit what the last verify emitted; find rows that finished
             done = []
             out_l, n_l, lp_l = out.tolist(), n.tolist(), lp.tolist()
+            if ctl is not None:
+                ctl.observe(n_l, k)
             for j, b in enumerate(row_ids):
                 for t, l in zip(out_l[j][: n_l[j] + 1], lp_l[j][: n_l[j] + 1]):
                     resp[b].append(t)
@@ -173,10 +199,11 @@ class TorchEngine:
                 active = self._active  # a hot-swap landed: use the new version from this step on
                 drafter, version = active
             versions.append(version)
-            k = min(k_max, L - 1 - int(pos.max()))
             Bn = len(row_ids)
+            k = max(0, min(ctl.decide(Bn), L - 1 - int(pos.max()))) if ctl is not None else 0
             if k > 0:
                 d, q = drafter.propose(dstate, new_ids, aux, n_new, start, k, params, greedy_drafts, gen)
+                n_new = torch.zeros_like(n_new)  # consumed
                 inp = torch.cat([last.view(Bn, 1), d], 1)  # [B, k+1]
             else:
                 d, q = torch.zeros(Bn, 0, dtype=torch.long), None
@@ -184,15 +211,16 @@ class TorchEngine:
             logits, aux_v = lean.forward(inp, pos, cache, aux_ids if k_max > 0 else ())
             out, n, lp = self._sample(logits, q, d, params, gen)
             stats.update(n, k)
-            new_ids, n_new, start = out.clamp_min(0), n + 1, pos
-            if aux_v is not None:
-                aux = aux_v
+            if drafter is not None:  # AR steps (toggle off) accumulate; the next SD step catches up in one pass
+                new_ids, aux, n_new, start = _append_pending(new_ids, aux, n_new, start, out.clamp_min(0), aux_v,
+                                                             n + 1, pos)
             pos = pos + n + 1
             last = out.gather(1, n.view(-1, 1)).squeeze(1)
             ends.append(time.perf_counter())
 
         return RolloutBatch(resp, lps, stats, self.drafter_version if not versions else versions[0], reasons,
-                            time.perf_counter() - t_start, versions, ends)
+                            time.perf_counter() - t_start, versions, ends,
+                            ctl.trace[trace0:] if ctl is not None else [])
 
     @staticmethod
     def _sample(logits, q, d, params, gen):
@@ -205,16 +233,37 @@ class TorchEngine:
         return out, n, lp
 
 
+def _append_pending(p_ids, p_aux, p_n, p_start, ids, aux, n, start):
+    """Append each row's n[b] new (token, aux) pairs to its n_p[b] pending ones; rows with none pending restart
+    at `start`. ids [B, m], aux [B, m, X] or None. Returns (ids, aux, n, start) of the combined pending input."""
+    if int(p_n.max()) == 0:
+        return ids, aux, n, start
+    B, m = ids.shape
+    width = int((p_n + n).max())
+    cols = p_n.view(B, 1) + torch.arange(m).view(1, m)  # [B, m] destination columns
+    ok = torch.arange(m).view(1, m) < n.view(B, 1)
+    rows = torch.arange(B).view(B, 1).expand(B, m)
+    out_ids = ids.new_zeros(B, width)
+    w = min(width, p_ids.shape[1])
+    out_ids[:, :w] = p_ids[:, :w]
+    out_ids[rows[ok], cols[ok]] = ids[ok]
+    out_aux = None
+    if aux is not None:
+        out_aux = aux.new_zeros(B, width, aux.shape[-1])
+        out_aux[:, :w] = p_aux[:, :w]
+        out_aux[rows[ok], cols[ok]] = aux[ok]
+    return out_ids, out_aux, p_n + n, torch.where(p_n > 0, p_start, start)
+
+
 @torch.no_grad()
 def measure_costs(engine: TorchEngine, batch: int, tokens_per_row: list[int], k: int, context: int = 64,
                   repeats: int = 20) -> dict:
     """Time the live engine's pieces on synthetic inputs at a context length: target forward (ms) for each m in
-    tokens_per_row, and the drafter's propose of k tokens (ms per drafted token). The cost model's input."""
-    import statistics
-
+    tokens_per_row, and the drafter's propose of k tokens (ms per drafted token). The cost model's input.
+    Each figure is the fastest of `repeats` runs: the workload is deterministic, so slower runs are noise."""
     lean = engine.lean
     gen = torch.Generator().manual_seed(0)
-    L = context + max(tokens_per_row) + k + 2
+    L = context + max([1, *tokens_per_row]) + k + 2
     pos = torch.full((batch,), context)
 
     def timed(fn):
@@ -224,7 +273,7 @@ def measure_costs(engine: TorchEngine, batch: int, tokens_per_row: list[int], k:
             t0 = time.perf_counter()
             fn()
             ts.append(time.perf_counter() - t0)
-        return statistics.median(ts) * 1e3
+        return min(ts) * 1e3
 
     out = {"batch": batch, "target_ms": {}}
     cache = lean.new_cache(batch, L)

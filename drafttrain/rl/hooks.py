@@ -19,7 +19,7 @@ import time
 
 import torch
 
-from drafttrain.config import load_recipe, sampling_params
+from drafttrain.config import load_recipe, max_draft_len, sampling_params
 from drafttrain.drafters import build_drafter
 from drafttrain.online.acceptance import teacher_forced_acceptance
 from drafttrain.online.buffer import FeatureBuffer, collate
@@ -37,7 +37,7 @@ class DraftTracker:
             raise ValueError(f"drafter.aux_layer_ids: {list(self.drafter.aux_layer_ids)} do not exist in the "
                              f"policy ({n_layers} layers)")
         self.frozen = copy.deepcopy(self.drafter).eval().requires_grad_(False)  # the step-0 drafter
-        self.steps = max(cfg.drafter.ttt_steps, cfg.engine.k)  # features serve training and k-step measurement
+        self.steps = max(cfg.drafter.ttt_steps, max_draft_len(cfg.engine))  # features serve training and k-step measurement
         self.buffer = FeatureBuffer(int(cfg.online.buffer_mb * 2 ** 20), seed=cfg.run.seed, name="online.buffer_mb")
         self.trainer = DrafterTrainer(self.drafter, cfg.train, cfg.drafter, accelerator, buffer=self.buffer)
         self.publisher = Publisher(self.engines, self.drafter.state_dict(), cfg.online, log)
@@ -173,7 +173,7 @@ class DraftTracker:
         with self._lock:
             weights = {k: v.detach().clone() for k, v in self.drafter.state_dict().items()}
             est = teacher_forced_acceptance(self.drafter, _rows(self.latest, self.steps),
-                                            self.cfg.engine.k)["mal"] if self.latest else None
+                                            max_draft_len(self.cfg.engine))["mal"] if self.latest else None
         train_s = time.perf_counter() - t0
         params = sampling_params(self.cfg, max_new_tokens=oc.canary_max_new_tokens)
         t1 = time.perf_counter()
@@ -191,7 +191,7 @@ class DraftTracker:
         last on_policy_update (call it before on_policy_update: live is then the drafter that generated them)."""
         if not self.pending:
             return {}
-        k = k or self.cfg.engine.k
+        k = k or max_draft_len(self.cfg.engine)
         batch = _rows(self.pending, self.steps)
         with self._lock:
             live = teacher_forced_acceptance(self.drafter, batch, k)

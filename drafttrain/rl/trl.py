@@ -30,8 +30,7 @@ from drafttrain.rl.hooks import DraftTracker
 class DraftTrackerCallback(TrainerCallback):
     def __init__(self, tracker: DraftTracker):
         self.tracker = tracker
-        self.history: list[dict] = []  # one record per optimizer step
-        self._last: dict = {}
+        self.history: list[dict] = []  # one record per optimizer step (measure + update results)
 
     def on_step_begin(self, args, state, control, model=None, **kw):
         self.tracker.stop_capture()  # a step cut short by an exception left its hooks on
@@ -48,14 +47,6 @@ class DraftTrackerCallback(TrainerCallback):
         rec.update(self.tracker.on_policy_update(model, state.global_step - 1))
         rec["drafter_version"] = self.tracker.version
         self.history.append(rec)
-        self._last = rec
-
-    def on_log(self, args, state, control, logs=None, **kw):
-        """The last step's scalar drafter metrics join the trainer's logs, prefixed drafttrain/."""
-        if logs is not None:
-            for k, v in self._last.items():
-                if isinstance(v, (int, float)) and not isinstance(v, bool) and k != "step":
-                    logs[f"drafttrain/{k}"] = v
 
     def on_train_end(self, args, state, control, **kw):
         self.tracker.stop_capture()

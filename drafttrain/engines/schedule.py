@@ -1,0 +1,141 @@
+"""System-aware speculative decoding: when to draft, and how many tokens, at every decode step.
+
+    speed-up(B, k) = E[tokens | k] * T(B, 1) / (T(B, k+1) + k * D(B))
+    E[tokens | k]  = 1 + sum_{i<k} prod_{j<=i} a_j          (a_j: acceptance of draft j given drafts < j accepted)
+
+T(B, m) is the target's forward time for B rows of m tokens and D(B) the drafter's time per drafted token, both
+calibrated on the live engine (CostModel.calibrate); a_j are moving averages of what the engine observes
+(AcceptanceEstimate). SpecController picks k per step: a fixed k, "auto" (argmax of the predicted speed-up over
+1..k_max), or "ladder" (the EfficientRollout anchor: step up the ladder when (L-1)/k >= up, down when <= down, two
+decisions in a row). With the toggle on, SD runs only where the predicted speed-up is >= threshold, and keeps
+running until it drops below threshold - hysteresis. The toggle never changes outputs: AR and SD are both exact.
+"""
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass, field
+
+
+@dataclass
+class CostModel:
+    """Target forward ms at measured (batch, tokens per row) points; drafter ms per token at measured batches."""
+
+    target_ms: dict[int, dict[int, float]]  # batch -> {m: ms}
+    draft_ms: dict[int, float] = field(default_factory=dict)  # batch -> ms per drafted token
+
+    @staticmethod
+    def _interp(points: dict[int, float], x: float) -> float:
+        xs = sorted(points)
+        if x <= xs[0]:
+            return points[xs[0]]
+        if x >= xs[-1]:
+            if len(xs) == 1:
+                return points[xs[-1]] * x / xs[-1]
+            a, b = xs[-2], xs[-1]  # linear extrapolation from the last segment
+            return points[b] + (points[b] - points[a]) * (x - b) / (b - a)
+        i = bisect.bisect_right(xs, x)
+        a, b = xs[i - 1], xs[i]
+        return points[a] + (points[b] - points[a]) * (x - a) / (b - a)
+
+    def target(self, batch: int, m: int) -> float:
+        per_b = {b: self._interp(ms, m) for b, ms in self.target_ms.items()}
+        return self._interp(per_b, batch)
+
+    def draft(self, batch: int) -> float:
+        return self._interp(self.draft_ms, batch) if self.draft_ms else 0.0
+
+    @classmethod
+    def calibrate(cls, engine, k_max: int, batches=(1, 4, 16, 64), repeats: int = 5) -> "CostModel":
+        """Cheap: a handful of timed forwards per batch size on the live engine (about a second here)."""
+        from drafttrain.engines.torch_engine import measure_costs
+
+        if engine.drafter is None:
+            raise ValueError("engine.toggle / engine.k=auto: calibration needs a drafter (the engine has none)")
+        ms = sorted({1, 2, 3, max(2, k_max // 2 + 1), k_max + 1})
+        target, draft = {}, {}
+        for b in batches:
+            if b > engine.cfg.max_batch:
+                continue
+            c = measure_costs(engine, b, ms, min(k_max, 4), repeats=repeats)
+            run = 0.0  # more tokens per row never cost less: keep the curve monotone against timing noise
+            target[b] = {m: (run := max(run, c["target_ms"][m])) for m in ms}
+            draft[b] = c["draft_ms_per_token"]
+        return cls(target, draft)
+
+
+class AcceptanceEstimate:
+    """Per-position conditional acceptance, exponential moving averages of the engine's own observations."""
+
+    def __init__(self, k_max: int, prior: float = 0.7, decay: float = 0.9):
+        self.a = [prior] * k_max
+        self.decay = decay
+
+    def observe(self, num_accepted: list[int], k: int) -> None:
+        for i in range(k):
+            reached = sum(1 for n in num_accepted if n >= i)
+            if reached:
+                rate = sum(1 for n in num_accepted if n > i) / reached
+                self.a[i] = self.decay * self.a[i] + (1 - self.decay) * rate
+
+    def set(self, rates: list[float]) -> None:
+        for i, r in enumerate(rates[: len(self.a)]):
+            self.a[i] = r
+
+    def expected_tokens(self, k: int) -> float:
+        e, surv = 1.0, 1.0
+        for i in range(k):
+            surv *= self.a[i]
+            e += surv
+        return e
+
+
+class SpecController:
+    def __init__(self, k, k_max: int, toggle: bool, threshold: float = 1.05, hysteresis: float = 0.05,
+                 ladder=(2, 4, 6, 8), ladder_up: float = 0.94, ladder_down: float = 0.85,
+                 cost: CostModel | None = None, acc: AcceptanceEstimate | None = None):
+        self.mode = k if isinstance(k, str) else "fixed"
+        self.k_fixed = k if isinstance(k, int) else None
+        self.k_max = max(ladder) if self.mode == "ladder" else (k_max if self.mode == "auto" else k)
+        self.toggle, self.threshold, self.hysteresis = toggle, threshold, hysteresis
+        self.ladder, self.ladder_up, self.ladder_down = list(ladder), ladder_up, ladder_down
+        self.rung, self._streak = 0, 0
+        self.cost = cost
+        self.acc = acc or AcceptanceEstimate(self.k_max)
+        self.on = True
+        self.trace: list[dict] = []
+        self.step = 0
+
+    def speedup(self, batch: int, k: int) -> float:
+        c = self.cost
+        t1 = c.target(batch, 1)
+        return self.acc.expected_tokens(k) * t1 / (c.target(batch, k + 1) + k * c.draft(batch))
+
+    def decide(self, batch: int) -> int:
+        """k for this decode step; 0 means an AR step."""
+        if self.mode == "fixed":
+            k = self.k_fixed
+        elif self.mode == "ladder":
+            k = self.ladder[self.rung]
+        else:
+            k = max(range(1, self.k_max + 1), key=lambda kk: self.speedup(batch, kk))
+        pred = self.speedup(batch, k) if self.cost is not None else None
+        if self.toggle:
+            bar = self.threshold - (self.hysteresis if self.on else 0.0)
+            self.on = pred >= bar
+        self.trace.append({"step": self.step, "batch": batch, "on": self.on, "k": k if self.on else 0,
+                           "predicted_speedup": pred})
+        self.step += 1
+        return k if self.on else 0
+
+    def observe(self, num_accepted: list[int], k: int) -> None:
+        if k == 0:
+            return
+        self.acc.observe(num_accepted, k)
+        if self.mode == "ladder":
+            L = sum(num_accepted) / len(num_accepted) + 1
+            r = (L - 1) / k
+            move = 1 if r >= self.ladder_up else (-1 if r <= self.ladder_down else 0)
+            self._streak = self._streak + move if move and (self._streak * move) >= 0 else move
+            if abs(self._streak) >= 2:
+                self.rung = min(max(self.rung + (1 if self._streak > 0 else -1), 0), len(self.ladder) - 1)
+                self._streak = 0
