@@ -1,0 +1,1 @@
+"""RL-side integration: DraftTracker hooks, the embedded GRPO host, the TRL callback."""
