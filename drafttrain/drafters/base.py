@@ -16,7 +16,7 @@ from typing import Protocol
 
 import torch
 
-from drafttrain.drafters import eagle3
+from drafttrain.drafters import eagle3, selfquant
 
 
 class Drafter(Protocol):
@@ -42,13 +42,15 @@ def _fresh_eagle3(cfg, policy):
     return d
 
 
-DRAFTERS = {"eagle3": _fresh_eagle3}
+DRAFTERS = {"eagle3": _fresh_eagle3, "selfquant": selfquant.from_config}
 
 
 def build_drafter(cfg, policy):
     """cfg: DrafterConfig. A fresh drafter sized from the policy; loads cfg.path when it is set."""
     if cfg.kind not in DRAFTERS:
         raise ValueError(f"drafter.kind: unknown drafter {cfg.kind!r} (known: {', '.join(sorted(DRAFTERS))})")
+    if cfg.path and cfg.kind == "selfquant":
+        raise ValueError("drafter.path: must be null for drafter.kind=selfquant (it is built from the policy)")
     if cfg.path:
         from drafttrain.config import resolve_path
         from drafttrain.export import load_drafter

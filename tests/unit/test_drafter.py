@@ -1,0 +1,334 @@
+"""EAGLE-3 drafter: TTT training helps acceptance, the speculators export round-trips, mismatches fail clearly,
+and a reduced draft vocabulary stays lossless."""
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+import torch
+
+from drafttrain.drafters import build_drafter, check_compatible
+from drafttrain.engines import build_engine
+from drafttrain.export import load_drafter, save_drafter
+from drafttrain.modeling import LeanLlama
+from drafttrain.spec import SamplingParams, processed_probs
+from tests import contract as C
+from tests.conftest import engine_cfg, tiny_policy
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Tiny models are op-overhead bound; on a shared 2-core box intra-op threads only contend."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def drafter_cfg(**kw):
+    from omegaconf import OmegaConf
+
+    from drafttrain.config import Config
+
+    cfg = OmegaConf.structured(Config).drafter
+    cfg.path = None
+    for k, v in kw.items():
+        setattr(cfg, k, v)
+    return cfg
+
+
+def rand_prompts(n: int, seed: int, vocab: int = 32, length: int = 4) -> list[list[int]]:
+    return torch.randint(0, vocab, (n, length), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+@torch.no_grad()
+def features(policy, seqs: torch.Tensor, aux_ids, steps: int):
+    """Teacher-forced TTT inputs for equal-length sequences [B, N]: (aux [B, T, A*H], next_ids [B, T+steps-1],
+    target_probs [B, N, V], valid [B, N]) with T = N - steps."""
+    B, N = seqs.shape
+    lean = LeanLlama(policy, N)
+    logits, aux = lean.forward(seqs, torch.zeros(B, dtype=torch.long), lean.new_cache(B, N), tuple(aux_ids))
+    T = N - steps
+    return aux[:, :T], seqs[:, 1:T + steps], processed_probs(logits, SamplingParams()), torch.ones(B, N, dtype=bool)
+
+
+# ---- training ----------------------------------------------------------------------------------------------------
+
+def test_ttt_training_lowers_loss_and_raises_acceptance(policy, drafter):
+    steps, decay = 3, 0.8
+    ar = build_engine(engine_cfg(drafter_int8=False), policy, None)
+
+    def rollouts(n, seed):
+        prompts = rand_prompts(n, seed)
+        b = ar.generate(prompts, SamplingParams(max_new_tokens=28, seed=seed), speculative=False)
+        return torch.tensor([p + t for p, t in zip(prompts, b.tokens)])  # [n, 32] the policy's own sequences
+
+    train = features(policy, rollouts(64, 0), drafter.aux_layer_ids, steps)
+    held = features(policy, rollouts(32, 1), drafter.aux_layer_ids, steps)
+    # aux layer id i is HF hidden_states[i] (the policy layer's input)
+    with torch.no_grad():
+        hs = policy(rollouts(2, 2), output_hidden_states=True).hidden_states
+    lean_aux = features(policy, rollouts(2, 2), drafter.aux_layer_ids, steps)[0]
+    torch.testing.assert_close(lean_aux, torch.cat([hs[i] for i in drafter.aux_layer_ids], -1)[:, :lean_aux.shape[1]],
+                               atol=1e-4, rtol=1e-4)
+
+    trained = copy.deepcopy(drafter)
+    with torch.no_grad():
+        loss0, acc0 = trained.ttt_loss(*held, steps, decay)
+    opt = torch.optim.Adam([p for p in trained.parameters() if p.requires_grad], lr=3e-3)
+    first = None
+    for _ in range(80):
+        loss, _ = trained.ttt_loss(*train, steps, decay)
+        first = loss.item() if first is None else first
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    assert loss.item() < first - 0.3
+    assert torch.equal(trained.embed_tokens.weight, drafter.embed_tokens.weight)  # frozen
+    with torch.no_grad():
+        loss1, acc1 = trained.ttt_loss(*held, steps, decay)
+    assert float(loss1) < float(loss0) - 0.3  # generalizes to held-out rollouts
+    assert all(b > a + 0.2 for a, b in zip(acc0, acc1)), (acc0, acc1)
+
+    prompts = rand_prompts(16, 3)
+    for params in (SamplingParams(temperature=0, max_new_tokens=32), SamplingParams(max_new_tokens=32, seed=4)):
+        mal = {}
+        for name, d in (("fresh", drafter), ("trained", trained)):
+            b = build_engine(engine_cfg(drafter_int8=False), policy, d).generate(prompts, params)
+            mal[name] = b.stats.mean_accepted_length
+        assert mal["trained"] > mal["fresh"] + 0.5, mal
+
+
+def test_ttt_logits_match_chain_drafting(drafter):
+    """Training-time test unrolls exactly what inference does: step i at position t equals the chain-drafting step
+    at position t+i over a cache holding the step-0 (policy-derived) positions <= t."""
+    d = perturbed(drafter, seed=9)
+    c = d.config
+    B, T, steps = 2, 7, 3
+    g = torch.Generator().manual_seed(0)
+    aux = torch.randn(B, T, len(c.aux_layer_ids) * c.hidden_size, generator=g)
+    next_ids = torch.randint(0, c.vocab_size, (B, T + steps - 1), generator=g)  # next_ids[:, t] = token_{t+1}
+    with torch.no_grad():
+        outs = d.ttt_logits(aux, next_ids, steps)
+        for t in range(T):
+            st = d.new_state(B, T + steps)
+            lg, pre = d._cached_step(st, d.embed_tokens(next_ids[:, : t + 1]), d.fc(aux[:, : t + 1]),
+                                     torch.zeros(B, dtype=torch.long))
+            torch.testing.assert_close(lg[:, t], outs[0][:, t], atol=1e-5, rtol=1e-5)
+            h = pre[:, t]
+            for i in range(1, steps):
+                lg, h = d._cached_step(st, d.embed_tokens(next_ids[:, t + i]).unsqueeze(1), h.unsqueeze(1),
+                                       torch.full((B,), t + i))
+                lg, h = lg[:, 0], h[:, 0]
+                torch.testing.assert_close(lg, outs[i][:, t], atol=1e-5, rtol=1e-5)
+
+
+def test_ttt_loss_alignment(drafter):
+    """With one-hot targets at the real next tokens, step i at position t is scored on token_{t+2+i}."""
+    d = perturbed(drafter, seed=10)
+    c = d.config
+    B, T, steps, decay = 2, 6, 3, 0.5
+    g = torch.Generator().manual_seed(1)
+    x = torch.randint(0, c.vocab_size, (B, T + steps + 1), generator=g)  # tokens x_0 .. x_{T+steps}
+    aux = torch.randn(B, T, len(c.aux_layer_ids) * c.hidden_size, generator=g)
+    next_ids = x[:, 1:T + steps]  # token_{t+1}
+    target = torch.nn.functional.one_hot(x[:, 1:], c.vocab_size).float()  # [B, T+steps, V]: position s -> x_{s+1}
+    valid = torch.ones(B, T + steps, dtype=torch.bool)
+    valid[1, T + steps - 2:] = False  # row 1 ends early
+    with torch.no_grad():
+        loss, _ = d.ttt_loss(aux, next_ids, target, valid, steps, decay)
+        outs = d.ttt_logits(aux, next_ids, steps)
+    want, wsum = 0.0, 0.0
+    for i in range(steps):
+        nll = -outs[i].log_softmax(-1).gather(-1, x[:, 2 + i:2 + i + T].unsqueeze(-1)).squeeze(-1)  # [B, T]
+        m = valid[:, 1 + i:1 + i + T].float()
+        want += decay ** i * float((nll * m).sum() / m.sum())
+        wsum += decay ** i
+    assert float(loss) == pytest.approx(want / wsum, rel=1e-5)
+
+
+# ---- export / load ------------------------------------------------------------------------------------------------
+
+def perturbed(drafter, seed=0):
+    """A copy with every tensor (norms and the vocab map included) moved off its init, so a round trip that drops
+    or renames any of them is caught."""
+    d = copy.deepcopy(drafter)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in d.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * 0.1)
+    return d
+
+
+def propose_once(d, seed=0, greedy=False):
+    g = torch.Generator().manual_seed(seed)
+    c = d.config
+    B, m, k = 3, 5, 4
+    st = d.new_state(B, 32)
+    ids = torch.randint(0, c.vocab_size, (B, m), generator=g)
+    aux = torch.randn(B, m, len(c.aux_layer_ids) * c.hidden_size, generator=g)
+    n_new, start = torch.tensor([5, 2, 4]), torch.tensor([0, 3, 1])
+    return d.propose(st, ids, aux, n_new, start, k, SamplingParams(temperature=0.9), greedy, g)
+
+
+@pytest.mark.parametrize("draft_vocab", [None, 20])
+def test_export_round_trip(tmp_path, policy, drafter, draft_vocab):
+    if draft_vocab is None:
+        d = perturbed(drafter)
+    else:
+        d = perturbed(build_drafter(drafter_cfg(draft_vocab_size=draft_vocab), policy))
+        d.set_vocab_map(torch.randperm(32, generator=torch.Generator().manual_seed(0))[:draft_vocab])
+    out = save_drafter(d, tmp_path / "eagle3", verifier="checkpoints/policy", k=3)
+    cfg = json.loads((out / "config.json").read_text())
+    for key in ("speculators_model_type", "transformer_layer_config", "speculators_config", "draft_vocab_size",
+                "eagle_aux_hidden_state_layer_ids"):
+        assert key in cfg, key
+    assert cfg["speculators_model_type"] == "eagle3"
+    assert cfg["eagle_aux_hidden_state_layer_ids"] == list(d.aux_layer_ids)
+    assert cfg["draft_vocab_size"] == d.config.draft_vocab_size
+    t = cfg["transformer_layer_config"]
+    assert (t["hidden_size"], t["vocab_size"], t["num_hidden_layers"]) == (policy.config.hidden_size, 32, 1)
+    assert cfg["draft_vocab_size"] == (draft_vocab or 32)
+    assert cfg["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == 3
+    assert cfg["speculators_config"]["verifier"]["name_or_path"] == "checkpoints/policy"
+
+    loaded = load_drafter(out)
+    a, b = d.state_dict(), loaded.state_dict()
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+    assert "norm.weight" in a and "midlayer.hidden_norm.weight" in a  # the speculators names
+    assert loaded.aux_layer_ids == d.aux_layer_ids
+    for greedy in (True, False):
+        (t1, q1), (t2, q2) = propose_once(d, 1, greedy), propose_once(loaded, 1, greedy)
+        assert torch.equal(t1, t2)
+        assert (q1 is None and q2 is None) if greedy else torch.equal(q1, q2)
+    # a re-save over an existing checkpoint replaces it atomically
+    d2 = perturbed(drafter, seed=5)
+    save_drafter(d2, out)
+    assert torch.equal(load_drafter(out).state_dict()["fc.weight"], d2.state_dict()["fc.weight"])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["eagle3"]  # no temp folders left behind
+
+
+def test_load_speculators_checkpoint_without_drafttrain_block(tmp_path, drafter):
+    """A checkpoint written elsewhere (only the speculators keys) loads from its speculators config."""
+    d = perturbed(drafter, seed=2)
+    out = save_drafter(d, tmp_path / "ext")
+    cfg = json.loads((out / "config.json").read_text())
+    del cfg["drafttrain"]
+    (out / "config.json").write_text(json.dumps(cfg))
+    loaded = load_drafter(out)
+    for k, v in d.state_dict().items():
+        assert torch.equal(v, loaded.state_dict()[k]), k
+    assert loaded.config.rope_theta == d.config.rope_theta
+    assert loaded.config.head_dim == d.config.head_dim
+    t1, q1 = propose_once(d, 3)
+    t2, q2 = propose_once(loaded, 3)
+    assert torch.equal(t1, t2) and torch.equal(q1, q2)
+
+
+def test_speculators_checkpoint_builds_for_its_policy(tmp_path, policy):
+    """An external speculators checkpoint does not record the target's depth; aux ids that leave out the last layer
+    (vLLM's default (2, n//2, n-3) always does) must still load for the policy they fit."""
+    d = perturbed(build_drafter(drafter_cfg(aux_layer_ids=[0, 2]), policy), seed=6)
+    out = save_drafter(d, tmp_path / "ext")
+    cfg = json.loads((out / "config.json").read_text())
+    del cfg["drafttrain"]
+    (out / "config.json").write_text(json.dumps(cfg))
+    got = build_drafter(drafter_cfg(path=str(out)), policy)
+    assert got.aux_layer_ids == (0, 2)
+    assert got.config.target_num_layers == policy.config.num_hidden_layers
+    for k, v in d.state_dict().items():
+        assert torch.equal(v, got.state_dict()[k]), k
+    with pytest.raises(ValueError, match="aux_layer_ids"):  # still refused where the ids do not fit
+        build_drafter(drafter_cfg(path=str(out)), tiny_policy(layers=2))
+
+
+def test_build_drafter_from_path(tmp_path, policy, drafter):
+    d = perturbed(drafter, seed=3)
+    save_drafter(d, tmp_path / "ok")
+    got = build_drafter(drafter_cfg(path=str(tmp_path / "ok")), policy)
+    assert torch.equal(got.state_dict()["fc.weight"], d.state_dict()["fc.weight"])
+
+
+# ---- mismatches fail clearly ------------------------------------------------------------------------------------
+
+def test_policy_drafter_mismatch(tmp_path, drafter):
+    save_drafter(drafter, tmp_path / "d")
+    cases = [
+        (tiny_policy(hidden=32, inter=64), "hidden_size"),
+        (tiny_policy(vocab=40), "vocab_size"),
+        (tiny_policy(layers=3), "aux_layer_ids"),
+        (tiny_policy(layers=5), "aux_layer_ids"),  # ids fit, but the drafter was built for a 4-layer policy
+    ]
+    for other, field in cases:
+        with pytest.raises(ValueError, match=field):
+            check_compatible(drafter, other)
+        with pytest.raises(ValueError, match=field):
+            build_drafter(drafter_cfg(path=str(tmp_path / "d")), other)
+
+
+@pytest.mark.parametrize("aux", [[0, 9], [1, 1, 2], [3, 1], [-1, 2]])
+def test_bad_aux_layer_ids(policy, aux):
+    with pytest.raises(ValueError, match=r"drafter\.aux_layer_ids"):
+        build_drafter(drafter_cfg(aux_layer_ids=aux), policy)
+
+
+def test_bad_draft_vocab_size(policy):
+    for v in (33, -1):
+        with pytest.raises(ValueError, match=r"drafter\.draft_vocab_size"):
+            build_drafter(drafter_cfg(draft_vocab_size=v), policy)
+
+
+def test_missing_checkpoint_path(tmp_path, policy):
+    missing = tmp_path / "no_such_drafter"
+    with pytest.raises(FileNotFoundError, match="no_such_drafter"):
+        build_drafter(drafter_cfg(path=str(missing)), policy)
+    with pytest.raises(FileNotFoundError, match="checkpoints/not_here"):
+        build_drafter(drafter_cfg(path="checkpoints/not_here"), policy)
+    half = tmp_path / "half"
+    half.mkdir()
+    (half / "config.json").write_text("{}")
+    with pytest.raises(FileNotFoundError, match="half"):
+        load_drafter(half)
+
+
+def test_unknown_drafter_kind(policy):
+    with pytest.raises(ValueError, match="drafter.kind"):
+        build_drafter(drafter_cfg(kind="medusa"), policy)
+
+
+# ---- reduced draft vocabulary -------------------------------------------------------------------------------------
+
+def test_small_draft_vocab_greedy_sd_equals_ar(policy):
+    d = build_drafter(drafter_cfg(draft_vocab_size=12), policy)
+    ids = torch.tensor([3, 0, 31, 10, 14, 27, 2, 5, 8, 20, 21, 7])  # unsorted on purpose
+    d.set_vocab_map(ids)
+    assert torch.equal(d.draft_ids(), ids.sort().values)
+    assert int(d.t2d.sum()) == 12 and bool(d.t2d[31]) and not bool(d.t2d[1])
+    for greedy in (True, False):
+        toks, q = propose_once(d, 4, greedy)
+        assert torch.isin(toks, ids).all()
+        if q is not None:
+            outside = torch.ones(32, dtype=torch.bool)
+            outside[ids] = False
+            assert (q[..., outside] == 0).all()
+    for int8 in (False, True):
+        eng = build_engine(engine_cfg(drafter_int8=int8), policy, d)
+        params = SamplingParams(temperature=0, max_new_tokens=20)
+        sd, ar = eng.generate(C.RAGGED_PROMPTS, params), eng.generate(C.RAGGED_PROMPTS, params, speculative=False)
+        assert sd.tokens == ar.tokens and sd.stats.drafted > 0
+
+
+def test_small_draft_vocab_is_lossless():
+    """Draft probabilities are zero outside the draft vocabulary; the output distribution is still exact."""
+    pol = C.tiny_vocab_policy(vocab=5)
+    d = build_drafter(drafter_cfg(draft_vocab_size=3), pol)
+    d.set_vocab_map(torch.tensor([0, 2, 4]))
+
+    def make_engine(policy, drafter=None, **kw):
+        return build_engine(engine_cfg(**kw), policy, drafter)
+
+    C.exact_distribution(make_engine, pol, d, SamplingParams(max_new_tokens=3, seed=8), n_rows=3000,
+                         wrong=SamplingParams(temperature=0.7, max_new_tokens=3), k=2, drafter_int8=False)

@@ -1,0 +1,320 @@
+"""The embedded engine: the shared contract suite (tests/contract.py) parametrized by engine, plus torch-only
+checks: LeanLlama's KV cache against full HF recomputation, seeding, policy refresh, and an oracle drafter (the
+policy drafting for itself) that makes every draft accepted, so long accepted runs, stop tokens inside a run
+and max_new_tokens cuts inside a run are exercised.
+"""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from drafttrain.engines import build_engine
+from drafttrain.modeling import LeanLlama
+from drafttrain.spec import SamplingParams, processed_probs
+from tests import contract as C
+from tests.conftest import engine_cfg, tiny_policy
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Tiny models are op-overhead bound; on a shared 2-core box intra-op threads only contend (10x slower)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(params=["torch"])
+def make_engine(request):
+    def make(policy, drafter=None, **kw):
+        return build_engine(engine_cfg(kind=request.param, **kw), policy, drafter)
+
+    return make
+
+
+@pytest.fixture(scope="module")
+def vocab5():
+    pol = C.tiny_vocab_policy(vocab=5)
+    return pol, C.fresh_drafter(pol, seed=2)
+
+
+# ---- contract suite --------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("int8", [False, True])
+def test_greedy_sd_equals_ar(make_engine, policy, drafter, int8):
+    C.greedy_sd_equals_ar(make_engine, policy, drafter, drafter_int8=int8)
+
+
+def test_ar_equals_hf_generate(make_engine, policy):
+    C.ar_equals_hf_generate(make_engine, policy)
+
+
+EXACT = {  # name: (params, negative control, engine kwargs)
+    "T1": (SamplingParams(max_new_tokens=3, seed=11), SamplingParams(temperature=0.7, max_new_tokens=3), {"k": 2}),
+    "T0.7": (SamplingParams(temperature=0.7, max_new_tokens=3, seed=12), SamplingParams(max_new_tokens=3), {"k": 3}),
+    "topk3": (SamplingParams(top_k=3, max_new_tokens=3, seed=13), SamplingParams(max_new_tokens=3), {"k": 2}),
+    "topp0.7_T1.3": (SamplingParams(temperature=1.3, top_p=0.7, max_new_tokens=3, seed=14),
+                     SamplingParams(temperature=1.3, max_new_tokens=3), {"k": 2}),
+    "greedy_drafts_T0.8_topk4": (SamplingParams(temperature=0.8, top_k=4, max_new_tokens=2, seed=15),
+                                 SamplingParams(temperature=0.8, max_new_tokens=2),
+                                 {"k": 2, "draft_sampling": "greedy", "min_accept": 0.03}),
+    "int8_drafter": (SamplingParams(max_new_tokens=3, seed=16), SamplingParams(temperature=1.3, max_new_tokens=3),
+                     {"k": 2, "drafter_int8": True}),
+}
+
+
+@pytest.mark.parametrize("name", list(EXACT))
+def test_exact_distribution(make_engine, vocab5, name):
+    params, wrong, kw = EXACT[name]
+    pol, dr = vocab5
+    kw = {"drafter_int8": False, **kw}
+    C.exact_distribution(make_engine, pol, dr, params, n_rows=3000, wrong=wrong, **kw)
+
+
+def test_exact_distribution_rejects_perturbation(make_engine, vocab5):
+    C.exact_distribution_rejects_perturbation(make_engine, *vocab5)
+
+
+@pytest.mark.parametrize("params", [SamplingParams(temperature=0.8, top_k=12, max_new_tokens=14, seed=1),
+                                    SamplingParams(temperature=1.0, max_new_tokens=14, seed=2),
+                                    SamplingParams(temperature=1.2, top_p=0.9, max_new_tokens=14, seed=3)],
+                         ids=["T0.8_topk12", "T1", "T1.2_topp0.9"])
+def test_logprobs_match_teacher_forced(make_engine, policy, drafter, params):
+    C.logprobs_match_teacher_forced(make_engine, policy, drafter, params)
+
+
+def test_ragged_stops(make_engine, policy, drafter):
+    C.ragged_stops(make_engine, policy, drafter)
+
+
+def test_max_new_tokens_exact(make_engine, policy, drafter):
+    C.max_new_tokens_exact(make_engine, policy, drafter)
+
+
+def test_rows_finish_independently_at_max_position(make_engine, policy, drafter):
+    C.rows_finish_independently_at_max_position(make_engine, policy, drafter)
+
+
+def test_load_drafter_versioned(make_engine, policy, drafter):
+    C.load_drafter_versioned(make_engine, policy, drafter)
+
+
+def test_load_drafter_refuses_bad_weights(make_engine, policy, drafter):
+    C.load_drafter_refuses_bad_weights(make_engine, policy, drafter)
+
+
+def test_bad_prompts_raise(make_engine, policy, drafter):
+    C.bad_prompts_raise(make_engine, policy, drafter)
+
+
+def test_nan_logits_raise(make_engine, policy, drafter):
+    C.nan_logits_raise(make_engine, policy, drafter)
+
+
+@pytest.mark.parametrize("family", ["qwen2", "qwen3"])
+def test_family_greedy_sd_ar_hf(make_engine, family):
+    C.family_greedy_sd_ar_hf(make_engine, family)
+
+
+# ---- torch-only: LeanLlama KV cache == full recomputation -----------------------------------------------------
+
+@torch.no_grad()
+def hf_logits_and_aux(policy, seq: list[int], aux_ids):
+    out = policy(torch.tensor([seq]), output_hidden_states=True)
+    return out.logits[0], torch.cat([out.hidden_states[i][0] for i in aux_ids], -1)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
+def test_kv_cache_equals_full_recompute(policy, family):
+    pol = policy if family == "llama" else C.family_policy(family)
+    aux_ids = (0, 2, 3)
+    lean = LeanLlama(pol, 64)
+    prompts = [[4, 8, 15, 16, 23], [30], [7, 7, 1]]
+    B, P = len(prompts), 5
+    lens = torch.tensor([len(p) for p in prompts])
+    toks = torch.full((B, P), 9)  # padding garbage the mask must hide
+    for i, p in enumerate(prompts):
+        toks[i, : len(p)] = torch.tensor(p)
+    cache = lean.new_cache(B, 64)
+    logits, aux = lean.forward(toks, torch.zeros(B, dtype=torch.long), cache, aux_ids)
+    seqs = [list(p) for p in prompts]
+    for b in range(B):
+        ref_l, ref_a = hf_logits_and_aux(pol, seqs[b], aux_ids)
+        torch.testing.assert_close(logits[b, : lens[b]], ref_l, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(aux[b, : lens[b]], ref_a, atol=1e-4, rtol=1e-4)
+
+    g = torch.Generator().manual_seed(0)
+    pos = lens.clone()  # next position to write per row
+    # verify-like steps of m tokens; keep only `keep` of them (the rest are rejected drafts left stale in the cache)
+    for m, keep in ((3, 1), (4, 4), (1, 1), (5, 2), (2, 0), (3, 3)):
+        new = torch.randint(0, pol.config.vocab_size, (B, m), generator=g)
+        logits, aux = lean.forward(new, pos, cache, aux_ids)
+        for b in range(B):
+            full = seqs[b] + new[b].tolist()
+            ref_l, ref_a = hf_logits_and_aux(pol, full, aux_ids)
+            torch.testing.assert_close(logits[b], ref_l[-m:], atol=1e-4, rtol=1e-4)
+            torch.testing.assert_close(aux[b], ref_a[-m:], atol=1e-4, rtol=1e-4)
+            seqs[b] += new[b, :keep].tolist()
+        pos = pos + keep
+    # dropping a row keeps the others intact
+    cache.select_rows(torch.tensor([0, 2]))
+    new = torch.randint(0, pol.config.vocab_size, (2, 2), generator=g)
+    logits, _ = lean.forward(new, pos[[0, 2]], cache)
+    for j, b in enumerate((0, 2)):
+        ref_l, _ = hf_logits_and_aux(pol, seqs[b] + new[j].tolist(), aux_ids)
+        torch.testing.assert_close(logits[j], ref_l[-2:], atol=1e-4, rtol=1e-4)
+
+
+def test_lean_aux_ids_must_be_distinct_layers(policy):
+    lean = LeanLlama(policy, 16)
+    cache = lean.new_cache(1, 16)
+    for bad in ((1, 1), (0, 9)):
+        with pytest.raises(ValueError, match="aux_layer_ids"):
+            lean.forward(torch.tensor([[1, 2]]), torch.zeros(1, dtype=torch.long), cache, bad)
+
+
+# ---- torch-only: seeding and policy refresh ------------------------------------------------------------------
+
+def test_seeded_generation_is_reproducible(make_engine, policy, drafter):
+    eng = make_engine(policy, drafter)
+    prompts = C.RAGGED_PROMPTS
+    a = eng.generate(prompts, SamplingParams(max_new_tokens=12, seed=5))
+    b = eng.generate(prompts, SamplingParams(max_new_tokens=12, seed=5))
+    c = eng.generate(prompts, SamplingParams(max_new_tokens=12, seed=6))
+    assert a.tokens == b.tokens and a.logprobs == b.logprobs
+    assert a.tokens != c.tokens
+    d = eng.generate(prompts, SamplingParams(max_new_tokens=12))
+    e = eng.generate(prompts, SamplingParams(max_new_tokens=12))
+    assert d.tokens != e.tokens  # unseeded calls advance the engine's seed
+
+
+def test_update_policy_refreshes_weights(make_engine):
+    pol = tiny_policy(seed=7)
+    eng = make_engine(pol, C.fresh_drafter(pol))
+    params = SamplingParams(temperature=0, max_new_tokens=10)
+    before = eng.generate(C.RAGGED_PROMPTS, params).tokens
+    other = tiny_policy(seed=8)
+    with torch.no_grad():
+        pol.load_state_dict(other.state_dict())  # in place, as an optimizer step would
+    eng.update_policy()
+    after = eng.generate(C.RAGGED_PROMPTS, params)
+    assert after.tokens != before
+    for p, got in zip(C.RAGGED_PROMPTS, after.tokens):
+        assert got == C.hf_greedy(pol, p, 10)
+
+
+# ---- torch-only: an oracle drafter (every draft accepted) -----------------------------------------------------
+
+BOS = 1
+ORACLE_PROMPTS = [[BOS] + p for p in C.RAGGED_PROMPTS]
+
+
+class OracleState:
+    def __init__(self, batch: int, prompts=None):
+        # token 0 reaches the drafter only through prompts; without them, every prompt here starts with BOS
+        first = [BOS] * batch if prompts is None else prompts[:, 0].tolist()
+        self.seqs = [[t] for t in first]
+
+    def select_rows(self, idx):
+        self.seqs = [self.seqs[i] for i in idx.tolist()]
+
+
+class OracleDrafter(torch.nn.Module):
+    """Drafts with the policy itself through HF forwards: q == p (up to float error), so every draft is
+    accepted and long accepted runs reach the engine's commit logic."""
+
+    kind = "oracle"
+    aux_layer_ids = ()
+
+    def __init__(self, policy):
+        super().__init__()
+        self.policy = policy
+
+    def new_state(self, batch, max_len, prompts=None):
+        return OracleState(batch, prompts)
+
+    @torch.no_grad()
+    def propose(self, st, new_ids, aux, n_new, start, k, params, greedy_drafts, generator=None):
+        toks, qs = [], []
+        for b, seq in enumerate(st.seqs):
+            s, n = int(start[b]), int(n_new[b])
+            del seq[s + 1:]
+            seq += new_ids[b, :n].tolist()
+            assert len(seq) == s + n + 1
+            ctx, dt, dq = list(seq), [], []
+            for _ in range(k):
+                q = processed_probs(self.policy(torch.tensor([ctx])).logits[0, -1], params)
+                d = int(q.argmax()) if greedy_drafts else int(torch.multinomial(q, 1, generator=generator))
+                ctx.append(d)
+                dt.append(d)
+                dq.append(q)
+            toks.append(dt)
+            qs.append(torch.stack(dq))
+        return torch.tensor(toks), (None if greedy_drafts else torch.stack(qs))
+
+
+def test_oracle_drafter_long_runs_stops_and_lengths(make_engine, policy):
+    k, n = 4, 18
+    eng = make_engine(policy, OracleDrafter(policy), k=k, drafter_int8=False)
+    g = SamplingParams(temperature=0, max_new_tokens=n)
+    ar = eng.generate(ORACLE_PROMPTS, g, speculative=False)
+    sd = eng.generate(ORACLE_PROMPTS, g)
+    assert sd.tokens == ar.tokens
+    assert sd.stats.mean_accepted_length > 1 + 0.9 * k  # the oracle is (almost) always right
+    assert sd.stats.target_forwards <= -(-(n - 1) // (k + 1)) + 1
+    # a stop token emitted mid-run: the accepted drafts after it are dropped
+    for row in ar.tokens:
+        for cut in (2, 3, 7, 11):  # positions that fall inside accepted runs for k = 4
+            stop = row[cut]
+            if stop in row[:cut]:
+                continue
+            b = eng.generate(ORACLE_PROMPTS, SamplingParams(temperature=0, max_new_tokens=n, stop_token_ids=(stop,)))
+            for r, got, why in zip(ar.tokens, b.tokens, b.finish_reasons):
+                want = r[: r.index(stop) + 1] if stop in r else r
+                assert got == want and why == ("stop" if stop in r else "length")
+    # max_new_tokens that cut a run of k+1 accepted tokens short
+    for m in (2, 4, 6, 8):
+        b = eng.generate(ORACLE_PROMPTS, SamplingParams(temperature=0, max_new_tokens=m))
+        assert b.tokens == [r[:m] for r in ar.tokens]
+        assert [len(x) for x in b.logprobs] == [m] * len(ORACLE_PROMPTS)
+
+
+def test_oracle_drafter_at_max_position(make_engine, policy):
+    """All drafts accepted right up to the maximum position: SD emits exactly AR's tokens, none past the last
+    position (a full accepted run must not carry a row beyond max_len)."""
+    eng = make_engine(policy, OracleDrafter(policy), k=4, drafter_int8=False, max_len=24)
+    params = SamplingParams(temperature=0, max_new_tokens=30)
+    prompts = [[BOS] + [4] * (16 + i) for i in range(5)] + [[BOS, 5, 9]]
+    ar = eng.generate(prompts, params, speculative=False)
+    sd = eng.generate(prompts, params)
+    assert [len(t) for t in ar.tokens] == [24 - len(p) for p in prompts]
+    assert sd.tokens == ar.tokens
+    assert sd.finish_reasons == ar.finish_reasons == ["length"] * len(prompts)
+    assert sd.stats.acceptance_rate > 0.9 and sd.stats.mean_accepted_length > 2
+
+
+def test_oracle_drafter_sampled_is_lossless(make_engine, vocab5):
+    pol, _ = vocab5
+    params = SamplingParams(temperature=0.9, max_new_tokens=3, seed=21)
+    eng = make_engine(pol, OracleDrafter(pol), k=2, drafter_int8=False)
+    batch = eng.generate([[BOS, 2, 3]] * 600, params)
+    assert batch.stats.acceptance_rate > 0.99
+    idx = C.seq_index(batch.tokens, 5)
+    assert C.chi2_pvalue(idx, C.exact_sequence_probs(pol, [BOS, 2, 3], 3, params)) > C.ALPHA
+    for toks, lps in zip(batch.tokens[:20], batch.logprobs[:20]):
+        ref = C.teacher_forced_logprobs(pol, [BOS, 2, 3], toks, params)
+        torch.testing.assert_close(torch.tensor(lps), ref, atol=1e-4, rtol=0)
+
+
+def test_engine_copies_the_drafter(make_engine, policy, drafter):
+    """The engine serves its own copy: training the caller's drafter does not change what is served."""
+    eng = make_engine(policy, drafter, drafter_int8=False)
+    served = {k: v.clone() for k, v in eng.drafter.state_dict().items()}
+    d2 = copy.deepcopy(drafter)
+    eng2 = make_engine(policy, d2, drafter_int8=False)
+    with torch.no_grad():
+        d2.fc.weight.add_(1.0)
+    assert torch.equal(eng2.drafter.state_dict()["fc.weight"], served["fc.weight"])
+    assert eng2.drafter_version == 0
