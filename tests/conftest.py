@@ -44,3 +44,12 @@ def drafter(policy):
     cfg.path = None
     torch.manual_seed(1)
     return build_drafter(cfg, policy)
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _one_thread():
+    """Tiny models are overhead-bound: one intra-op thread is faster and steadier on the 2-core CI machine."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

@@ -3,14 +3,16 @@
     pub = Publisher(engines, initial_weights, cfg.online, log)
     rec = pub.publish(weights, expected_mal, probe_prompts, params)   # -> version, swap_s, canary, rolled_back
 
-Order of checks: non-finite weights are never published (the engine would refuse them too); each engine's
-load_drafter is atomic and versioned; then the canary generates a short SD probe on recent prompts and compares
-the engine's mean accepted length with the trainer's own teacher-forced estimate. Silently dropped or corrupted
-weights (acceptance pinned at 0, or 2.7 -> 1.0) fall far below it: the engine is rolled back to the last good
-weights under a new version number, and the event is logged loudly.
+Order of checks: non-finite weights, or a non-finite trainer estimate (a diverged drafter whose outputs are NaN),
+are never published (the engine would refuse NaN weights too); each engine's load_drafter is atomic and
+versioned; then the canary generates a short SD probe on recent prompts and compares the engine's mean accepted
+length with the trainer's own teacher-forced estimate. Silently dropped or corrupted weights (acceptance pinned at
+0, or 2.7 -> 1.0) fall far below it, and a drafter that makes the engine fail counts as failing: the engine is
+rolled back to the last good weights under a new version number, and the event is logged loudly.
 """
 from __future__ import annotations
 
+import math
 import time
 
 import torch
@@ -43,27 +45,30 @@ class Publisher:
 
     def publish(self, weights: dict, expected_mal: float | None = None, probe_prompts=None, params=None) -> dict:
         bad = first_nonfinite(weights)
+        if bad is None and expected_mal is not None and not math.isfinite(expected_mal):
+            bad = "outputs (the trainer's acceptance estimate)"
         if bad is not None:
-            self.log(f"[drafttrain] NOT PUBLISHED: drafter tensor {bad} has NaN/inf; engines keep "
-                     f"v{self.version}")
+            self.log(f"[drafttrain] NOT PUBLISHED: drafter {bad} has NaN/inf; engines keep v{self.version}")
             return {"published": False, "version": self.version, "reason": f"nonfinite {bad}"}
         weights = {k: v.detach().clone() for k, v in weights.items()}
         v = self.version + 1
         swap_s = self._load_all(weights, v)
         rec = {"published": True, "version": v, "swap_s": swap_s, "rolled_back": False, "canary_mal": None,
                "expected_mal": expected_mal}
-        if probe_prompts and expected_mal is not None and params is not None:
-            mals = [e.generate(probe_prompts, params, speculative=True).stats.mean_accepted_length
-                    for e in self.engines]
-            rec["canary_mal"] = min(mals)
+        if probe_prompts and self.engines and expected_mal is not None and params is not None:
             floor = 1.0 + self.cfg.canary_min_ratio * (expected_mal - 1.0)
-            if rec["canary_mal"] < floor:
+            try:
+                rec["canary_mal"] = min(e.generate(probe_prompts, params, speculative=True)
+                                        .stats.mean_accepted_length for e in self.engines)
+                why = f"engine mean accepted length {rec['canary_mal']:.2f} < {floor:.2f}"
+            except (RuntimeError, ValueError) as err:  # e.g. NaN draft probabilities from broken weights
+                rec["canary_mal"], why = float("nan"), f"the engine failed with it: {str(err).splitlines()[0]}"
+            if not rec["canary_mal"] >= floor:
                 self.rollbacks += 1
                 back = v + 1
                 self._load_all(self.good_weights, back)
-                self.log(f"[drafttrain] ROLLBACK: drafter v{v} failed its canary (engine mean accepted length "
-                         f"{rec['canary_mal']:.2f} < {floor:.2f}, trainer estimate {expected_mal:.2f}); engines now "
-                         f"serve the weights of v{self.good_version} as v{back}")
+                self.log(f"[drafttrain] ROLLBACK: drafter v{v} failed its canary ({why}, trainer estimate "
+                         f"{expected_mal:.2f}); engines now serve the weights of v{self.good_version} as v{back}")
                 rec.update(rolled_back=True, version=back)
                 return rec
         self.good_weights, self.good_version = weights, v

@@ -77,12 +77,13 @@ def main(cfg) -> list[dict]:
         raise ConfigError(f"run.resume: {out} holds a checkpoint of recipe {state['recipe']!r}, not "
                           f"{cfg.recipe!r} (choose another run.out_dir or set run.resume=false)")
     policy, tok = load_policy(str(last / "policy") if last else str(resolve_path(cfg.policy.path)))
-    if acc.is_main_process:
-        save_config(cfg, out)
-    drafter = build_drafter(cfg.drafter, policy)
-    engine = build_engine(cfg.engine, policy, drafter)
     say = (lambda m: tqdm.write(m)) if acc.is_main_process else (lambda m: None)
-    tracker = DraftTracker(cfg, policy, [engine], drafter, acc, log=say)
+    try:  # a drafter that does not fit the policy is bad input: one line, and nothing written yet
+        drafter = build_drafter(cfg.drafter, policy)
+        engine = build_engine(cfg.engine, policy, drafter)
+        tracker = DraftTracker(cfg, policy, [engine], drafter, acc, log=say)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
     grpo = GRPO(cfg, policy, tok, engine, tracker, acc, rank=acc.process_index)
     start = 0
     if state is not None:
@@ -92,12 +93,14 @@ def main(cfg) -> list[dict]:
         torch.set_rng_state(state["rng"])
         start = state["step"]
         say(f"[drafttrain] resumed {out} at step {start}, drafter v{tracker.version}")
+    if acc.is_main_process:
+        save_config(cfg, out)
     logger = RunLogger(out, cfg.run.tensorboard, resume_step=start) if acc.is_main_process else None
     ro = grpo.rollout(start) if start < cfg.rl.steps else None
     bar = tqdm(range(start, cfg.rl.steps), desc=f"{cfg.recipe}", disable=not acc.is_main_process,
                initial=start, total=cfg.rl.steps)
     for step in bar:
-        rec, ro = grpo.run_step(step, ro)
+        rec, ro = grpo.run_step(step, ro, last=step == cfg.rl.steps - 1)
         if logger:
             logger.log(rec)
             bar.set_postfix(reward=f"{rec['reward_mean']:.2f}", mal=f"{rec['live_mal']:.2f}",

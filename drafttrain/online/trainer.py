@@ -63,6 +63,12 @@ class DrafterTrainer:
         return {"loss": float(loss.detach()), "acc": accs, "grad_norm": float(gn), "nonfinite": bad,
                 "step": self.step_count}
 
+    def restore(self, weights: dict) -> None:
+        """Back to known-good drafter weights after an update that diverged; the optimizer's moments (diverged
+        with it) start over."""
+        self.drafter.load_state_dict(weights)
+        self.opt.state.clear()
+
     # ---- checkpointing ----------------------------------------------------------------------------------
     def _rank_path(self, path: Path) -> Path:
         r = self.acc.process_index

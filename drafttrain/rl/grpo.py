@@ -105,26 +105,24 @@ class GRPO:
         self.model.eval()
         return {"rl_loss": losses, "clip_frac": clipped / max(n_tok, 1)}
 
-    def run_step(self, step: int, ro: Rollouts) -> tuple[dict, Rollouts]:
-        """Train on `ro` (rollouts of this step), update engines and drafter; return metrics + next rollouts."""
+    def run_step(self, step: int, ro: Rollouts, last: bool = False) -> tuple[dict, Rollouts | None]:
+        """Train on `ro` (this step's rollouts), update the engine's policy and the drafter; return the metrics
+        and the next step's rollouts (None after the last step)."""
         t0 = time.perf_counter()
-        nxt = self._pool.submit(self.rollout, step + 1) if self._pool else None  # async: step-t policy
+        nxt = self._pool.submit(self.rollout, step + 1) if self._pool and not last else None  # step-t policy
         rec = rollout_metrics(ro)
         rec.update(self.train_step(ro))  # its loss forward feeds the tracker's capture
         if self.tracker is not None:
             rec.update(self.tracker.measure())  # the drafter that generated ro vs the frozen step-0 drafter
-        if self.tracker is not None:
             rec.update(self.tracker.on_policy_update(self.policy, step))
-        if nxt is not None:
-            ro_next = nxt.result()
-            self.engine.update_policy()
-        else:
-            self.engine.update_policy()
-            ro_next = None
+        ro_next = nxt.result() if nxt is not None else None
         if self.tracker is not None:
-            rec.update(self.tracker.wait())
+            rec.update(self.tracker.wait())  # async: its canary must not see a half-refreshed policy
+        self.engine.update_policy()
+        if ro_next is None and not last:
+            ro_next = self.rollout(step + 1)
         rec["rl_step_s"] = time.perf_counter() - t0
-        return rec, ro_next if ro_next is not None else self.rollout(step + 1)
+        return rec, ro_next
 
 
 def rollout_metrics(ro: Rollouts) -> dict:

@@ -5,10 +5,13 @@
         loss = rl_loss(policy(ids, attention_mask=mask))
     tracker.on_policy_update(policy, step)                      # train the drafter, publish v+1 to every engine
     tracker.measure(k)                                          # live vs frozen step-0 drafter, teacher-forced
+    tracker.start_capture(policy, grad_only=True) ... tracker.stop_capture()   # the same, for callback APIs (TRL)
 
 online.mode=sync trains within online.time_budget_s between RL steps; online.mode=async trains and publishes in a
 background thread (call wait() before reading its result; the next on_policy_update waits by itself).
 online.track=false keeps the drafter frozen (the baseline recipe) but still captures for measurement.
+An update whose every step was non-finite publishes nothing; one that diverged (NaN/inf weights or outputs) is
+not published and the drafter goes back to the last good weights.
 """
 from __future__ import annotations
 
@@ -136,8 +139,11 @@ class DraftTracker:
         self.wait()
         self.latest, self.pending = self.pending, []
         self.policy_version = step + 1 if step is not None else self.policy_version + 1
-        if not self.cfg.online.track or len(self.buffer) == 0:
-            return {}
+        if not self.cfg.online.track or len(self.buffer) == 0:  # no update; the same keys (report.py's rule)
+            self._result = {"drafter_train_s": 0.0, "publish_s": 0.0, "drafter_loss": None, "drafter_steps": 0,
+                            "drafter_skipped_nonfinite": 0, "swap_s": None, "canary_mal": None, "expected_mal": None,
+                            "rolled_back": False, "published": False, "drafter_version": self.version}
+            return self._result
         now = time.perf_counter()
         # the RL step's own time since the last update (its drafter training excluded) sets the sync budget
         rl_s = None if self._last_update_t is None else now - self._last_update_t - self._last_train_s
@@ -177,7 +183,15 @@ class DraftTracker:
         train_s = time.perf_counter() - t0
         params = sampling_params(self.cfg, max_new_tokens=oc.canary_max_new_tokens)
         t1 = time.perf_counter()
-        pub = self.publisher.publish(weights, est, self.probe_prompts, params)
+        if skipped == len(losses):  # every step was skipped: the weights did not change, nothing new to publish
+            self.log(f"[drafttrain] NOT PUBLISHED: all {skipped} drafter steps had a NaN/inf loss or gradient; "
+                     f"engines keep v{self.version}")
+            pub = {"published": False}
+        else:
+            pub = self.publisher.publish(weights, est, self.probe_prompts, params)
+        if pub.get("reason", "").startswith("nonfinite"):  # diverged: train on from the last good weights
+            with self._lock:
+                self.trainer.restore(self.publisher.good_weights)
         self._result = {"drafter_train_s": train_s, "publish_s": time.perf_counter() - t1, "drafter_loss": sum(losses) / max(len(losses), 1),
                         "drafter_steps": len(losses), "drafter_skipped_nonfinite": skipped,
                         "swap_s": pub.get("swap_s"), "canary_mal": pub.get("canary_mal"),
@@ -211,8 +225,8 @@ class DraftTracker:
         self.frozen.load_state_dict(state["frozen"])
         self.policy_version = state["policy_version"]
         self.publisher.good_weights, self.publisher.good_version = state["good_weights"], state["good_version"]
-        if state["version"] > 0:
-            self.publisher._load_all({k: v.detach().clone() for k, v in self.drafter.state_dict().items()},
+        if state["version"] > 0:  # engines serve the last good weights; the drafter may hold newer, rejected ones
+            self.publisher._load_all({k: v.detach().clone() for k, v in state["good_weights"].items()},
                                      max(state["version"], self.publisher.version + 1))
 
 

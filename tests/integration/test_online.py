@@ -1,0 +1,405 @@
+"""The online loop end to end on a tiny random policy (CPU): RL steps with hot-swaps (sync and async), atomic
+swaps mid-generation, the canary and rollback, non-finite drafter updates, kill and resume, and bad input.
+
+Torch runs with one intra-op thread here: on a shared 2-core machine, spinning worker threads made the tiny
+model's decode steps 10-100x slower.
+"""
+from __future__ import annotations
+
+import math
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from drafttrain.config import PROJECT_ROOT, load_recipe, sampling_params
+from drafttrain.report import read_jsonl
+
+TINY = dict(hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=4, intermediate_size=128)
+# the per-step keys DESIGN.md and the README promise in metrics.jsonl
+KEYS = {"step", "reward_mean", "resp_len_mean", "rollout_tokens_per_s", "live_mal", "live_acc_pos", "live_tf_mal",
+        "live_tf_acc_pos", "frozen_tf_mal", "frozen_tf_acc_pos", "drafter_train_s", "swap_s",
+        "policy_minus_drafter_version", "rl_step_s", "drafter_version", "published", "rolled_back", "canary_mal"}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def policy_dir(tmp_path_factory):
+    from drafttrain.policy import build_policy, build_tokenizer, save_policy
+
+    torch.manual_seed(0)
+    path = tmp_path_factory.mktemp("policy") / "policy"
+    save_policy(build_policy(TINY), build_tokenizer(), str(path))
+    return path
+
+
+def overrides(policy_dir, out, *extra) -> list[str]:
+    return [f"policy.path={policy_dir}", "drafter.path=null", "rl.steps=1", "rl.prompts_per_step=2",
+            "rl.group_size=2", "sampling.max_new_tokens=16", "online.steps_per_update=2", "online.canary_prompts=2",
+            "online.canary_max_new_tokens=8", "train.batch_size=4", "run.tensorboard=false", f"run.out_dir={out}",
+            *extra]
+
+
+# ---- one RL step with a hot-swap ------------------------------------------------------------------------------
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_one_rl_step_with_hot_swap(policy_dir, tmp_path, monkeypatch, mode):
+    from omegaconf import OmegaConf
+
+    from drafttrain.online import run
+
+    engines = []
+    build = run.build_engine
+    monkeypatch.setattr(run, "build_engine", lambda *a, **kw: engines.append(build(*a, **kw)) or engines[-1])
+    cfg = load_recipe("eagle3_track", overrides(policy_dir, tmp_path, f"rl.mode={mode}", f"online.mode={mode}"))
+    (rec,) = run.main(cfg)
+
+    assert KEYS <= set(rec), KEYS - set(rec)
+    assert rec["rollout_drafter_version"] == 0 and rec["published"] and not rec["rolled_back"]
+    assert rec["drafter_version"] == 1 == engines[0].drafter_version  # hot-swapped into the engine
+    assert rec["drafter_steps"] >= 1 and rec["swap_s"] > 0 and rec["canary_mal"] >= 1.0
+    assert all(math.isfinite(rec[k]) for k in ("reward_mean", "live_mal", "live_tf_mal", "frozen_tf_mal"))
+    assert read_jsonl(tmp_path / "metrics.jsonl") == [rec]
+    assert (tmp_path / "report.png").stat().st_size > 0
+    saved = OmegaConf.load(tmp_path / "config.yaml")
+    assert saved.rl.mode == mode and saved.online.mode == mode and saved.recipe == "eagle3_track"
+    state = torch.load(tmp_path / "ckpt" / "step-1" / "state.pt", weights_only=False)
+    assert state["step"] == 1 and state["tracker"]["version"] == 1
+
+
+def test_frozen_drafter_records_the_same_keys(policy_dir, tmp_path):
+    """online.track=false (the frozen baseline): no swap, but metrics.jsonl has the same keys as a tracking run."""
+    from drafttrain.online.run import main
+
+    (rec,) = main(load_recipe("eagle3_track", overrides(policy_dir, tmp_path, "online.track=false")))
+    assert KEYS <= set(rec), KEYS - set(rec)
+    assert rec["drafter_version"] == 0 and not rec["published"] and rec["swap_s"] is None
+    assert rec["live_tf_mal"] == rec["frozen_tf_mal"]
+
+
+# ---- a swap in the middle of generation -----------------------------------------------------------------------
+def test_swap_mid_generation_never_mixes_versions(policy_dir, monkeypatch):
+    """Three swaps, each landing while a decode step is drafting (forced from inside propose). Every module call of
+    every step must come from one runtime drafter, and that drafter must hold the weights of the step's version."""
+    from drafttrain.drafters import build_drafter
+    from drafttrain.engines.torch_engine import TorchEngine
+    from drafttrain.policy import load_policy
+    from drafttrain.spec import SamplingParams
+
+    policy, _ = load_policy(str(policy_dir))
+    cfg = load_recipe("eagle3_track", [f"policy.path={policy_dir}", "drafter.path=null"])
+    torch.manual_seed(1)
+    drafter = build_drafter(cfg.drafter, policy)
+    base = drafter.state_dict()
+    weights = {v: {**base, "fc.weight": base["fc.weight"] + 0.01 * v} for v in range(4)}
+    fp = lambda sd: round(float(sd["fc.weight"].double().sum()), 3)  # noqa: E731  weights fingerprint
+    version_of = {fp(w): v for v, w in weights.items()}
+    assert len(version_of) == 4
+
+    log: list[tuple[str, int]] = []  # ("step" | "call", version of the runtime that made it)
+    swap_at = {6: 1, 14: 2, 25: 3}  # decode step -> version swapped in while that step drafts
+    go = {v: threading.Event() for v in swap_at.values()}
+    done = {v: threading.Event() for v in swap_at.values()}
+    landed_mid_step = []
+    make_runtime = TorchEngine._runtime
+
+    def runtime(self, d):  # every runtime the engine builds records its own version on each module call
+        rt = make_runtime(self, d)
+        v = version_of[fp(d.state_dict())]
+        for m in rt.modules():
+            m.register_forward_hook(lambda *a, v=v: log.append(("call", v)))
+        propose = rt.propose
+
+        def recording_propose(*a, **kw):
+            n = sum(1 for e in log if e[0] == "step")
+            log.append(("step", v))
+            if n in swap_at:  # let another thread swap now, in the middle of this step
+                go[swap_at[n]].set()
+                assert done[swap_at[n]].wait(60)
+                landed_mid_step.append((n, v, engine.drafter_version))
+            return propose(*a, **kw)
+
+        rt.propose = recording_propose
+        return rt
+
+    monkeypatch.setattr(TorchEngine, "_runtime", runtime)
+    cfg.engine.drafter_int8 = False
+    drafter.load_state_dict(weights[0])
+    engine = TorchEngine(cfg.engine, policy, drafter)
+
+    def swapper():
+        for v in (1, 2, 3):
+            if not go[v].wait(60):
+                return
+            engine.load_drafter(weights[v], v)
+            done[v].set()
+
+    t = threading.Thread(target=swapper, daemon=True)
+    t.start()
+    batch = engine.generate([[1, 5, 6, 7, 8], [1, 9, 10]], SamplingParams(temperature=1.0, max_new_tokens=400, seed=0))
+    t.join(5)
+
+    vs = batch.drafter_versions
+    assert vs == sorted(vs) and vs[0] == 0 and vs[-1] == 3 and set(vs) == {0, 1, 2, 3}  # changed mid-batch
+    assert landed_mid_step == [(6, 0, 1), (14, 1, 2), (25, 2, 3)]  # each swap landed while a step was drafting
+    steps = []  # the versions of each step's module calls
+    for kind, v in log:
+        if kind == "step":
+            steps.append((v, set()))
+        else:
+            steps[-1][1].add(v)
+    assert len(steps) == len(vs)
+    for i, ((v, called), served) in enumerate(zip(steps, vs)):
+        assert called == {v} and v == served, f"decode step {i} used versions {called}, recorded {served}"
+
+
+# ---- canary, rollback, non-finite updates, resume after a rollback ---------------------------------------------
+@pytest.fixture(scope="module")
+def trained():
+    """A sharp tiny policy and an EAGLE-3 drafter trained on its rollouts (engine MAL ~3 at k=4, fresh ~1.4)."""
+    from drafttrain.drafters import build_drafter
+    from drafttrain.engines import build_engine
+    from drafttrain.online import DrafterTrainer, teacher_forced_features
+    from drafttrain.online.acceptance import teacher_forced_acceptance
+    from drafttrain.policy import build_policy, build_tokenizer, encode_prompt, make_prompts
+
+    torch.manual_seed(0)
+    policy, tok = build_policy(TINY).eval(), build_tokenizer()
+    with torch.no_grad():
+        policy.lm_head.weight.mul_(16.0)  # a peaked next-token distribution: a broken drafter is far worse
+    cfg = load_recipe("eagle3_track", ["drafter.path=null", "engine.drafter_int8=false", "train.lr=1e-2",
+                                       "online.canary_max_new_tokens=48"])
+    prompts = [encode_prompt(tok, p.prompt) for p in make_prompts(8, seed=0)]
+    engine = build_engine(cfg.engine, policy, build_drafter(cfg.drafter, policy))
+    ro = engine.generate(prompts, sampling_params(cfg, max_new_tokens=32, seed=0), speculative=False)
+    drafter = build_drafter(cfg.drafter, policy)
+    feats = teacher_forced_features(policy, prompts, ro.tokens, drafter.aux_layer_ids, 4)
+    trainer = DrafterTrainer(drafter, cfg.train, cfg.drafter)
+    for _ in range(60):
+        trainer.step(feats)
+    good = {k: v.detach().clone() for k, v in drafter.state_dict().items()}
+    expected = teacher_forced_acceptance(drafter, feats, 4)["mal"]
+    assert expected > 3.0
+    return dict(policy=policy, cfg=cfg, prompts=prompts, good=good, expected=expected, feats=feats)
+
+
+def _engine(trained, int8: bool = False):
+    from drafttrain.drafters import build_drafter
+    from drafttrain.engines import build_engine
+
+    cfg = trained["cfg"].engine.copy()
+    cfg.drafter_int8 = int8
+    return build_engine(cfg, trained["policy"], build_drafter(trained["cfg"].drafter, trained["policy"]))
+
+
+def _corrupt(weights: dict, how: str) -> dict:
+    g = torch.Generator().manual_seed(0)
+    if how == "zeroed":
+        return {k: torch.zeros_like(v) if v.is_floating_point() else v for k, v in weights.items()}
+    return {k: v.flatten()[torch.randperm(v.numel(), generator=g)].view_as(v) if v.is_floating_point() else v
+            for k, v in weights.items()}
+
+
+@pytest.mark.parametrize("how", ["zeroed", "shuffled"])
+def test_canary_rolls_back_a_corrupt_drafter(trained, how):
+    from drafttrain.online.hotswap import Publisher
+
+    engine, logs = _engine(trained), []
+    cfg, probe = trained["cfg"], trained["prompts"][:4]
+    params = sampling_params(cfg, max_new_tokens=cfg.online.canary_max_new_tokens)
+    pub = Publisher([engine], engine.drafter.state_dict(), cfg.online, log=logs.append)
+    ok = pub.publish(trained["good"], trained["expected"], probe, params)
+    assert ok["published"] and not ok["rolled_back"] and engine.drafter_version == 1
+
+    bad = pub.publish(_corrupt(trained["good"], how), trained["expected"], probe, params)
+    assert bad["rolled_back"] and bad["canary_mal"] < ok["canary_mal"]
+    assert bad["version"] == engine.drafter_version == 3 and pub.good_version == 1  # v2 failed; v3 = v1's weights
+    served = engine.drafter.state_dict()
+    assert all(torch.equal(served[k], trained["good"][k]) for k in served)
+    assert engine.generate(probe, params).stats.mean_accepted_length > 2.0
+    assert any("ROLLBACK" in m and "v2" in m for m in logs), logs
+
+
+def test_canary_rolls_back_a_drafter_that_crashes_the_engine(trained):
+    """Huge (finite) weights make the int8 drafter's kernels fail: a failed canary, not a dead RL job."""
+    from drafttrain.online.hotswap import Publisher
+
+    engine, logs = _engine(trained, int8=True), []
+    cfg, probe = trained["cfg"], trained["prompts"][:2]
+    params = sampling_params(cfg, max_new_tokens=16)
+    pub = Publisher([engine], trained["good"], cfg.online, log=logs.append)
+    huge = {k: v * 1e10 if v.is_floating_point() else v for k, v in trained["good"].items()}
+    rec = pub.publish(huge, trained["expected"], probe, params)
+    assert rec["rolled_back"] and engine.drafter_version == 2 and any("ROLLBACK" in m for m in logs)
+    assert engine.generate(probe, params).stats.mean_accepted_length > 2.0  # the good weights serve again
+
+
+def _tracker_with_features(trained, engine, *extra):
+    """A DraftTracker on the trained setup whose buffer holds one captured loss forward."""
+    from drafttrain.config import load_recipe
+    from drafttrain.drafters import build_drafter
+    from drafttrain.rl.hooks import DraftTracker
+
+    cfg = load_recipe("eagle3_track", ["drafter.path=null", "engine.drafter_int8=false", "train.batch_size=4",
+                                       "online.steps_per_update=2", "online.canary_max_new_tokens=16", *extra])
+    policy = trained["policy"]
+    drafter = build_drafter(cfg.drafter, policy)
+    drafter.load_state_dict(trained["good"])
+    logs = []
+    tracker = DraftTracker(cfg, policy, [engine], drafter, log=logs.append)
+    seqs = [p + [5, 6, 7, 8, 9, 10] for p in trained["prompts"][:4]]
+    ids = torch.tensor([s[:min(map(len, seqs))] for s in seqs])
+    with tracker.capture(policy, response_start=ids.shape[1] - 6):
+        policy(input_ids=ids)
+    tracker.set_probe(trained["prompts"][:2])
+    return tracker, logs
+
+
+def test_nan_update_is_never_published(trained):
+    engine = _engine(trained)
+    tracker, logs = _tracker_with_features(trained, engine)
+    for rec in tracker.buffer.records:  # features that make every drafter step non-finite
+        rec["target_probs"].fill_(float("nan"))
+    before = {k: v.clone() for k, v in tracker.drafter.state_dict().items()}
+    out = tracker.on_policy_update(trained["policy"], 0)
+    assert out["drafter_skipped_nonfinite"] == out["drafter_steps"] == 2
+    assert not out["published"] and tracker.version == 0 == engine.drafter_version
+    assert all(torch.equal(before[k], v) for k, v in tracker.drafter.state_dict().items())
+    assert any("NOT PUBLISHED" in m for m in logs), logs
+
+
+def test_publisher_refuses_nonfinite_weights(trained):
+    from drafttrain.online.hotswap import Publisher
+
+    engine, logs = _engine(trained), []
+    pub = Publisher([engine], trained["good"], trained["cfg"].online, log=logs.append)
+    bad = {**trained["good"], "fc.weight": trained["good"]["fc.weight"].clone().fill_(float("inf"))}
+    rec = pub.publish(bad, trained["expected"])
+    assert not rec["published"] and engine.drafter_version == 0 == pub.version
+    assert any("NOT PUBLISHED" in m and "fc.weight" in m for m in logs)
+
+
+@pytest.mark.parametrize("lr", ["1e30", "inf"])
+def test_diverged_update_is_not_published_and_training_recovers(trained, lr):
+    """lr=1e30: finite but huge weights whose outputs are NaN; lr=inf: NaN weights. Neither reaches the engine, and
+    the drafter goes back to its last good weights instead of staying broken."""
+    engine = _engine(trained)
+    tracker, logs = _tracker_with_features(trained, engine, f"train.lr={lr}")
+    out = tracker.on_policy_update(trained["policy"], 0)
+    assert not out["published"] and tracker.version == 0 == engine.drafter_version
+    assert any("NOT PUBLISHED" in m for m in logs), logs
+    now = tracker.drafter.state_dict()
+    assert all(torch.equal(now[k], trained["good"][k]) for k in now)  # back to the last good weights
+    tracker.trainer.set_lr(1e-3)
+    tracker.set_probe([])
+    out = tracker.on_policy_update(trained["policy"], 1)
+    assert out["published"] and out["drafter_skipped_nonfinite"] == 0 and engine.drafter_version == 1
+
+
+def test_resume_after_rollback_serves_the_good_weights(trained):
+    """The tracker's own drafter failed its canary: after a resume, the engine must serve the rolled-back-to weights."""
+    from drafttrain.drafters import build_drafter
+    from drafttrain.rl.hooks import DraftTracker
+
+    engine = _engine(trained)
+    tracker, _ = _tracker_with_features(trained, engine)
+    cfg, probe = tracker.cfg, trained["prompts"][:4]
+    params = sampling_params(cfg, max_new_tokens=48)
+    assert tracker.publisher.publish(trained["good"], trained["expected"], probe, params)["published"]
+    zeros = _corrupt(trained["good"], "zeroed")
+    tracker.drafter.load_state_dict(zeros)  # the trainer's drafter went bad
+    assert tracker.publisher.publish(zeros, trained["expected"], probe, params)["rolled_back"]
+    state = tracker.state_dict()
+
+    engine2 = _engine(trained)  # a restart: fresh engine; the trainer restores its (bad) drafter
+    drafter2 = build_drafter(cfg.drafter, trained["policy"])
+    drafter2.load_state_dict(zeros)
+    DraftTracker(cfg, trained["policy"], [engine2], drafter2, log=lambda m: None).load_state_dict(state)
+    assert engine2.drafter_version == engine.drafter_version == 3
+    served = engine2.drafter.state_dict()
+    assert all(torch.equal(served[k], trained["good"][k]) for k in served)
+
+
+# ---- kill and resume ------------------------------------------------------------------------------------------
+@pytest.mark.slow
+def test_kill_and_resume(policy_dir, tmp_path):
+    out, steps = tmp_path / "run", 6
+    cmd = [sys.executable, "-m", "drafttrain.online", "recipe=eagle3_track",
+           *overrides(policy_dir, out, f"rl.steps={steps}", "sampling.max_new_tokens=24")]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    latest = out / "ckpt" / "latest"
+    proc = subprocess.Popen(cmd, cwd=PROJECT_ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.time() + 240
+        while time.time() < deadline and proc.poll() is None:
+            if latest.is_file() and int(latest.read_text().strip().split("-")[1]) >= 1:
+                break
+            time.sleep(0.02)
+        assert proc.poll() is None, "the job ended before it was killed"
+        os.kill(proc.pid, signal.SIGKILL)
+    finally:
+        proc.kill()
+        proc.wait()
+    state = torch.load(out / "ckpt" / latest.read_text().strip() / "state.pt", weights_only=False)
+    step, version = state["step"], state["tracker"]["version"]
+    assert 1 <= step < steps
+
+    r = subprocess.run(cmd, cwd=PROJECT_ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
+    assert f"[drafttrain] resumed {out} at step {step}, drafter v{version}" in r.stdout + r.stderr
+    recs = read_jsonl(out / "metrics.jsonl")
+    assert [x["step"] for x in recs] == list(range(steps))  # no lost or duplicated steps
+    assert recs[step]["rollout_drafter_version"] == version  # the engine resumed at the checkpointed version
+    assert [x["drafter_version"] for x in recs] == sorted(x["drafter_version"] for x in recs)
+    assert (out / "report.png").is_file()
+
+
+# ---- bad input: one clear line, nothing written so far lost ---------------------------------------------------
+@pytest.fixture(scope="module")
+def first_run(policy_dir, tmp_path_factory):
+    from drafttrain.online.run import cli
+
+    out = tmp_path_factory.mktemp("first")
+    cli(["recipe=eagle3_track", *overrides(policy_dir, out)])
+    return out
+
+
+def _files(root: Path) -> dict:
+    return {p.relative_to(root): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def _bad_aux_recipe(tmp_path, policy_dir) -> str:
+    path = tmp_path / "bad_aux.yaml"
+    path.write_text(f"policy:\n  path: {policy_dir}\ndrafter:\n  kind: eagle3\n  path: null\n"
+                    f"  aux_layer_ids: [1, 2, 9]\n")
+    return str(path)
+
+
+@pytest.mark.parametrize("case", ["aux_layer_ids", "buffer_mb", "resume_other_recipe"])
+def test_bad_input_one_line_error_nothing_lost(first_run, policy_dir, tmp_path, case):
+    from drafttrain.online.run import cli
+
+    args = {"aux_layer_ids": [f"recipe={_bad_aux_recipe(tmp_path, policy_dir)}", "run.resume=false"],
+            "buffer_mb": ["recipe=eagle3_track", "online.buffer_mb=0"],
+            "resume_other_recipe": ["recipe=eagle3_frozen"]}[case]
+    expect = {"aux_layer_ids": "drafter.aux_layer_ids", "buffer_mb": "online.buffer_mb",
+              "resume_other_recipe": "run.resume"}[case]
+    before = _files(first_run)
+    assert (first_run / "ckpt" / "step-1" / "state.pt").is_file() and (first_run / "config.yaml").is_file()
+    with pytest.raises(SystemExit) as e:
+        cli([*overrides(policy_dir, first_run), *args])
+    msg = str(e.value.code)
+    assert msg.startswith("error: ") and "\n" not in msg and expect in msg, msg
+    assert _files(first_run) == before  # the first run's config, metrics and checkpoint are untouched
