@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from drafttrain.config import load_recipe, resolve_path, script_config
+from drafttrain.config import load_recipe, max_draft_len, resolve_path, script_config
 from drafttrain.drafters import build_drafter
 from drafttrain.engines import build_engine
 from drafttrain.online.acceptance import teacher_forced_acceptance
@@ -112,7 +112,7 @@ def main(cfg) -> dict:
         shutil.rmtree(run_dir)
     base_over = [f"rl.lr={cfg.rl_lr}", f"run.out_dir={run_dir}", "run.resume=true", *cfg.overrides]
     rc = load_recipe(cfg.recipe, base_over)
-    k = rc.engine.k
+    k = max_draft_len(rc.engine)
     torch.manual_seed(rc.run.seed)  # as the run does, so a fresh (path=null) drafter is the run's step-0 drafter
     pol0, tok = load_policy(str(resolve_path(rc.policy.path)))
     frozen = build_drafter(rc.drafter, pol0).eval()
