@@ -56,13 +56,16 @@ class EngineConfig:
 
 @dataclass
 class DrafterConfig:
-    kind: str = "eagle3"  # eagle3 (registry in drafttrain/drafters/base.py)
-    path: Optional[str] = "checkpoints/eagle3"  # speculators-format folder; None = fresh random drafter
+    kind: str = "eagle3"  # eagle3 | selfquant (registry in drafttrain/drafters/base.py)
+    path: Optional[str] = "checkpoints/eagle3"  # speculators-format folder; None = fresh drafter (selfquant: None)
     aux_layer_ids: Optional[list[int]] = None  # policy layers whose inputs feed the drafter; None = kind's default
     draft_vocab_size: Optional[int] = None  # None = the policy's vocabulary
     intermediate_size: Optional[int] = None  # None = the policy's
     ttt_steps: int = 3  # training-time-test unroll length n
     ttt_decay: float = 0.8  # step i weighs ttt_decay**i
+    quant: str = "int8"  # selfquant: int8 (per-output-channel) | int4 (group-wise)
+    backend: str = "ao"  # selfquant: ao (torch fbgemm int8 / aten int4 CPU kernels) | bnb (bitsandbytes) | ref
+    group_size: int = 64  # selfquant int4: in-features per scale (bnb: nf4 blocksize)
 
 
 @dataclass
@@ -189,6 +192,12 @@ def validate(cfg: Config) -> None:
         (cfg.online.buffer_mb > 0, "online.buffer_mb", f"must be > 0, got {cfg.online.buffer_mb}"),
         (cfg.rl.group_size >= 2, "rl.group_size", f"must be >= 2 (group-normalized advantages), got {cfg.rl.group_size}"),
         (cfg.drafter.ttt_steps >= 1, "drafter.ttt_steps", f"must be >= 1, got {cfg.drafter.ttt_steps}"),
+        (cfg.drafter.quant in ("int8", "int4"), "drafter.quant", f"must be int8 or int4, got {cfg.drafter.quant!r}"),
+        (cfg.drafter.backend in ("ao", "bnb", "ref"), "drafter.backend",
+         f"must be ao, bnb or ref, got {cfg.drafter.backend!r}"),
+        (cfg.drafter.group_size >= 1, "drafter.group_size", f"must be >= 1, got {cfg.drafter.group_size}"),
+        (cfg.drafter.kind != "selfquant" or cfg.drafter.path is None, "drafter.path",
+         "must be null for drafter.kind=selfquant (it is built from the policy, not loaded)"),
     ]
     for ok, key, msg in checks:
         if not ok:

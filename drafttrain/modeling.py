@@ -5,11 +5,18 @@ Each row b of a batch sits at its own position pos[b]; a step feeds m tokens per
 The cache is [B, Hkv, L, D] per layer; entries past a row's position are stale (padding, rejected drafts) and
 are masked out, then overwritten. Weights are read from the HF module (Llama, Qwen2 with qkv bias, Qwen3 with
 q/k norms); q/k/v and gate/up are packed into one matrix each; `refresh()` re-snapshots the weights in place.
+Every matmul goes through `linear`, so the self-drafter (drafters/selfquant.py) runs this same forward over
+quantized linears.
 """
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+
+def linear(x: torch.Tensor, w, b: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear for a weight tensor; a quantized linear (drafters/selfquant.py) is a callable holding its own bias."""
+    return F.linear(x, w, b) if isinstance(w, torch.Tensor) else w(x)
 
 
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
@@ -144,7 +151,7 @@ class LeanLlama:
             if i in aux_ids:
                 aux.append(x)
             h = rms_norm(x, w["ln1"], self.eps)
-            qkv = F.linear(h, w["qkv"], w.get("qkv_b"))  # [B, m, (H + 2Hkv) D]
+            qkv = linear(h, w["qkv"], w.get("qkv_b"))  # [B, m, (H + 2Hkv) D]
             q, k, v = qkv.split([H * D, Hkv * D, Hkv * D], dim=-1)
             q = q.view(B, m, H, D).transpose(1, 2)  # [B, H, m, D]
             k = k.view(B, m, Hkv, D).transpose(1, 2)
@@ -154,11 +161,11 @@ class LeanLlama:
             q, k = self.rope.apply(q, pos), self.rope.apply(k, pos)
             cache.write(i, k, v, pos)
             o = attend(q, cache, i, mask).transpose(1, 2).reshape(B, m, H * D)
-            x = x + F.linear(o, w["o"])
+            x = x + linear(o, w["o"])
             h = rms_norm(x, w["ln2"], self.eps)
-            g, u = F.linear(h, w["gate_up"]).chunk(2, dim=-1)
-            x = x + F.linear(F.silu(g) * u, w["down"])
-        logits = F.linear(rms_norm(x, self.weights["norm"], self.eps), self.weights["lm_head"])  # [B, m, V]
+            g, u = linear(h, w["gate_up"]).chunk(2, dim=-1)
+            x = x + linear(F.silu(g) * u, w["down"])
+        logits = linear(rms_norm(x, self.weights["norm"], self.eps), self.weights["lm_head"])  # [B, m, V]
         if aux_ids and len(aux) != len(aux_ids):
             raise ValueError(f"aux_layer_ids {list(aux_ids)} must be distinct layers in [0, {self.n_layers - 1}]")
         return logits, (torch.cat(aux, -1) if aux_ids else None)
