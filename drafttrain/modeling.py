@@ -44,7 +44,8 @@ class Rope:
         return Rope(inv, max_len)
 
     def apply(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-        """x [B, H, m, D], pos [B, m] absolute positions."""
+        """x [B, H, m, D], pos [B, m] absolute positions (padding past the table is clamped: never read)."""
+        pos = pos.clamp_max(self.max_len - 1)
         cos, sin = self.cos[pos].unsqueeze(1), self.sin[pos].unsqueeze(1)  # [B, 1, m, D]
         return x * cos + rotate_half(x) * sin
 
@@ -58,14 +59,21 @@ class KVCache:
         self.v = [torch.zeros(shape, dtype=dtype) for _ in range(n_layers)]
         self.max_len = max_len
 
-    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor) -> None:
-        """k, v [B, Hkv, m, D] written at pos [B, m]."""
+    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor,
+              valid: torch.Tensor | None = None) -> None:
+        """k, v [B, Hkv, m, D] written at pos [B, m]; valid [B, m] (ragged rows) drops the padding entries,
+        which may lie past the cache's end."""
         B, H, m, _ = k.shape
-        bi = torch.arange(B).view(B, 1, 1)
-        hi = torch.arange(H).view(1, H, 1)
-        pi = pos.view(B, 1, m)
-        self.k[layer].index_put_((bi, hi, pi), k)
-        self.v[layer].index_put_((bi, hi, pi), v)
+        if valid is None:
+            bi = torch.arange(B).view(B, 1, 1)
+            hi = torch.arange(H).view(1, H, 1)
+            self.k[layer].index_put_((bi, hi, pos.view(B, 1, m)), k)
+            self.v[layer].index_put_((bi, hi, pos.view(B, 1, m)), v)
+            return
+        b, j = valid.nonzero(as_tuple=True)  # the real entries only
+        p = pos[b, j]
+        self.k[layer][b, :, p] = k[b, :, j]
+        self.v[layer][b, :, p] = v[b, :, j]
 
     def select_rows(self, idx: torch.Tensor) -> None:
         self.k = [t.index_select(0, idx) for t in self.k]

@@ -209,13 +209,15 @@ class Eagle3Drafter(nn.Module):
         c = self.config
         return Eagle3State(KVCache(1, batch, c.num_key_value_heads, max_len, c.head_dim))
 
-    def _cached_step(self, st, emb, hidden, pos0):
-        """m positions per row at pos0[B]..; returns (draft logits [B, m, Vd], pre-norm hidden [B, m, H])."""
+    def _cached_step(self, st, emb, hidden, pos0, n_valid=None):
+        """m positions per row at pos0[B].. (the first n_valid[b] real); returns (draft logits [B, m, Vd],
+        pre-norm hidden [B, m, H])."""
         B, m, _ = emb.shape
         pos = pos0.view(B, 1) + torch.arange(m).view(1, m)
         q, k, v, res = self._qkv(emb, hidden, pos)
-        st.cache.write(0, k, v, pos)
-        o = attend(q, st.cache, 0, step_mask(pos0, m, int(pos0.max()) + m))
+        valid = None if n_valid is None else torch.arange(m).view(1, m) < n_valid.view(B, 1)
+        st.cache.write(0, k, v, pos, valid)
+        o = attend(q, st.cache, 0, step_mask(pos0, m, min(int(pos0.max()) + m, st.cache.max_len)))
         return self._post(o, res)
 
     def _to_target(self, draft_logits: torch.Tensor) -> torch.Tensor:
@@ -231,7 +233,7 @@ class Eagle3Drafter(nn.Module):
         Returns (draft tokens [B, k], draft probs [B, k, V] or None for one-hot greedy drafts)."""
         B = new_ids.shape[0]
         rows = torch.arange(B)
-        logits, pre = self._cached_step(st, self.embed_tokens(new_ids), self.fc(aux), start)
+        logits, pre = self._cached_step(st, self.embed_tokens(new_ids), self.fc(aux), start, n_new)
         last = n_new - 1
         lg, h = logits[rows, last], pre[rows, last]  # [B, Vd], [B, H]
         pos = start + n_new  # next chain position per row

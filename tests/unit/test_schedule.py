@@ -1,0 +1,152 @@
+"""The system-aware SD schedule: toggle, auto k, ladder, and the engine's catch-up after AR steps."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from drafttrain.engines import build_engine
+from drafttrain.engines.schedule import AcceptanceEstimate, CostModel, SpecController
+from drafttrain.spec import SamplingParams
+from tests.conftest import engine_cfg
+from tests.contract import RAGGED_PROMPTS, fresh_drafter
+
+
+def synthetic_cost(verify_slope: float = 0.2, draft: float = 0.1, batch_slope: float = 0.05) -> CostModel:
+    """T(B, m) = 1 + verify_slope (m-1) + batch_slope B (m-1) ms; D = draft ms per token."""
+    bs, ms = [1, 4, 16, 64], [1, 2, 3, 5, 9]
+    tgt = {b: {m: 1 + verify_slope * (m - 1) + batch_slope * b * (m - 1) for m in ms} for b in bs}
+    return CostModel(tgt, {b: draft for b in bs})
+
+
+class Scripted:
+    """A controller stand-in that replays a fixed k per decode step (0 = AR)."""
+
+    def __init__(self, ks, k_max):
+        self.ks, self.k_max, self.trace, self.i, self.mode = list(ks), k_max, [], 0, "fixed"
+
+    def decide(self, batch):
+        k = self.ks[min(self.i, len(self.ks) - 1)]
+        self.i += 1
+        return k
+
+    def observe(self, n, k):
+        pass
+
+
+def test_cost_model_interpolates_and_extrapolates():
+    c = synthetic_cost()
+    assert c.target(1, 1) == pytest.approx(1.0)
+    assert c.target(4, 4) == pytest.approx(1 + 0.2 * 3 + 0.05 * 4 * 3)  # m between measured points
+    assert c.target(32, 2) == pytest.approx(1 + 0.2 + 0.05 * 32)  # batch between measured points
+    assert c.target(1, 12) == pytest.approx(1 + 0.2 * 11 + 0.05 * 11)  # past the last m: linear
+
+
+def test_toggle_follows_the_cost_model():
+    """SD on at small batch (verify nearly free), off at large batch (verify ~ linear in tokens)."""
+    ctl = SpecController(4, 8, toggle=True, cost=synthetic_cost(), acc=AcceptanceEstimate(8, prior=0.8))
+    assert ctl.decide(1) == 4 and ctl.trace[-1]["on"]
+    assert ctl.speedup(64, 4) < 1.0
+    assert ctl.decide(64) == 0 and not ctl.trace[-1]["on"]
+    # hysteresis: once on, it stays on between threshold - hysteresis and threshold
+    ctl2 = SpecController(4, 8, toggle=True, threshold=1.05, hysteresis=0.2, cost=synthetic_cost(),
+                          acc=AcceptanceEstimate(8, prior=0.8))
+    b_mid = next(b for b in range(1, 65) if 0.9 < ctl2.speedup(b, 4) < 1.05)
+    ctl2.on = True
+    assert ctl2.decide(b_mid) == 4
+    ctl2.on = False
+    assert ctl2.decide(b_mid) == 0
+
+
+def test_auto_k_follows_acceptance():
+    acc = AcceptanceEstimate(8, prior=0.5)
+    ctl = SpecController("auto", 8, toggle=False, cost=synthetic_cost(verify_slope=0.1, draft=0.05), acc=acc)
+    low = ctl.decide(1)
+    for _ in range(60):  # every draft accepted: the estimates rise
+        acc.observe([8, 8, 8, 8], 8)
+    high = ctl.decide(1)
+    for _ in range(60):  # nothing accepted: they fall
+        acc.observe([0, 0, 0, 0], 8)
+    low2 = ctl.decide(1)
+    assert high > low and high > low2 and low2 <= 2
+
+
+def test_ladder_moves_after_two_in_a_row():
+    ctl = SpecController("ladder", 8, toggle=False, ladder=(2, 4, 6), cost=synthetic_cost())
+    assert ctl.decide(1) == 2
+    ctl.observe([2, 2], 2)  # (L-1)/k = 1 >= 0.94
+    assert ctl.decide(1) == 2  # one is not enough
+    ctl.observe([2, 2], 2)
+    assert ctl.decide(1) == 4
+    ctl.observe([0, 1], 4)  # 0.125 <= 0.85
+    ctl.observe([0, 1], 4)
+    assert ctl.decide(1) == 2
+
+
+def test_expected_tokens():
+    acc = AcceptanceEstimate(3, prior=0.5)
+    assert acc.expected_tokens(3) == pytest.approx(1 + 0.5 + 0.25 + 0.125)
+
+
+@pytest.mark.parametrize("kw", [dict(k="auto", toggle=True), dict(k=3, toggle=True), dict(k="ladder", toggle=True),
+                                dict(k="auto")])
+def test_toggle_and_k_never_change_greedy_outputs(policy, drafter, kw):
+    params = SamplingParams(temperature=0.0, max_new_tokens=24)
+    ref = build_engine(engine_cfg(), policy, drafter).generate(RAGGED_PROMPTS, params, speculative=False).tokens
+    eng = build_engine(engine_cfg(**kw), policy, drafter)
+    b = eng.generate(RAGGED_PROMPTS, params)
+    assert b.tokens == ref
+    assert len(b.trace) > 0 and all("on" in t and "k" in t for t in b.trace)
+
+
+@pytest.mark.parametrize("schedule", [[0, 0, 0, 3], [2, 0, 4, 0, 0, 1], [0] * 5 + [4]])
+def test_catch_up_after_ar_steps_is_exact(policy, drafter, schedule):
+    """AR steps leave the drafter behind; the next SD step feeds it all pending positions (ragged) at once.
+    Rows near the cache end with different pending counts used to write padding past the cache (crash)."""
+    params = SamplingParams(temperature=0.0, max_new_tokens=40)
+    prompts = RAGGED_PROMPTS + [[1] * 30]
+    ref = build_engine(engine_cfg(max_len=48), policy, drafter).generate(prompts, params, speculative=False)
+    eng = build_engine(engine_cfg(max_len=48, k=4), policy, drafter)
+    eng._ctl = Scripted(schedule, 4)
+    b = eng.generate(prompts, params)
+    assert b.tokens == ref.tokens
+    assert b.stats.drafted > 0
+
+
+def test_catch_up_matches_every_step_drafting(policy):
+    """With a drafter that consumes the pending positions, drafting after AR gaps proposes the same tokens as
+    a drafter that ran every step: greedy drafts from the same context."""
+    d = fresh_drafter(policy, seed=5)
+    params = SamplingParams(temperature=0.0, max_new_tokens=20)
+    eng = build_engine(engine_cfg(k=2, drafter_int8=False), policy, d)
+    every = eng.generate(RAGGED_PROMPTS, params)
+    eng._ctl = Scripted([2, 0, 2, 0, 0, 2] * 10, 2)
+    gaps = eng.generate(RAGGED_PROMPTS, params)
+    assert gaps.tokens == every.tokens
+
+
+def test_calibration_without_drafter_is_an_error(policy):
+    eng = build_engine(engine_cfg(toggle=True), policy, None)
+    with pytest.raises(ValueError, match="calibration needs a drafter"):
+        CostModel.calibrate(eng, 4)
+
+
+def test_calibration_measures_the_engine(policy, drafter):
+    eng = build_engine(engine_cfg(k="auto", k_max=4), policy, drafter)
+    c = CostModel.calibrate(eng, 4, batches=(1, 4), repeats=2)
+    assert set(c.target_ms) == {1, 4} and all(v > 0 for v in c.draft_ms.values())
+    for ms in c.target_ms.values():
+        vals = [ms[m] for m in sorted(ms)]
+        assert vals == sorted(vals)  # monotone in tokens per row
+
+
+def test_ragged_catch_up_near_the_cache_end(policy, drafter):
+    """Row 0 sits near the end of a 16-slot cache with 1 pending position; row 1 has 8 pending from the start.
+    The padding of row 0 (positions 15..21) used to be written past the cache: IndexError."""
+    st = drafter.new_state(2, 16, torch.zeros(2, 1, dtype=torch.long))
+    X = len(drafter.aux_layer_ids) * policy.config.hidden_size
+    ids, aux = torch.randint(0, 32, (2, 8)), torch.randn(2, 8, X)
+    d, q = drafter.propose(st, ids, aux, torch.tensor([1, 8]), torch.tensor([14, 0]), 1,
+                           SamplingParams(temperature=1.0), False, torch.Generator().manual_seed(0))
+    assert d.shape == (2, 1) and torch.isfinite(q).all()
+    # the real entries landed: row 1's positions 0..7 are written, row 0's position 14 too
+    assert st.cache.k[0][1, :, :8].abs().sum(-1).gt(0).all() and st.cache.k[0][0, :, 14].abs().sum() > 0
