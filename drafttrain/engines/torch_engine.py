@@ -42,6 +42,9 @@ class TorchEngine:
         self._template = drafter  # the structure new weights are loaded into
         self._active: tuple[object, int] | None = None  # (runtime drafter, version): swapped as one reference
         self._swap_lock = threading.Lock()
+        self._stage_lock = threading.Lock()  # one staging at a time
+        self._standby = None  # in-place drafters (self-drafters): the copy the next load writes into
+        self._in_use: dict[int, threading.Lock] = {}  # id(runtime) -> held while a decode step drafts with it
         self._seed = cfg.seed
         self.last_swap_s = self.last_swap_critical_s = 0.0
         self._ctl: SpecController | None = None
@@ -60,7 +63,23 @@ class TorchEngine:
 
     def _runtime(self, drafter):
         rt = copy.deepcopy(drafter).eval().requires_grad_(False)
-        return quantize_int8(rt) if self.cfg.drafter_int8 else rt
+        if self.cfg.drafter_int8 and not getattr(drafter, "in_place_update", False):
+            rt = quantize_int8(rt)  # a self-drafter is quantized already
+        self._in_use[id(rt)] = threading.Lock()
+        return rt
+
+    def _stage(self, weights: dict):
+        """A runtime drafter holding `weights`, built off the decode path. In-place drafters (requantizing into
+        their own storage) are double-buffered: the load writes the standby copy, once no step drafts with it."""
+        if not getattr(self._template, "in_place_update", False):
+            staged = copy.deepcopy(self._template)
+            staged.load_state_dict(weights)  # validates names, shapes, finiteness: one-line error
+            return self._runtime(staged)
+        if self._standby is None:
+            self._standby = self._runtime(self._template)
+        with self._in_use[id(self._standby)]:  # an in-flight step may still draft with the old active copy
+            self._standby.load_state_dict(weights)
+        return self._standby
 
     def load_drafter(self, weights: dict, version: int) -> None:
         """Atomic, versioned swap; a version not newer than the served one is refused (StaleVersionError)."""
@@ -70,14 +89,15 @@ class TorchEngine:
             raise StaleVersionError(f"load_drafter: version {version} is not newer than the served version "
                                     f"{self.drafter_version}")
         t0 = time.perf_counter()
-        staged = copy.deepcopy(self._template)
-        staged.load_state_dict(weights)  # validates names, shapes, finiteness: one-line error
-        rt = self._runtime(staged)
-        t1 = time.perf_counter()
-        with self._swap_lock:
-            if version <= self.drafter_version:
-                raise StaleVersionError(f"load_drafter: version {version} lost a race to {self.drafter_version}")
-            self._active = (rt, version)
+        with self._stage_lock:
+            rt = self._stage(weights)
+            t1 = time.perf_counter()
+            with self._swap_lock:
+                if version <= self.drafter_version:
+                    raise StaleVersionError(f"load_drafter: version {version} lost a race to {self.drafter_version}")
+                old, self._active = self._active[0], (rt, version)
+            if rt is self._standby:
+                self._standby = old
         self.last_swap_s = time.perf_counter() - t0  # staging (copy, validate, quantize) + the swap itself
         self.last_swap_critical_s = time.perf_counter() - t1  # the part a decode step could wait on
         self._draft_cost_stale = True  # recalibrated (drafter part only) before the next generation
@@ -122,7 +142,6 @@ class TorchEngine:
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], params: SamplingParams, speculative: bool = True) -> RolloutBatch:
         self._check_prompts(prompts)
-        t_start = time.perf_counter()
         lean, cfg = self.lean, self.cfg
         active = self._active if speculative else None
         drafter, version = active if active else (None, self.drafter_version)
@@ -133,6 +152,7 @@ class TorchEngine:
         ctl = self.controller() if drafter is not None else None
         k_max = ctl.k_max if ctl is not None else 0
         trace0 = len(ctl.trace) if ctl is not None else 0
+        t_start = time.perf_counter()  # after any (re)calibration of the schedule
         L = min(lean.max_len, P + params.max_new_tokens + k_max + 1)
         if params.seed is None:
             self._seed += 1
@@ -202,7 +222,8 @@ class TorchEngine:
             Bn = len(row_ids)
             k = max(0, min(ctl.decide(Bn), L - 1 - int(pos.max()))) if ctl is not None else 0
             if k > 0:
-                d, q = drafter.propose(dstate, new_ids, aux, n_new, start, k, params, greedy_drafts, gen)
+                with self._in_use[id(drafter)]:
+                    d, q = drafter.propose(dstate, new_ids, aux, n_new, start, k, params, greedy_drafts, gen)
                 n_new = torch.zeros_like(n_new)  # consumed
                 inp = torch.cat([last.view(Bn, 1), d], 1)  # [B, k+1]
             else:

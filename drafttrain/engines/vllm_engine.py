@@ -43,7 +43,9 @@ from __future__ import annotations
 
 import copy
 import json
+import logging
 import math
+import multiprocessing
 import os
 import shutil
 import tempfile
@@ -87,20 +89,23 @@ def _unpack(blob: bytes) -> dict[str, torch.Tensor]:
 class VllmEngine:
     def __init__(self, cfg, policy, drafter=None, **llm_kwargs):
         """llm_kwargs: extra vllm.LLM arguments (override the defaults below)."""
+        if not isinstance(cfg.k, int) or cfg.k < 1 or getattr(cfg, "toggle", False):
+            raise ValueError(f"engine.k={cfg.k!r}, engine.toggle={getattr(cfg, 'toggle', False)}: the vLLM engine "
+                             f"drafts a fixed integer k (auto, ladder and toggle are the embedded engine's schedule)")
         vllm = _import_vllm()
         from drafttrain import export
 
         self.cfg = cfg
         self._lock = threading.RLock()
         self._tmp = Path(tempfile.mkdtemp(prefix="drafttrain-vllm-"))
-        self._finalizer = weakref.finalize(self, _shutdown, None, self._tmp)
+        self._procs: list = []
+        self._finalizer = weakref.finalize(self, _shutdown, None, self._tmp, self._procs)
         self._llm = None
         self._module = None
         self._version = -1
         self._template = None
         self._drafting = True
         self._rid = 0
-        self._seed = int(cfg.seed)
         self.last_swap_s = 0.0
         self.last_policy_update_s = 0.0
         self.last_swap_info: dict = {}
@@ -127,16 +132,19 @@ class VllmEngine:
                 kw["per_request_spec_decode_metrics"] = "detailed"
             kw.update(llm_kwargs)
             os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+            before = {p.pid for p in _children()}
             try:
                 self._llm = vllm.LLM(**kw)
             except Exception as e:
                 msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
                 raise RuntimeError(f"vLLM failed to start ({type(e).__name__}: {msg})") from e
+            finally:  # the engine's processes (engines are started one at a time)
+                self._procs = [p for p in _children() if p.pid not in before]
             self._finalizer.detach()
-            self._finalizer = weakref.finalize(self, _shutdown, self._llm, self._tmp)
-            self.worker_info = self._rpc("dt_info")
+            self._finalizer = weakref.finalize(self, _shutdown, self._llm, self._tmp, self._procs)
+            self.worker_info = self._rpc("dt_setup")
             try:  # some failures (an unsupported head size on CPU, say) only surface at the first step
-                self.generate([[0]], SamplingParams(temperature=0, max_new_tokens=2), speculative=False)
+                self.generate([[0]], SamplingParams(temperature=0, max_new_tokens=2))
             except Exception as e:
                 msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
                 raise RuntimeError(f"vLLM failed its first step ({type(e).__name__}: {msg}; see the engine log "
@@ -184,7 +192,7 @@ class VllmEngine:
         """Shut the vLLM engine core down and remove the temporary folder; idempotent."""
         llm, self._llm = self._llm, None
         self._finalizer.detach()
-        _shutdown(llm, self._tmp)
+        _shutdown(llm, self._tmp, self._procs)
 
     def __enter__(self):
         return self
@@ -328,7 +336,8 @@ class VllmEngine:
 
         seed = None if params.seed is None else (params.seed * 1_000_003 + row) % (2 ** 62)
         return VSP(temperature=params.temperature, top_k=params.top_k, top_p=params.top_p,
-                   max_tokens=params.max_new_tokens, stop_token_ids=list(params.stop_token_ids), ignore_eos=True,
+                   max_tokens=params.max_new_tokens, ignore_eos=True,
+                   stop_token_ids=[t for t in params.stop_token_ids if 0 <= t < self.vocab_size],  # others never occur
                    seed=seed, logprobs=0, detokenize=False, output_kind=RequestOutputKind.DELTA)
 
     @torch.no_grad()
@@ -341,54 +350,60 @@ class VllmEngine:
             if self._template is not None:
                 self._set_drafting(spec)
             version = self._version
-            if params.seed is None:  # unseeded calls still differ from call to call, as in the embedded engine
-                self._seed += 1
-                params = SamplingParams(params.temperature, params.top_k, params.top_p, params.max_new_tokens,
-                                        params.stop_token_ids, None)
-            ids = {}
+            ids: dict[str, int] = {}
+            pending: set[str] = set()
+            toks, raw = [[] for _ in prompts], [[] for _ in prompts]
+            reasons, metrics, step_ends = ["length"] * len(prompts), [None] * len(prompts), []
             try:
-                for i, p in enumerate(prompts):
-                    self._rid += 1
-                    rid = f"dt-{self._rid}"
-                    ids[rid] = i
-                    engine.add_request(rid, {"prompt_token_ids": list(map(int, p))}, self._sampling(params, i))
-                toks, lps, raw = [[] for _ in prompts], [[] for _ in prompts], [[] for _ in prompts]
-                reasons, metrics = ["length"] * len(prompts), [None] * len(prompts)
-                started, forwards, pending = set(), 0, set(ids)
+                # all rows join the first step together (the engine core steps on its own otherwise)
+                engine.engine_core.call_utility("pause_scheduler", "keep", False)
+                try:
+                    for i, p in enumerate(prompts):
+                        self._rid += 1
+                        rid = f"dt-{self._rid}"
+                        ids[rid] = i
+                        pending.add(rid)
+                        engine.add_request(rid, {"prompt_token_ids": [int(t) for t in p]}, self._sampling(params, i))
+                finally:
+                    engine.engine_core.call_utility("resume_scheduler")
+                started = set()
                 while pending:
-                    outs = engine.step()
                     decoded = False
-                    for out in outs:
+                    for out in engine.step():
                         i = ids.get(out.request_id)
                         if i is None:
                             continue
                         c = out.outputs[0]
                         if c.token_ids:
-                            decoded |= i in started
+                            decoded |= i in started  # a row's first token comes from its prefill
                             started.add(i)
                         toks[i] += list(c.token_ids)
-                        for t, d in zip(c.token_ids, c.logprobs or []):
-                            raw[i].append(d[t].logprob)
+                        raw[i] += [d[t].logprob for t, d in zip(c.token_ids, c.logprobs or [])]
                         if out.finished:
                             pending.discard(out.request_id)
                             reasons[i] = "stop" if c.finish_reason == "stop" else "length"
                             metrics[i] = c.spec_decode_metrics
-                    forwards += decoded
+                    if decoded:
+                        step_ends.append(time.perf_counter())
             except BaseException:
-                left = [r for r in ids if r in pending] if "pending" in locals() else list(ids)
-                if left and self._llm is not None:
-                    engine.abort_request(left)
+                if pending and self._llm is not None:
+                    try:
+                        engine.abort_request(sorted(pending))
+                    except Exception:
+                        pass  # the engine is dead; the original error says why
                 raise
+            if any(math.isnan(x) for r in raw for x in r):
+                self._rpc("dt_zero_kv_cache")  # later requests must not inherit NaN from freed blocks
+                self.llm.reset_prefix_cache()
+                raise FloatingPointError("generate: the policy produced NaN/inf logits (check the policy weights)")
             for i, r in enumerate(raw):
                 if len(r) != len(toks[i]):
                     raise RuntimeError(f"generate: vLLM returned {len(r)} log-probs for {len(toks[i])} tokens")
-                if any(math.isnan(x) for x in r):
-                    raise FloatingPointError("generate: the policy produced NaN/inf logits (check the policy "
-                                             "weights)")
-                lps[i] = [0.0] * len(r) if params.greedy else r
-            stats = _spec_stats(toks, metrics, spec, forwards)
-            steps = max(stats.target_forwards, 1)
-            return RolloutBatch(toks, lps, stats, version, reasons, time.perf_counter() - t0, [version] * steps)
+            # greedy: processed_probs is one-hot on the emitted argmax, so its log-prob is 0
+            lps = [[0.0] * len(r) for r in raw] if params.greedy else raw
+            stats = _spec_stats(toks, metrics, spec, len(step_ends))
+            return RolloutBatch(toks, lps, stats, version, reasons, time.perf_counter() - t0,
+                                [version] * len(step_ends), step_ends)
 
 
 def _spec_stats(toks, metrics, spec: bool, forwards: int) -> SpecStats:
@@ -427,13 +442,30 @@ def _checkpoint_shapes(path: Path) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def _shutdown(llm, tmp: Path) -> None:
-    """Stop the engine core process (and its children), then remove the temporary folder."""
+def _children() -> list:
+    import psutil
+
+    return psutil.Process().children(recursive=True)
+
+
+def _shutdown(llm, tmp: Path, procs: list) -> None:
+    """Stop the engine core (it stops its worker), make sure the engine's processes are gone (vLLM's own
+    shutdown gives up after a few seconds), reap them, then remove the temporary folder."""
+    import psutil
+
     try:
         if llm is not None:
             core = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
             if core is not None:
                 core.shutdown()
+        _, alive = psutil.wait_procs(procs, timeout=10)
+        for p in alive:
+            try:
+                p.kill()
+            except psutil.NoSuchProcess:
+                pass
+        psutil.wait_procs(alive, timeout=5)
+        multiprocessing.active_children()  # reap the exited engine processes (no zombies left behind)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
@@ -500,10 +532,16 @@ def _read_back(engine, weights: dict, draft: bool, what: str) -> None:
 class DrafttrainWorkerExtension:
     """Mixed into vLLM's Worker (parallel_config.worker_extension_cls); called through collective_rpc."""
 
-    def dt_info(self) -> dict:
+    def dt_setup(self) -> dict:
+        """Once after start-up: the vLLM-CPU sampler fixes, and what the drafter shares with the target."""
+        info = {"fixed_cpu_expand_kernel": _fix_cpu_expand_kernel()}
+        # a partial update (the drafter without the embedding it shares, rotary caches) leaves some layers
+        # unloaded; vLLM restores them and logs "Failed to load weights" each time. The read-back checks instead.
+        logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").setLevel(logging.ERROR)
+        _guard_cpu_top_k()
         draft, target = self.get_draft_model(), self.get_model()
-        info = {"has_drafter": draft is not None, "drafter_shared": [], "drafter_has_d2t": False,
-                "supports_draft_weight_updates": bool(self.supports_draft_weight_updates())}
+        info.update(has_drafter=draft is not None, drafter_shared=[], drafter_has_d2t=False,
+                    supports_draft_weight_updates=bool(self.supports_draft_weight_updates()))
         if draft is not None:
             tp = {p.data_ptr() for p in target.parameters() if p.numel()}
             params = dict(draft.named_parameters(remove_duplicate=False))
@@ -539,6 +577,14 @@ class DrafttrainWorkerExtension:
                 out[name] = _probe(t)[0].cpu()
         return _pack(out)
 
+    @torch.no_grad()
+    def dt_zero_kv_cache(self) -> None:
+        """Zero every KV-cache block: NaN/inf values left by a broken policy would otherwise leak into later
+        requests that reuse the blocks (masked-out slots still meet 0 * NaN)."""
+        for t in self.model_runner.kv_caches:
+            if isinstance(t, torch.Tensor):
+                t.zero_()
+
     def dt_set_drafting(self, on: bool) -> None:
         """off: the model runner proposes zero draft tokens per request, so every step is a plain decode step."""
         runner = self.model_runner
@@ -550,6 +596,55 @@ class DrafttrainWorkerExtension:
             return torch.zeros(len(runner.input_batch.req_ids), 0, dtype=torch.int32, device=runner.device)
 
         runner.propose_draft_token_ids = no_drafts
+
+
+def _expand(output, input_val, cu_num_tokens, replace_from, replace_to, MAX_NUM_TOKENS=None):
+    """rejection_sampler.expand_kernel in torch: output[cu[i-1]:cu[i]] = input[i] (replace_from -> replace_to)."""
+    cu = cu_num_tokens.to(torch.int64)
+    counts = torch.diff(cu, prepend=cu.new_zeros(1))
+    vals = torch.where(input_val == replace_from, torch.full_like(input_val, replace_to), input_val)
+    n = int(cu[-1]) if cu.numel() else 0
+    output[:n] = vals.repeat_interleave(counts).to(output.dtype)
+
+
+def _fix_cpu_expand_kernel() -> bool:
+    """vLLM 0.32 on CPU overrides the rejection sampler's expand kernel with a C++ call on int64 *copies* of its
+    int32/float32 output, so the per-draft-token temperature, top-k and top-p it expands stay uninitialized
+    memory: sampled speculative decoding then verifies against a garbage distribution (not lossless) or crashes.
+    Replaced with a torch version when the installed one is seen failing; returns whether it was replaced."""
+    import vllm.v1.sample.rejection_sampler as rs
+
+    kernel = rs.expand_kernel
+    impl = getattr(kernel, "_impl", None)
+    if impl is None:  # real Triton kernel (CUDA): nothing to fix
+        return False
+    out = torch.zeros(2)
+    try:
+        impl(out, torch.tensor([0.5]), torch.tensor([2], dtype=torch.int32), -1, 1)
+    except Exception:
+        pass
+    if torch.equal(out, torch.tensor([0.5, 0.5])):
+        return False
+    kernel._impl = kernel.func = _expand
+    kernel._forward_by_name = False
+    return True
+
+
+def _guard_cpu_top_k() -> None:
+    """vLLM 0.32 on CPU: with a speculative config every step goes through the rejection sampler, and a step
+    with no draft tokens at all (any prefill step) hands it zero target rows; with top-k set, the CPU-only
+    apply_top_k_only then fails on max() of an empty tensor and kills the engine. Zero rows need no masking."""
+    from vllm.v1.sample.ops import topk_topp_sampler as tts
+
+    if getattr(tts.apply_top_k_only, "_drafttrain_guard", False):
+        return
+    original = tts.apply_top_k_only
+
+    def apply_top_k_only(logits, k):
+        return logits if logits.shape[0] == 0 else original(logits, k)
+
+    apply_top_k_only._drafttrain_guard = True
+    tts.apply_top_k_only = apply_top_k_only
 
 
 @dataclass

@@ -47,7 +47,8 @@ class Checkpointer:
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir(parents=True)
         self.acc.wait_for_everyone()
-        tracker.trainer.save(tmp / "trainer.pt")  # every process: its buffer shard
+        if tracker.trainer is not None:  # self-drafters have no training state
+            tracker.trainer.save(tmp / "trainer.pt")  # every process: its buffer shard
         if self.acc.is_main_process:
             save_policy(grpo.policy, grpo.tok, str(tmp / "policy"))
             torch.save({"step": step, "recipe": recipe, "opt": grpo.opt.state_dict(),
@@ -87,7 +88,8 @@ def main(cfg) -> list[dict]:
     grpo = GRPO(cfg, policy, tok, engine, tracker, acc, rank=acc.process_index)
     start = 0
     if state is not None:
-        tracker.trainer.load(last / "trainer.pt")
+        if tracker.trainer is not None:
+            tracker.trainer.load(last / "trainer.pt")
         tracker.load_state_dict(state["tracker"])
         grpo.opt.load_state_dict(state["opt"])
         torch.set_rng_state(state["rng"])

@@ -36,13 +36,17 @@ class DraftTracker:
         self.cfg, self.engines, self.log = cfg, list(engines), log
         self.drafter = drafter if drafter is not None else build_drafter(cfg.drafter, policy)
         n_layers = policy.config.num_hidden_layers
-        if max(self.drafter.aux_layer_ids) >= n_layers:
+        # a self-drafter (selfquant) needs no hidden states and no training: it is requantized from the policy
+        self.self_drafter = not self.drafter.aux_layer_ids
+        if not self.self_drafter and max(self.drafter.aux_layer_ids) >= n_layers:
             raise ValueError(f"drafter.aux_layer_ids: {list(self.drafter.aux_layer_ids)} do not exist in the "
                              f"policy ({n_layers} layers)")
         self.frozen = copy.deepcopy(self.drafter).eval().requires_grad_(False)  # the step-0 drafter
-        self.steps = max(cfg.drafter.ttt_steps, max_draft_len(cfg.engine))  # features serve training and k-step measurement
+        # features serve both training and k-step measurement
+        self.steps = max(cfg.drafter.ttt_steps, max_draft_len(cfg.engine))
         self.buffer = FeatureBuffer(int(cfg.online.buffer_mb * 2 ** 20), seed=cfg.run.seed, name="online.buffer_mb")
-        self.trainer = DrafterTrainer(self.drafter, cfg.train, cfg.drafter, accelerator, buffer=self.buffer)
+        self.trainer = None if self.self_drafter else DrafterTrainer(self.drafter, cfg.train, cfg.drafter,
+                                                                     accelerator, buffer=self.buffer)
         self.publisher = Publisher(self.engines, self.drafter.state_dict(), cfg.online, log)
         self.pending: list[dict] = []  # features captured since the last on_policy_update
         self.latest: list[dict] = []  # the previous step's: the background update reads only these
@@ -83,6 +87,8 @@ class DraftTracker:
         pass); with logits_to_keep=n only the last n positions can be targets."""
         if self._capture is not None:
             raise RuntimeError("start_capture: a capture is already running (call stop_capture first)")
+        if self.self_drafter:
+            return None  # nothing to capture
         cap = HiddenCapture(policy, self.drafter.aux_layer_ids)
         final: dict[str, torch.Tensor] = {}
 
@@ -139,6 +145,8 @@ class DraftTracker:
         self.wait()
         self.latest, self.pending = self.pending, []
         self.policy_version = step + 1 if step is not None else self.policy_version + 1
+        if self.self_drafter and self.cfg.online.track:
+            return self._requantize(policy)
         if not self.cfg.online.track or len(self.buffer) == 0:  # no update; the same keys (report.py's rule)
             self._result = {"drafter_train_s": 0.0, "publish_s": 0.0, "drafter_loss": None, "drafter_steps": 0,
                             "drafter_skipped_nonfinite": 0, "swap_s": None, "canary_mal": None, "expected_mal": None,
@@ -192,10 +200,21 @@ class DraftTracker:
         if pub.get("reason", "").startswith("nonfinite"):  # diverged: train on from the last good weights
             with self._lock:
                 self.trainer.restore(self.publisher.good_weights)
-        self._result = {"drafter_train_s": train_s, "publish_s": time.perf_counter() - t1, "drafter_loss": sum(losses) / max(len(losses), 1),
+        self._result = {"drafter_train_s": train_s, "publish_s": time.perf_counter() - t1,
+                        "drafter_loss": sum(losses) / max(len(losses), 1),
                         "drafter_steps": len(losses), "drafter_skipped_nonfinite": skipped,
                         "swap_s": pub.get("swap_s"), "canary_mal": pub.get("canary_mal"),
                         "expected_mal": est, "rolled_back": pub.get("rolled_back", False),
+                        "published": pub["published"], "drafter_version": self.version}
+        return self._result
+
+    def _requantize(self, policy) -> dict:
+        """Self-drafter: every engine requantizes the new policy weights into its standby drafter and swaps."""
+        t0 = time.perf_counter()
+        pub = self.publisher.publish({k: v.detach() for k, v in policy.state_dict().items()})
+        self._result = {"drafter_train_s": 0.0, "publish_s": time.perf_counter() - t0, "drafter_loss": None,
+                        "drafter_steps": 0, "drafter_skipped_nonfinite": 0, "swap_s": pub.get("swap_s"),
+                        "canary_mal": None, "expected_mal": None, "rolled_back": False,
                         "published": pub["published"], "drafter_version": self.version}
         return self._result
 
@@ -203,6 +222,9 @@ class DraftTracker:
     def measure(self, k: int | None = None) -> dict:
         """Teacher-forced acceptance of the live and the frozen step-0 drafter on the rollouts captured since the
         last on_policy_update (call it before on_policy_update: live is then the drafter that generated them)."""
+        if self.self_drafter:  # no teacher-forced scoring for a self-drafter; the same keys all the same
+            return {"live_tf_mal": None, "live_tf_acc_pos": None, "frozen_tf_mal": None, "frozen_tf_acc_pos": None,
+                    "policy_minus_drafter_version": self.policy_version - self.version}
         if not self.pending:
             return {}
         k = k or max_draft_len(self.cfg.engine)
