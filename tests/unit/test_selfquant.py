@@ -316,3 +316,22 @@ def test_bad_weights_refused(policy):
     for weights, named in ((nan, name), (missing, "model.norm.weight"), (shape, "lm_head.weight"),
                            (wrong_dtype, "0.qkv.q")):
         _one_line_error(lambda: d.load_state_dict(weights), named)
+
+
+def test_engine_double_buffers_the_self_drafter(policy):
+    """load_drafter requantizes into the standby copy and swaps: two copies ping-pong, nothing is reallocated,
+    and the served drafter follows the policy update."""
+    d = C.fresh_drafter(policy, kind="selfquant")
+    eng = build_engine(engine_cfg(drafter_int8=False), policy, d)
+    first = eng.drafter
+    new_pol = updated(policy)
+    eng.load_drafter(new_pol.state_dict(), 1)
+    second = eng.drafter
+    assert second is not first and eng._standby is first
+    ptrs = {k: v.data_ptr() for k, v in first.state_dict().items()}
+    eng.load_drafter(policy.state_dict(), 2)
+    assert eng.drafter is first and eng._standby is second
+    assert {k: v.data_ptr() for k, v in first.state_dict().items()} == ptrs  # same storage, rewritten
+    fresh = C.fresh_drafter(new_pol, kind="selfquant")
+    for k, v in fresh.state_dict().items():  # the served copy v1 holds exactly the new policy's quantization
+        assert torch.equal(second.state_dict()[k], v), k
