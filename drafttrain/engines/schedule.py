@@ -8,7 +8,8 @@ calibrated on the live engine (CostModel.calibrate); a_j are moving averages of 
 (AcceptanceEstimate). SpecController picks k per step: a fixed k, "auto" (argmax of the predicted speed-up over
 1..k_max), or "ladder" (the EfficientRollout anchor: step up the ladder when (L-1)/k >= up, down when <= down, two
 decisions in a row). With the toggle on, SD runs only where the predicted speed-up is >= threshold, and keeps
-running until it drops below threshold - hysteresis. The toggle never changes outputs: AR and SD are both exact.
+running until it drops below threshold - hysteresis; while off, one SD step every probe_every steps keeps the
+acceptance estimates current. The toggle never changes outputs: AR and SD are both exact.
 """
 from __future__ import annotations
 
@@ -92,7 +93,7 @@ class AcceptanceEstimate:
 class SpecController:
     def __init__(self, k, k_max: int, toggle: bool, threshold: float = 1.05, hysteresis: float = 0.05,
                  ladder=(2, 4, 6, 8), ladder_up: float = 0.94, ladder_down: float = 0.85,
-                 cost: CostModel | None = None, acc: AcceptanceEstimate | None = None):
+                 cost: CostModel | None = None, acc: AcceptanceEstimate | None = None, probe_every: int = 16):
         self.mode = k if isinstance(k, str) else "fixed"
         self.k_fixed = k if isinstance(k, int) else None
         self.k_max = max(ladder) if self.mode == "ladder" else (k_max if self.mode == "auto" else k)
@@ -102,6 +103,7 @@ class SpecController:
         self.cost = cost
         self.acc = acc or AcceptanceEstimate(self.k_max)
         self.on = True
+        self.probe_every, self._off_steps = probe_every, 0  # while off, one SD step now and then refreshes a_j
         self.trace: list[dict] = []
         self.step = 0
 
@@ -119,13 +121,17 @@ class SpecController:
         else:
             k = max(range(1, self.k_max + 1), key=lambda kk: self.speedup(batch, kk))
         pred = self.speedup(batch, k) if self.cost is not None else None
+        probe = False
         if self.toggle:
             bar = self.threshold - (self.hysteresis if self.on else 0.0)
             self.on = pred >= bar
-        self.trace.append({"step": self.step, "batch": batch, "on": self.on, "k": k if self.on else 0,
-                           "predicted_speedup": pred})
+            self._off_steps = 0 if self.on else self._off_steps + 1
+            probe = not self.on and self.probe_every > 0 and self._off_steps % self.probe_every == 0
+        run = self.on or probe
+        self.trace.append({"step": self.step, "batch": batch, "on": run, "k": k if run else 0,
+                           "predicted_speedup": pred, "probe": probe})
         self.step += 1
-        return k if self.on else 0
+        return k if run else 0
 
     def observe(self, num_accepted: list[int], k: int) -> None:
         if k == 0:

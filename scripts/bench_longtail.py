@@ -1,0 +1,137 @@
+"""Long-tail rollouts: where speculative decoding pays, and how the toggle and the draft length follow it.
+
+    python scripts/bench_longtail.py                         # 16 prompts x G=4, all drafters and modes, sweep
+    python scripts/bench_longtail.py prompts=4 sweep_batches=[1,8] drafters=[eagle3]
+
+Workload: a GRPO-style batch (prompts x G samples of the shipped task, long-tailed response lengths): the active
+batch starts large (SD loses: verify costs ~ linearly more tokens on this CPU) and shrinks to the long tail
+(SD wins). Modes, for each drafter (EAGLE-3 from checkpoints/eagle3, selfquant int8 and int4):
+AR | SD-always at fixed k | SD + toggle (fixed k) | SD + toggle + auto k | SD + toggle + ladder.
+Sweep: tokens/s at a constant active batch (no stop token, fixed length) for AR, SD-always and SD + toggle.
+Prints tables; writes bench/longtail.json and bench/longtail_trace.png (active batch, SD on/off and k per step).
+"""
+from __future__ import annotations
+
+import copy
+
+import torch
+from omegaconf import OmegaConf
+
+from drafttrain.config import load_recipe, resolve_path, script_config
+from drafttrain.drafters import build_drafter
+from drafttrain.engines import build_engine
+from drafttrain.policy import encode_prompt, load_policy, make_prompts
+from drafttrain.report import format_table, write_json
+from drafttrain.spec import SamplingParams
+
+DEFAULTS = dict(recipe="eagle3_track", prompts=16, group=4, max_new_tokens=256, k=4, seed=4321,
+                drafters=["eagle3", "selfquant_int8", "selfquant_int4"], sweep_batches=[1, 2, 4, 8, 16, 32, 64],
+                sweep_tokens=64, out="bench/longtail.json", threads=2)
+
+MODES = {  # name -> engine overrides (None = AR)
+    "ar": None,
+    "sd_always": dict(toggle=False),
+    "sd_toggle": dict(toggle=True),
+    "sd_toggle_auto": dict(toggle=True, k="auto"),
+    "sd_toggle_ladder": dict(toggle=True, k="ladder"),
+}
+
+
+def make_drafter(name: str, rc, policy):
+    dc = copy.deepcopy(rc.drafter)
+    if name.startswith("selfquant"):
+        dc.kind, dc.path, dc.quant, dc.backend = "selfquant", None, name.split("_")[1], "ao"
+    return build_drafter(dc, policy)
+
+
+def engine_for(rc, policy, drafter, k, **over):
+    ec = copy.deepcopy(rc.engine)
+    ec.k, ec.toggle = k, False
+    for key, v in over.items():
+        setattr(ec, key, v)
+    return build_engine(ec, policy, drafter)
+
+
+def main(cfg) -> dict:
+    torch.set_num_threads(cfg.threads)
+    rc = load_recipe(cfg.recipe)
+    policy, tok = load_policy(str(resolve_path(rc.policy.path)))
+    probs = make_prompts(cfg.prompts, seed=cfg.seed)
+    prompts = [encode_prompt(tok, p.prompt) for p in probs for _ in range(cfg.group)]
+    params = SamplingParams(temperature=rc.sampling.temperature, max_new_tokens=cfg.max_new_tokens,
+                            stop_token_ids=(tok.eos_token_id,), seed=cfg.seed)
+    rows, traces, result = [], {}, {}
+    for dname in cfg.drafters:
+        drafter = make_drafter(dname, rc, policy)
+        for mode, over in MODES.items():
+            if over is None and rows and any(r["mode"] == "ar" for r in rows):
+                continue  # AR does not depend on the drafter
+            over = dict(over or {})
+            eng = engine_for(rc, policy, drafter if over else None, over.pop("k", cfg.k), **over)
+            eng.generate(prompts[:2], SamplingParams(max_new_tokens=8, seed=0), speculative=over is not None)
+            b = eng.generate(prompts, params, speculative=over is not None)
+            lens = sorted(len(t) for t in b.tokens)
+            rows.append({"drafter": dname if over else "-", "mode": mode, "wall_s": b.wall_s,
+                         "tokens_per_s": b.num_tokens / b.wall_s, "mal": b.stats.mean_accepted_length,
+                         "sd_steps": sum(1 for t in b.trace if t["on"]), "steps": len(b.step_ends),
+                         "len_p50": lens[len(lens) // 2], "len_max": lens[-1]})
+            traces[(dname, mode)] = b.trace
+            print(format_table(rows[-1:], list(rows[-1])))
+    ar = next(r for r in rows if r["mode"] == "ar")
+    for r in rows:
+        r["vs_ar"] = ar["wall_s"] / r["wall_s"]
+    best = min((r for r in rows if r["mode"] == "sd_toggle_auto"), key=lambda r: r["wall_s"])
+    ladder = next(r for r in rows if r["mode"] == "sd_toggle_ladder" and r["drafter"] == best["drafter"])
+
+    # sweep: constant active batch, fixed length, best drafter
+    sweep = []
+    drafter = make_drafter(best["drafter"], rc, policy)
+    engines = {"ar": engine_for(rc, policy, None, cfg.k), "sd": engine_for(rc, policy, drafter, cfg.k),
+               "toggle": engine_for(rc, policy, drafter, cfg.k, toggle=True)}
+    flat = SamplingParams(temperature=rc.sampling.temperature, max_new_tokens=cfg.sweep_tokens, seed=cfg.seed)
+    for B in cfg.sweep_batches:
+        batch = (prompts * (B // len(prompts) + 1))[:B]
+        row = {"batch": B}
+        for name, eng in engines.items():
+            eng.generate(batch[:1], SamplingParams(max_new_tokens=4, seed=0), speculative=name != "ar")
+            b = eng.generate(batch, flat, speculative=name != "ar")
+            row[f"{name}_tps"] = b.num_tokens / b.wall_s
+        row["toggle_over_best"] = row["toggle_tps"] / max(row["ar_tps"], row["sd_tps"])
+        sweep.append(row)
+        print(format_table([row], list(row)))
+
+    result = {"ar_wall_s": ar["wall_s"], "toggle_auto_wall_s": best["wall_s"], "ladder_wall_s": ladder["wall_s"],
+              "best_drafter": best["drafter"], "toggle_auto_vs_ar_pct": 100 * (1 - best["wall_s"] / ar["wall_s"]),
+              "rows": rows, "sweep": sweep, "config": OmegaConf.to_container(cfg),
+              "trace": traces[(best["drafter"], "sd_toggle_auto")]}
+    print(format_table(rows, ["drafter", "mode", "wall_s", "vs_ar", "tokens_per_s", "mal", "sd_steps", "steps"]))
+    print(format_table(sweep, ["batch", "ar_tps", "sd_tps", "toggle_tps", "toggle_over_best"]))
+    print(f"toggle + auto k ({best['drafter']}): {result['toggle_auto_vs_ar_pct']:.1f}% below AR wall time; "
+          f"ladder {ladder['wall_s']:.2f}s vs auto {best['wall_s']:.2f}s")
+    png = plot_trace(result["trace"], str(cfg.out).replace(".json", "_trace.png"))
+    print(f"wrote {write_json(result, cfg.out)} and {png}")
+    return result
+
+
+def plot_trace(trace: list[dict], path: str) -> str:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    steps = list(range(len(trace)))
+    fig, ax = plt.subplots(3, 1, figsize=(10, 6), sharex=True)
+    ax[0].plot(steps, [t["batch"] for t in trace])
+    ax[0].set(ylabel="active batch", title="SD decision trace (toggle + auto k)")
+    ax[1].step(steps, [int(t["on"]) for t in trace], where="post")
+    ax[1].set(ylabel="SD on")
+    ax[2].step(steps, [t["k"] for t in trace], where="post")
+    ax[2].set(ylabel="k", xlabel="decode step")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+if __name__ == "__main__":
+    main(script_config(DEFAULTS))
