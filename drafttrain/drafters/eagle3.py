@@ -18,6 +18,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from drafttrain.drafters.weights import check_tensors
 from drafttrain.modeling import KVCache, Rope, attend, rms_norm, step_mask
 from drafttrain.spec import processed_probs
 
@@ -273,20 +274,7 @@ def _to_int(k: str) -> str:
 
 def check_weights(drafter: nn.Module, weights: dict) -> None:
     """One-line error naming the first missing, unexpected or mis-shaped tensor, or a non-finite one."""
-    want = drafter.state_dict()
-    missing = sorted(set(want) - set(weights))
-    extra = sorted(set(weights) - set(want))
-    if missing:
-        raise ValueError(f"drafter weights: missing tensor {missing[0]!r} ({len(missing)} missing)")
-    if extra:
-        raise ValueError(f"drafter weights: unexpected tensor {extra[0]!r}")
-    for name, t in want.items():
-        w = weights[name]
-        if tuple(w.shape) != tuple(t.shape):
-            raise ValueError(f"drafter weights: {name} has shape {list(w.shape)}, expected {list(t.shape)} "
-                             f"(policy/drafter size or vocabulary mismatch?)")
-        if w.is_floating_point() and not torch.isfinite(w).all():
-            raise ValueError(f"drafter weights: {name} has NaN or inf values")
+    check_tensors(drafter.state_dict(), weights, hint="policy/drafter size or vocabulary mismatch?")
 
 
 def config_from_policy(policy_config, aux_layer_ids=None, draft_vocab_size=None, intermediate_size=None):

@@ -40,6 +40,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from drafttrain.drafters.weights import check_finite, check_tensors
 from drafttrain.modeling import KVCache, LeanLlama, Rope
 from drafttrain.spec import processed_probs
 
@@ -379,31 +380,6 @@ def _lean_parts(sd: dict, n_layers: int) -> dict:
     return out
 
 
-def _check_finite(weights: dict) -> None:
-    """NaN/inf anywhere makes the sum non-finite: one cheap reduction per tensor (isfinite().all() costs 100x)."""
-    for name, w in weights.items():
-        if w.is_floating_point() and not torch.isfinite(w.sum()):
-            raise ValueError(f"drafter weights: {name} has NaN or inf values")
-
-
-def _check_tensors(want: dict[str, torch.Tensor], got: dict, what: str, finite: bool = True) -> None:
-    """One-line error naming the first missing, unexpected, mis-shaped (or mis-typed) or non-finite tensor."""
-    missing, extra = sorted(set(want) - set(got)), sorted(set(got) - set(want))
-    if missing:
-        raise ValueError(f"drafter weights: missing {what} tensor {missing[0]!r} ({len(missing)} missing)")
-    if extra:
-        raise ValueError(f"drafter weights: unexpected {what} tensor {extra[0]!r}")
-    for name, t in want.items():
-        w = got[name]
-        if tuple(w.shape) != tuple(t.shape):
-            raise ValueError(f"drafter weights: {name} has shape {list(w.shape)}, expected {list(t.shape)} "
-                             f"(a different policy size, or a drafter built with other quant settings?)")
-        if what == "drafter-form" and w.dtype != t.dtype:
-            raise ValueError(f"drafter weights: {name} has dtype {w.dtype}, expected {t.dtype}")
-    if finite:
-        _check_finite(got)
-
-
 # ---- the drafter ------------------------------------------------------------------------------------------------
 
 class _QuantLlama(LeanLlama):
@@ -483,11 +459,12 @@ class SelfQuantDrafter(nn.Module):
     def load_state_dict(self, state_dict: dict, strict: bool = True, assign: bool = False):
         """A policy state_dict (HF names: requantized) or this drafter's own state_dict (copied); in place."""
         if "model.embed_tokens.weight" in state_dict:
-            _check_tensors(self._policy_keys, state_dict, "policy", finite=False)  # requantize checks that
+            check_tensors(self._policy_keys, state_dict, "policy", finite=False)  # requantize checks that
             self.requantize(state_dict)
         else:
             store = self._storage()
-            _check_tensors(store, state_dict, "drafter-form")
+            check_tensors(store, state_dict, "drafter-form", dtype=True,
+                          hint="a different policy size, or a drafter built with other quant settings?")
             for name, t in self._items():
                 if isinstance(t, _Linear):
                     t.load_({k: state_dict[f"{name}.{k}"] for k in t.storage()})
@@ -499,7 +476,7 @@ class SelfQuantDrafter(nn.Module):
     def requantize(self, policy) -> None:
         """Quantize the policy's current weights (a module or its state_dict) into the existing storage."""
         sd = policy if isinstance(policy, dict) else policy.state_dict()
-        _check_finite(sd)  # before any write
+        check_finite(sd)  # before any write
         t = _lean_parts(sd, self.config.num_hidden_layers)
         for name, cur in self._items():
             if isinstance(cur, _Linear):

@@ -17,13 +17,6 @@ from tests import contract as C
 from tests.conftest import engine_cfg, tiny_policy
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny models are op-overhead bound; on a shared 2-core box intra-op threads only contend."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 def drafter_cfg(**kw):

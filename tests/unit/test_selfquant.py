@@ -24,12 +24,6 @@ from tests.conftest import engine_cfg, tiny_policy
 COMBOS = [("int8", "ao"), ("int8", "bnb"), ("int8", "ref"), ("int4", "ao"), ("int4", "bnb"), ("int4", "ref")]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 @pytest.fixture
