@@ -7,9 +7,10 @@
 
 Keys: this script's (PretrainConfig below) plus any recipe key (`recipe=eagle3_track`, then e.g. `train.lr=`).
 Data is regenerated in chunks, each process its own shard: the policy samples responses to fresh task prompts
-through the embedded engine (AR, the recipe's sampling), one teacher-forced policy forward per chunk under
-HiddenCapture yields the aux states and the policy's distributions, and the chunk enters a FeatureBuffer. The
-drafter (DrafterTrainer, ttt_loss) then trains until each sequence has been drawn `epochs` times on average.
+through the embedded engine (AR, the recipe's sampling); one teacher-forced policy forward per `fwd_batch`
+rollouts (grouped by length) under HiddenCapture yields the aux states and the policy's distributions, which
+enter a FeatureBuffer. The drafter, always a fresh one (DrafterTrainer, ttt_loss), trains after each chunk
+until each rollout so far has been drawn `epochs` times on average (warmup, then cosine lr).
 Training state (drafter, optimizer, step, buffer, data cursor) is checkpointed to `<out>.state/` every
 `save_every` steps and at `max_steps`; a rerun with resume=true continues there. At the end the drafter is
 scored on fresh rollouts (speculative, the recipe's engine and k) and the mean accepted length is printed and
@@ -24,12 +25,13 @@ import math
 import shutil
 import sys
 import time
-from dataclasses import asdict, dataclass, field, fields, replace
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 import torch
 from accelerate import Accelerator
 from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 from tqdm import tqdm
 
 from drafttrain.config import ConfigError, load_recipe, resolve_path, sampling_params
@@ -47,7 +49,8 @@ class PretrainConfig:
     overrides: list[str] = field(default_factory=list)  # recipe key=value (the CLI routes them here)
     out: str = "checkpoints/eagle3"
     prompts: int = 4096  # rollouts to train on, all processes together
-    chunk: int = 64  # rollouts per generation round and per policy forward, per process
+    chunk: int = 64  # rollouts per generation round, per process
+    fwd_batch: int = 16  # rollouts per teacher-forced policy forward (sorted by length: little padding)
     epochs: float = 2.0  # mean number of times each rollout is drawn
     bucket: int = 8  # batches drawn at once and grouped by length (less padding); 1 = plain random batches
     warmup: int = 20  # lr warmup steps, then cosine to 10%
@@ -81,36 +84,30 @@ def main(pc: PretrainConfig) -> dict:
     n_chunks = math.ceil(pc.prompts / (pc.chunk * world))
     total = math.ceil(pc.epochs * n_chunks * pc.chunk / cfg.train.batch_size)  # steps; each takes one batch
     gen_engine = build_engine(cfg.engine, policy)  # AR for data: no drafter
-    params = sampling_params(cfg, stop_token_ids=(tok.eos_token_id,))
-    steps, t0, last, bad, queue = cfg.drafter.ttt_steps, time.time(), {}, 0, []
+    t0, last, bad, queue = time.time(), {}, 0, []
     bar = tqdm(total=total, initial=trainer.step_count, desc="drafter", disable=not main_proc)
     stop = pc.max_steps or total
-    for c in range(chunks_done, n_chunks):
-        if trainer.step_count >= stop:
-            break
-        probs = make_prompts(pc.chunk, seed=(pc.seed * 100_003 + c) * world + rank)  # this process's shard
-        prompts = [encode_prompt(tok, p.prompt) for p in probs]
-        resp = gen_engine.generate(prompts, replace(params, seed=c * world + rank), speculative=False).tokens
-        buffer.add(teacher_forced_features(policy, prompts, resp, drafter.aux_layer_ids, steps))
-        chunks_done = c + 1
-        target = min(stop, math.ceil(total * chunks_done / n_chunks))
-        while trainer.step_count < target:
-            s = trainer.step_count
-            trainer.set_lr(cfg.train.lr * lr_factor(s, total, pc.warmup))
-            queue = queue or buffer.sample_batches(cfg.train.batch_size, pc.bucket)
-            last = trainer.step(queue.pop())
-            bad = bad + 1 if last["nonfinite"] else 0
-            if bad >= 10:
-                raise FloatingPointError(f"pretrain_drafter: {bad} non-finite drafter steps in a row at step {s}")
-            bar.update(trainer.step_count - s)
-            bar.set_postfix(loss=f"{last['loss']:.3f}", acc="/".join(f"{a:.2f}" for a in last["acc"]), chunk=c)
-            if trainer.step_count % pc.save_every == 0 or trainer.step_count == stop:
-                trainer.save(state, extra={"chunks_done": chunks_done})
+    while trainer.step_count < stop:
+        if trainer.step_count >= -(-total * chunks_done // n_chunks):  # trained enough on the data so far
+            add_chunk(pc, cfg, policy, tok, gen_engine, buffer, drafter.aux_layer_ids, chunks_done, rank, world)
+            chunks_done += 1
+            continue
+        s = trainer.step_count
+        trainer.set_lr(cfg.train.lr * lr_factor(s, total, pc.warmup))
+        queue = queue or buffer.sample_batches(cfg.train.batch_size, pc.bucket)
+        last = trainer.step(queue.pop())
+        bad = bad + 1 if last["nonfinite"] else 0
+        if bad >= 10:
+            raise FloatingPointError(f"pretrain_drafter: {bad} non-finite drafter steps in a row at step {s}")
+        bar.update(trainer.step_count - s)
+        bar.set_postfix(loss=f"{last['loss']:.3f}", acc="/".join(f"{a:.2f}" for a in last["acc"]), chunk=chunks_done)
+        if trainer.step_count % pc.save_every == 0 or trainer.step_count == stop:
+            trainer.save(state, extra={"chunks_done": chunks_done})
     bar.close()
     done = trainer.step_count >= total
     train_s = time.time() - t0
     extra = {"pretrain": {**asdict(pc), "steps": trainer.step_count, "total_steps": total, "world": world,
-                          "train_wall_s": round(train_s, 1), "last": last},
+                          "wall_s": round(train_s, 1), "last": last},
              "recipe_config": OmegaConf.to_container(cfg)}
     if done:
         acc.wait_for_everyone()
@@ -122,6 +119,19 @@ def main(pc: PretrainConfig) -> dict:
             shutil.rmtree(state.parent, ignore_errors=True)
     acc.wait_for_everyone()
     return extra
+
+
+def add_chunk(pc, cfg, policy, tok, engine, buffer, aux_ids, c: int, rank: int, world: int) -> None:
+    """Chunk c of this process's shard: AR rollouts on fresh prompts, then their features into the buffer."""
+    seed = (pc.seed * 100_003 + c) * world + rank
+    prompts = [encode_prompt(tok, p.prompt) for p in make_prompts(pc.chunk, seed=seed)]
+    params = sampling_params(cfg, stop_token_ids=(tok.eos_token_id,), seed=seed)
+    resp = engine.generate(prompts, params, speculative=False).tokens
+    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]) + len(resp[i]))  # little padding
+    for g in range(0, len(order), pc.fwd_batch):
+        idx = order[g:g + pc.fwd_batch]
+        buffer.add(teacher_forced_features(policy, [prompts[i] for i in idx], [resp[i] for i in idx], aux_ids,
+                                           cfg.drafter.ttt_steps))
 
 
 def lr_factor(step: int, total: int, warmup: int) -> float:
@@ -151,8 +161,10 @@ def evaluate(cfg, policy, tok, drafter, pc: PretrainConfig) -> dict:
 def parse(argv: list[str]) -> PretrainConfig:
     mine = {f.name for f in fields(PretrainConfig)} - {"overrides"}
     own = [a for a in argv if a.split("=", 1)[0] in mine]
-    schema = OmegaConf.structured(PretrainConfig)
-    pc = OmegaConf.to_object(OmegaConf.merge(schema, OmegaConf.from_dotlist(own)))
+    try:
+        pc = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(PretrainConfig), OmegaConf.from_dotlist(own)))
+    except OmegaConfBaseException as e:
+        raise ConfigError(f"{getattr(e, 'full_key', '')}: {str(e).splitlines()[0]}") from None
     pc.overrides = [a for a in argv if a not in own]
     return pc
 

@@ -1,0 +1,71 @@
+"""scripts/pretrain_drafter.py end to end on a tiny random policy: stop at max_steps, resume, export, eval."""
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+
+import pytest
+import torch
+
+from drafttrain.config import PROJECT_ROOT
+from drafttrain.export import load_drafter
+from tests.conftest import tiny_policy
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """Tiny models run fastest on one thread; two threads on a busy 2-core machine stall in spin-waits."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def _script():
+    spec = importlib.util.spec_from_file_location("pretrain_drafter", PROJECT_ROOT / "scripts" / "pretrain_drafter.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["pretrain_drafter"] = mod  # dataclasses look their module up there
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.fixture(scope="module")
+def policy_dir(tmp_path_factory):
+    from drafttrain.policy.model import save_policy
+    from drafttrain.policy.tokenizer import build_tokenizer
+
+    path = tmp_path_factory.mktemp("policy") / "policy"
+    save_policy(tiny_policy(), build_tokenizer(), str(path))
+    return path
+
+
+def test_pretrain_stops_resumes_and_exports(policy_dir, tmp_path, capsys):
+    P = _script()
+    out = tmp_path / "eagle3"
+    pc = P.parse([f"policy.path={policy_dir}", "sampling.max_new_tokens=12", "train.batch_size=4",
+                  f"out={out}", "prompts=16", "chunk=8", "epochs=1", "warmup=1", "eval_prompts=4", "max_steps=3"])
+    assert pc.overrides[0] == f"policy.path={policy_dir}" and pc.max_steps == 3
+    r1 = P.main(pc)
+    assert r1["pretrain"]["steps"] == 3 and "eval" not in r1  # stopped inside the last chunk's training
+    assert (tmp_path / "eagle3.state" / "trainer.pt").is_file()
+    load_drafter(out)  # a stopped run still exports what it has
+
+    pc.max_steps = 0
+    r2 = P.main(pc)
+    assert "at step 3, chunk 2" in capsys.readouterr().out
+    assert r2["pretrain"]["steps"] == r2["pretrain"]["total_steps"] == 4
+    assert not (tmp_path / "eagle3.state").exists()  # removed after a completed run
+    d = load_drafter(out)
+    cfg = json.loads((out / "config.json").read_text())
+    ev = cfg["drafttrain"]["extra"]["eval"]
+    assert ev["k"] == 4 and ev["mean_accepted_length"] >= 1.0 and len(ev["acceptance_per_position"]) == 4
+    assert cfg["speculators_config"]["verifier"]["name_or_path"] == str(policy_dir)
+    assert d.aux_layer_ids == (1, 2, 3)
+
+
+def test_pretrain_missing_policy_names_path(tmp_path):
+    P = _script()
+    missing = tmp_path / "nope"
+    with pytest.raises(FileNotFoundError, match=str(missing)):
+        P.main(P.parse([f"policy.path={missing}", f"out={tmp_path / 'o'}"]))

@@ -1,0 +1,198 @@
+"""Online pieces on tiny random models: HiddenCapture, build_features, FeatureBuffer, DrafterTrainer."""
+from __future__ import annotations
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from drafttrain.config import Config
+from drafttrain.online import DrafterTrainer, FeatureBuffer, HiddenCapture, build_features
+from drafttrain.online.capture import teacher_forced_features
+
+STEPS = 2
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """Tiny models run fastest on one thread; two threads on a busy 2-core machine stall in spin-waits."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def _cfgs(**train):
+    c = OmegaConf.structured(Config)
+    c.drafter.path, c.drafter.ttt_steps = None, STEPS
+    for k, v in train.items():
+        setattr(c.train, k, v)
+    return c
+
+
+def _fresh_drafter(policy, seed=1):
+    from drafttrain.drafters import build_drafter
+
+    torch.manual_seed(seed)
+    return build_drafter(_cfgs().drafter, policy)
+
+
+def _features(policy, drafter, n=4, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(4, 32, (3 + i % 3,), generator=g).tolist() for i in range(n)]
+    resp = [torch.randint(4, 32, (6 + 2 * i,), generator=g).tolist() for i in range(n)]
+    return teacher_forced_features(policy, prompts, resp, drafter.aux_layer_ids, STEPS)
+
+
+# ---- capture ---------------------------------------------------------------------------------------------
+def test_capture_equals_hf_hidden_states_in_one_forward(policy):
+    ids = torch.randint(0, 32, (2, 9))
+    calls = []
+    h = policy.register_forward_hook(lambda *a: calls.append(1))
+    try:
+        with HiddenCapture(policy, [3, 1]) as cap:  # any order in, layer order out
+            out = policy(ids)
+        feats = cap.features()
+    finally:
+        h.remove()
+    assert len(calls) == 1
+    ref = policy(ids, output_hidden_states=True).hidden_states
+    assert torch.equal(feats, torch.cat([ref[1], ref[3]], -1))
+    assert not feats.requires_grad and out.logits.shape == (2, 9, 32)
+
+
+def test_capture_hooks_removed_even_on_error(policy):
+    layers = policy.model.layers
+    before = [len(layer._forward_pre_hooks) for layer in layers]
+    with pytest.raises(RuntimeError, match="boom"):
+        with HiddenCapture(policy, [0, 2]):
+            raise RuntimeError("boom")
+    assert [len(layer._forward_pre_hooks) for layer in layers] == before
+    with HiddenCapture(policy, [0, 2]) as cap:
+        policy(torch.randint(0, 32, (1, 4)))
+    assert [len(layer._forward_pre_hooks) for layer in layers] == before
+    policy(torch.randint(0, 32, (1, 7)))  # a forward after exit does not touch the capture
+    assert cap.features().shape == (1, 4, 2 * 64)
+
+
+def test_capture_rejects_bad_layers(policy):
+    with pytest.raises(ValueError, match="layer_ids"):
+        HiddenCapture(policy, [1, 4])
+    with pytest.raises(RuntimeError, match="nothing captured"):
+        with HiddenCapture(policy, [1]) as cap:
+            pass
+        cap.features()
+
+
+def test_build_features_alignment_and_left_padding():
+    B, T, V, X = 2, 6, 5, 3
+    ids = torch.tensor([[1, 2, 3, 4, 5, 6], [0, 0, 7, 8, 9, 10]])
+    mask = torch.tensor([[1] * 6, [0, 0, 1, 1, 1, 1]])
+    aux = torch.randn(B, T, X)
+    logits = torch.randn(B, T, V)
+    f = build_features(ids, mask, aux, logits, steps=2, response_start=torch.tensor([2, 4]))
+    assert f["aux"].shape == (2, 6, 3) and f["next_ids"].shape == (2, 7) and f["target_probs"].shape == (2, 8, 5)
+    assert f["next_ids"][0, :5].tolist() == [2, 3, 4, 5, 6] and f["next_ids"][1, :3].tolist() == [8, 9, 10]
+    assert torch.equal(f["aux"][1, :4], aux[1, 2:])  # left padding removed
+    assert torch.allclose(f["target_probs"][1, :4], logits[1, 2:].softmax(-1))
+    # row 0: prompt [1, 2], response from column 2: positions 1..4 predict response tokens 2..5
+    assert f["valid"][0].nonzero().flatten().tolist() == [1, 2, 3, 4]
+    # row 1 (shifted): prompt [7, 8], response [9, 10]: positions 1, 2
+    assert f["valid"][1].nonzero().flatten().tolist() == [1, 2]
+    assert f["lengths"].tolist() == [6, 4]
+
+
+# ---- buffer ----------------------------------------------------------------------------------------------
+def test_buffer_cap_eviction_sampling_and_state(policy, drafter):
+    f = _features(policy, drafter, n=4)
+    one = FeatureBuffer(1 << 30, torch.bfloat16)
+    one.add(f)
+    per_seq = one.nbytes / 4
+    buf = FeatureBuffer(int(per_seq * 5), torch.float16, seed=3)
+    buf.add(f)
+    buf.add(_features(policy, drafter, n=4, seed=1))
+    assert len(buf) < 8 and buf.nbytes <= buf.max_bytes and buf.evicted == 8 - len(buf)
+    assert buf.records[0]["aux"].dtype == torch.float16
+    b = buf.sample(3)
+    assert b["aux"].dtype == torch.float32 and b["aux"].shape[0] == 3
+    assert b["next_ids"].shape[1] == b["aux"].shape[1] + STEPS - 1 and b["valid"].shape[1] == b["aux"].shape[1] + 2
+    assert buf.sample(100)["aux"].shape[0] == len(buf)
+    # the newest records survive eviction: the last record equals the last row of the second batch
+    g = _features(policy, drafter, n=4, seed=1)
+    L = int(g["lengths"][-1])
+    assert torch.allclose(buf.records[-1]["aux"].float(), g["aux"][-1, :L], rtol=1e-2, atol=1e-2)
+    # state round trip continues the same draws
+    copy = FeatureBuffer(buf.max_bytes, torch.float16)
+    copy.load_state_dict(buf.state_dict())
+    x, y = buf.sample(2), copy.sample(2)
+    assert all(torch.equal(x[k], y[k]) for k in x)
+
+
+def test_buffer_sample_batches_groups_by_length(policy, drafter):
+    buf = FeatureBuffer(1 << 30, seed=0)
+    buf.add(_features(policy, drafter, n=8))
+    bs = buf.sample_batches(3, 4)  # 8 records -> groups of 3, 3, 2
+    assert sorted(len(b["lengths"]) for b in bs) == [2, 3, 3]
+    lengths = sorted(L for b in bs for L in b["lengths"].tolist())
+    assert lengths == sorted(r["aux"].shape[0] for r in buf.records)  # each record exactly once
+    spans = sorted((int(b["lengths"].min()), int(b["lengths"].max())) for b in bs)
+    assert all(hi <= lo2 for (_, hi), (lo2, _) in zip(spans, spans[1:]))  # groups do not interleave
+
+
+@pytest.mark.parametrize("size", [0, -5])
+def test_buffer_size_error_names_field(size):
+    with pytest.raises(ValueError, match="online.buffer_mb"):
+        FeatureBuffer(size)
+    with pytest.raises(ValueError, match="my.key"):
+        FeatureBuffer(size, name="my.key")
+
+
+# ---- trainer ---------------------------------------------------------------------------------------------
+def test_trainer_lowers_loss(policy):
+    d = _fresh_drafter(policy)
+    c = _cfgs(lr=3e-3)
+    tr = DrafterTrainer(d, c.train, c.drafter)
+    batch = _features(policy, d, n=4)
+    first = tr.step(batch)
+    for _ in range(15):
+        out = tr.step(batch)
+    assert not out["nonfinite"] and out["loss"] < first["loss"] - 0.3 and len(out["acc"]) == STEPS
+    assert out["grad_norm"] > 0 and tr.step_count == 16
+
+
+def test_trainer_skips_nonfinite_batch(policy):
+    d = _fresh_drafter(policy)
+    c = _cfgs()
+    tr = DrafterTrainer(d, c.train, c.drafter)
+    batch = _features(policy, d)
+    tr.step(batch)
+    w = {k: v.clone() for k, v in d.state_dict().items()}
+    opt_state = {k: v["exp_avg"].clone() for k, v in tr.opt.state_dict()["state"].items()}
+    bad = dict(batch, aux=batch["aux"].clone())
+    bad["aux"][0, 0, 0] = float("nan")
+    out = tr.step(bad)
+    assert out["nonfinite"] and tr.step_count == 1
+    assert all(torch.equal(w[k], v) for k, v in d.state_dict().items())
+    assert all(torch.equal(opt_state[k], v["exp_avg"]) for k, v in tr.opt.state_dict()["state"].items())
+    assert not tr.step(batch)["nonfinite"] and tr.step_count == 2
+
+
+def test_trainer_save_load_resumes(policy, tmp_path):
+    c = _cfgs()
+    d = _fresh_drafter(policy)
+    buf = FeatureBuffer(1 << 30, seed=5)
+    buf.add(_features(policy, d))
+    tr = DrafterTrainer(d, c.train, c.drafter, buffer=buf)
+    for _ in range(3):
+        tr.step(buf.sample(2))
+    tr.save(tmp_path / "s" / "trainer.pt", extra={"cursor": 7})
+    assert [p.name for p in (tmp_path / "s").iterdir()] == ["trainer.pt"]  # no temp file left
+    ref = tr.step(buf.sample(2))
+
+    d2 = _fresh_drafter(policy, seed=9)
+    buf2 = FeatureBuffer(1 << 30, seed=0)
+    tr2 = DrafterTrainer(d2, c.train, c.drafter, buffer=buf2)
+    assert tr2.load(tmp_path / "s" / "trainer.pt") == {"cursor": 7}
+    assert tr2.step_count == 3 and len(buf2) == len(buf)
+    out = tr2.step(buf2.sample(2))  # same batch, same weights, same Adam moments -> same update
+    assert out["step"] == 4 and out["loss"] == pytest.approx(ref["loss"], rel=1e-6)
+    assert all(torch.allclose(a, b) for a, b in zip(d.state_dict().values(), d2.state_dict().values()))
