@@ -38,9 +38,9 @@ class MakePolicyConfig:
     seed: int = 0
     threads: int = 2
     model: PolicyConfig = field(default_factory=PolicyConfig)
-    steps: int = 300
-    tokens_per_batch: int = 2048
-    lr: float = 1e-3
+    steps: int = 1500
+    tokens_per_batch: int = 512  # small batches, many steps: the copy/sum skills appear after ~1000 steps
+    lr: float = 2e-3
     min_lr_ratio: float = 0.1
     warmup: int = 30
     weight_decay: float = 0.01
@@ -48,6 +48,7 @@ class MakePolicyConfig:
     eval_n: int = 256
     eval_seed: int = 1_000_003  # held out: training draws from `seed`
     eval_temperature: float = 1.0
+    save_dtype: str = "float32"  # "float32" or "bfloat16"; the eval runs on the stored (rounded) weights
 
 
 def lr_at(cfg: MakePolicyConfig, step: int) -> float:
@@ -58,6 +59,8 @@ def lr_at(cfg: MakePolicyConfig, step: int) -> float:
 
 
 def main(cfg: MakePolicyConfig) -> dict:
+    if cfg.save_dtype not in ("float32", "bfloat16"):
+        raise ValueError(f"save_dtype must be float32 or bfloat16, got {cfg.save_dtype}")
     torch.set_num_threads(cfg.threads)
     torch.manual_seed(cfg.seed)
     tok = build_tokenizer()
@@ -84,6 +87,10 @@ def main(cfg: MakePolicyConfig) -> dict:
         bar.set_postfix(loss=f"{sum(losses[-10:]) / len(losses[-10:]):.4f}", tok_s=f"{n_tok / (time.time() - t0):.0f}")
     train_s = time.time() - t0
 
+    save_dtype = getattr(torch, cfg.save_dtype)
+    with torch.no_grad():  # evaluate exactly what load_policy will return
+        for p in model.parameters():
+            p.copy_(p.to(save_dtype).float())
     t1 = time.time()
     ev = sample_eval(model, tok, make_problems(cfg.eval_n, cfg.eval_seed), temperature=cfg.eval_temperature,
                      seed=cfg.seed)
@@ -93,7 +100,7 @@ def main(cfg: MakePolicyConfig) -> dict:
     print(json.dumps(ev, indent=1))
     extra = {"task_eval.json": json.dumps(ev, indent=1) + "\n",
              "make_policy_config.yaml": OmegaConf.to_yaml(OmegaConf.structured(cfg))}
-    save_policy(model, tok, cfg.out, extra=extra)
+    save_policy(model, tok, cfg.out, extra=extra, save_dtype=save_dtype)
     print(f"wrote {os.path.abspath(cfg.out)}")
     return ev
 

@@ -14,6 +14,7 @@ from collections.abc import Iterator
 
 import numpy as np
 import torch
+from transformers import GenerationConfig
 
 from drafttrain.policy.task import Problem, reward, sample_problem
 from drafttrain.policy.tokenizer import decode, encode_prompt
@@ -60,6 +61,10 @@ def sample_eval(
     torch.manual_seed(seed)
     model.eval()
     rewards, lengths = [], []
+    gen = GenerationConfig(  # explicit: plain temperature sampling, no top-k/top-p from model defaults
+        do_sample=temperature > 0, temperature=temperature if temperature > 0 else None,
+        max_new_tokens=max_new_tokens, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+    )
     order = sorted(range(len(problems)), key=lambda i: len(problems[i].prompt))  # similar lengths together
     for s in range(0, len(order), batch_size):
         chunk = [problems[i] for i in order[s : s + batch_size]]
@@ -67,11 +72,7 @@ def sample_eval(
         T = max(map(len, enc))
         ids = torch.tensor([[tok.pad_token_id] * (T - len(e)) + e for e in enc])  # [B, T] left-padded
         mask = (torch.arange(T) >= torch.tensor([T - len(e) for e in enc])[:, None]).long()
-        out = model.generate(
-            input_ids=ids, attention_mask=mask, do_sample=temperature > 0, temperature=temperature or None,
-            top_k=0, top_p=1.0, max_new_tokens=max_new_tokens, eos_token_id=tok.eos_token_id,
-            pad_token_id=tok.pad_token_id,
-        )[:, T:]  # [B, <=max_new_tokens]
+        out = model.generate(input_ids=ids, attention_mask=mask, generation_config=gen)[:, T:]  # [B, <=new]
         for p, row in zip(chunk, out.tolist()):
             n = row.index(tok.eos_token_id) + 1 if tok.eos_token_id in row else len(row)
             lengths.append(n)

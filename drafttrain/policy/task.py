@@ -1,18 +1,23 @@
 """Synthetic verifiable reasoning task: running sums with a step-by-step scratchpad.
 
-    prompt    Q:37+5+81+9=
-    response  37+5=42;42+81=123;123+9=132;A:132      (then EOS)
+    prompt    Q:7+5+8+9=
+    response  7+5=12;12+8=20;20+9=29;A:29      (then EOS)
 
-The number of terms is long-tailed (2 + a geometric draw, capped), so most
+The number of terms is long-tailed (2 + a geometric draw, capped at 16), so most
 responses are short but a few are long, as in reasoning RL where a handful of
-long rollouts dominate a batch. Operands are 1-2 digits. The reward is exact
-match of the final `A:` answer. Everything is deterministic given a seed
-(`random.Random`), never the global RNG.
+long rollouts dominate a batch. The reward is exact match of the final `A:`
+answer. Everything is deterministic given a seed (`random.Random`), never the
+global RNG.
 
-Simplifies on purpose: addition only (no subtraction), no whitespace, one
-answer format. It exists to give the policy something cheap, checkable and
-learnable whose scratchpad is locally predictable (good for drafters) with
-a few hard spots (the sums themselves).
+Simplifies on purpose: addition only, no whitespace, one answer format, and
+single-digit operands (1-9). Measured on this CPU (scripts/make_policy.py's
+budget, ~10 min of SFT): with 1-2 digit operands the 6-layer policy did not
+learn to fetch the k-th term from the prompt in budget (its loss on those digits
+stayed at ln 10 after 1500 steps: 0% accuracy), and a "rewrite the remaining
+expression" scratchpad learned slower still; with 1-digit operands the copy and
+the sums are learned in budget. The
+scratchpad is mostly locally predictable (good for drafters) with a few hard
+spots: fetching the next term and the sum itself.
 """
 
 from __future__ import annotations
@@ -24,16 +29,16 @@ from dataclasses import dataclass
 MIN_TERMS = 2
 MAX_TERMS = 16
 EXTRA_TERM_P = 0.7  # P(one more term): extra terms ~ Geometric, mean 0.7/0.3 ~ 2.3
-MAX_OPERAND = 99
+MAX_OPERAND = 9
 
 _ANSWER_RE = re.compile(r"A:(-?\d+)")
 
 
 @dataclass(frozen=True)
 class Problem:
-    prompt: str  # "Q:37+5+81+9="
-    answer: str  # "132"
-    solution: str  # "37+5=42;42+81=123;123+9=132;A:132" (no EOS)
+    prompt: str  # "Q:7+5+8+9="
+    answer: str  # "29"
+    solution: str  # "7+5=12;12+8=20;20+9=29;A:29" (no EOS)
 
 
 def sample_num_terms(rng: random.Random) -> int:

@@ -14,6 +14,7 @@ import torch
 from drafttrain.policy.model import PolicyConfig, build_policy, load_policy, save_policy
 from drafttrain.policy.sft import IGNORE, encode_example
 from drafttrain.policy.task import (
+    MAX_OPERAND,
     MAX_TERMS,
     extract_answer,
     make_prompts,
@@ -49,7 +50,7 @@ def test_solutions_are_correct():
         p = sample_problem(rng)
         terms = [int(t) for t in p.prompt[2:-1].split("+")]
         assert 2 <= len(terms) <= MAX_TERMS
-        assert all(1 <= t <= 99 for t in terms)
+        assert all(1 <= t <= MAX_OPERAND for t in terms)
         assert int(p.answer) == sum(terms)
         assert reward(p, p.solution) == 1.0
 
