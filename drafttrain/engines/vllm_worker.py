@@ -1,0 +1,279 @@
+"""The worker side of the vLLM engine (drafttrain/engines/vllm_engine.py): code that runs inside vLLM's worker
+process, loaded there by vLLM itself (parallel_config.worker_extension_cls names DrafttrainWorkerExtension; the
+import registers the weight transport). Nothing here is called directly by the trainer process.
+
+    DrafttrainWorkerExtension   collective_rpc methods: dt_setup, dt_probe, dt_zero_kv_cache, dt_set_drafting
+    InlineWeightTransferEngine  backend "drafttrain_inline" for vLLM's native start/update/finish weight update
+    probe(t)                    the read-back probe, computed the same way on both sides
+"""
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import threading
+import time
+from dataclasses import dataclass
+
+import torch
+
+TRANSFER_BACKEND = "drafttrain_inline"
+EXTENSION = "drafttrain.engines.vllm_worker.DrafttrainWorkerExtension"
+
+
+def pack(weights: dict[str, torch.Tensor]) -> bytes:
+    from safetensors.torch import save
+
+    return save({n: t.detach().to("cpu", torch.float32 if t.is_floating_point() else t.dtype).contiguous()
+                 for n, t in weights.items()})
+
+
+def unpack(blob: bytes) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load
+
+    return load(bytes(blob))
+
+
+_STACKED = {".q_proj.": (".qkv_proj.", 0), ".k_proj.": (".qkv_proj.", 1), ".v_proj.": (".qkv_proj.", 2),
+            ".gate_proj.": (".gate_up_proj.", 0), ".up_proj.": (".gate_up_proj.", 1)}
+
+
+def vllm_name(name: str, draft: bool) -> tuple[str, int | None]:
+    """An HF / speculators tensor name -> (vLLM parameter name, shard index in a fused parameter or None)."""
+    if draft:
+        if name == "d2t":
+            return "draft_id_to_target_id", None
+        name = name.replace("midlayer.", "layers.0.")
+        name = name if name.startswith("lm_head.") else "model." + name
+    for old, (new, shard) in _STACKED.items():
+        if old in name:
+            return name.replace(old, new), shard
+    return name, None
+
+
+@functools.lru_cache(maxsize=64)
+def _probe_x(n: int) -> torch.Tensor:
+    """A fixed probe vector (no RNG, so both processes build the same one)."""
+    return torch.sin(torch.arange(n, dtype=torch.float64) * 0.7 + 0.3).float()
+
+
+def probe(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(W @ x, ||W_row|| ||x||) for a matrix, (t, |t|) otherwise: a probe and the scale of its rounding error
+    (|W_row . x| <= ||W_row|| ||x||)."""
+    t = t.detach().float()
+    if t.dim() == 2:
+        x = _probe_x(t.shape[1])
+        return t @ x, torch.linalg.vector_norm(t, dim=1) * torch.linalg.vector_norm(x)
+    return t.flatten(), t.flatten().abs()
+
+
+# ---- collective_rpc methods -------------------------------------------------------------------------------------
+
+class DrafttrainWorkerExtension:
+    """Mixed into vLLM's Worker (parallel_config.worker_extension_cls); called through collective_rpc."""
+
+    def dt_setup(self, owner_pid: int) -> dict:
+        """Once after start-up: the owner watchdog, the vLLM-CPU sampler fixes, and what the drafter shares with
+        the target."""
+        _watch_owner(owner_pid)
+        info = {"fixed_cpu_expand_kernel": _fix_cpu_expand_kernel()}
+        # a partial update (the drafter without the embedding it shares, rotary caches) leaves some layers
+        # unloaded; vLLM restores them and logs "Failed to load weights" each time. The read-back checks instead.
+        logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").setLevel(logging.ERROR)
+        _guard_cpu_top_k()
+        draft, target = self.get_draft_model(), self.get_model()
+        info.update(has_drafter=draft is not None, drafter_shared=[], drafter_has_d2t=False,
+                    supports_draft_weight_updates=bool(self.supports_draft_weight_updates()))
+        if draft is not None:
+            tp = {p.data_ptr() for p in target.parameters() if p.numel()}
+            params = dict(draft.named_parameters(remove_duplicate=False))
+            for ours in ("embed_tokens.weight", "lm_head.weight"):
+                p = params.get(vllm_name(ours, True)[0])
+                if p is not None and p.numel() and p.data_ptr() in tp:
+                    info["drafter_shared"].append(ours)
+            info["drafter_has_d2t"] = getattr(draft, "draft_id_to_target_id", None) is not None
+        return info
+
+    @torch.no_grad()
+    def dt_probe(self, names: list[str], draft: bool) -> bytes:
+        """{vLLM parameter name: probe} where probe = W @ x computed by the layer's own kernel for linear layers
+        (vLLM-CPU repacks their weights and leaves an empty parameter), W @ x for other matrices, the values of
+        vectors. Missing names are left out."""
+        from vllm.model_executor.layers.linear import LinearBase
+
+        model = self.get_draft_model() if draft else self.get_model()
+        out = {}
+        for name in names:
+            mod_name, _, pname = name.rpartition(".")
+            try:
+                mod = model.get_submodule(mod_name)
+            except AttributeError:
+                continue
+            t = getattr(mod, pname, None)
+            if not isinstance(t, torch.Tensor):
+                continue
+            if pname == "weight" and isinstance(mod, LinearBase):
+                x = _probe_x(mod.input_size).to(torch.float32).unsqueeze(0)
+                out[name] = mod.quant_method.apply(mod, x, None)[0].float().cpu()
+            else:
+                out[name] = probe(t)[0].cpu()
+        return pack(out)
+
+    @torch.no_grad()
+    def dt_zero_kv_cache(self) -> None:
+        """Zero every KV-cache block: NaN/inf values left by a broken policy would otherwise leak into later
+        requests that reuse the blocks (masked-out slots still meet 0 * NaN)."""
+        for t in self.model_runner.kv_caches:
+            if isinstance(t, torch.Tensor):
+                t.zero_()
+
+    def dt_set_drafting(self, on: bool) -> None:
+        """off: the model runner proposes zero draft tokens per request, so every step is a plain decode step."""
+        runner = self.model_runner
+        if on:
+            runner.__dict__.pop("propose_draft_token_ids", None)
+            return
+
+        def no_drafts(*args, **kwargs):
+            return torch.zeros(len(runner.input_batch.req_ids), 0, dtype=torch.int32, device=runner.device)
+
+        runner.propose_draft_token_ids = no_drafts
+
+
+def _watch_owner(owner_pid: int, interval_s: float = 1.0) -> None:
+    """If the process that owns the engine dies without closing it (SIGKILL, say: no atexit, no finalizer), the
+    engine core would live on as an orphan. A thread in the worker notices within interval_s and takes the engine
+    core (its parent, identity checked) and itself down."""
+    import signal
+
+    import psutil
+
+    owner, core = psutil.Process(owner_pid), psutil.Process(os.getppid())
+
+    def alive(p) -> bool:
+        try:
+            return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
+        except psutil.NoSuchProcess:
+            return False
+
+    def watch() -> None:
+        while alive(owner):
+            time.sleep(interval_s)
+        if alive(core):  # is_running() also checks the start time: never a recycled pid
+            core.send_signal(signal.SIGKILL)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="drafttrain-owner-watch", daemon=True).start()
+
+
+def _expand(output, input_val, cu_num_tokens, replace_from, replace_to, MAX_NUM_TOKENS=None):
+    """rejection_sampler.expand_kernel in torch: output[cu[i-1]:cu[i]] = input[i] (replace_from -> replace_to)."""
+    cu = cu_num_tokens.to(torch.int64)
+    counts = torch.diff(cu, prepend=cu.new_zeros(1))
+    vals = torch.where(input_val == replace_from, torch.full_like(input_val, replace_to), input_val)
+    n = int(cu[-1]) if cu.numel() else 0
+    output[:n] = vals.repeat_interleave(counts).to(output.dtype)
+
+
+def _fix_cpu_expand_kernel() -> bool:
+    """vLLM 0.32 on CPU overrides the rejection sampler's expand kernel with a C++ call on int64 *copies* of its
+    int32/float32 output, so the per-draft-token temperature, top-k and top-p it expands stay uninitialized
+    memory: sampled speculative decoding then verifies against a garbage distribution (not lossless) or crashes.
+    Replaced with a torch version when the installed one is seen failing; returns whether it was replaced."""
+    import vllm.v1.sample.rejection_sampler as rs
+
+    kernel = rs.expand_kernel
+    impl = getattr(kernel, "_impl", None)
+    if impl is None:  # real Triton kernel (CUDA): nothing to fix
+        return False
+    out = torch.zeros(2)
+    try:
+        impl(out, torch.tensor([0.5]), torch.tensor([2], dtype=torch.int32), -1, 1)
+    except Exception:
+        pass
+    if torch.equal(out, torch.tensor([0.5, 0.5])):
+        return False
+    kernel._impl = kernel.func = _expand
+    kernel._forward_by_name = False
+    return True
+
+
+def _guard_cpu_top_k() -> None:
+    """vLLM 0.32 on CPU: with a speculative config every step goes through the rejection sampler, and a step
+    with no draft tokens at all (any prefill step) hands it zero target rows; with top-k set, the CPU-only
+    apply_top_k_only then fails on max() of an empty tensor and kills the engine. Zero rows need no masking."""
+    from vllm.v1.sample.ops import topk_topp_sampler as tts
+
+    if getattr(tts.apply_top_k_only, "_drafttrain_guard", False):
+        return
+    original = tts.apply_top_k_only
+
+    def apply_top_k_only(logits, k):
+        return logits if logits.shape[0] == 0 else original(logits, k)
+
+    apply_top_k_only._drafttrain_guard = True
+    tts.apply_top_k_only = apply_top_k_only
+
+
+@dataclass
+class _InitInfo:
+    pass
+
+
+@dataclass
+class _UpdateInfo:
+    blob: bytes | None = None  # the safetensors bytes themselves, or
+    path: str | None = None  # a safetensors file on this host
+
+
+def _transfer_engine_cls():
+    """vLLM's WeightTransferEngine for weights in safetensors format, inline or in a file on the worker's host. Like vLLM's
+    IPC engine it reloads layerwise, so layers whose weights the platform repacks after loading (oneDNN on CPU,
+    quantized kernels) are re-processed."""
+    from vllm.distributed.weight_transfer.base import WeightTransferEngine
+    from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
+
+    class InlineWeightTransferEngine(WeightTransferEngine):
+        init_info_cls = _InitInfo
+        update_info_cls = _UpdateInfo
+        supports_draft_weight_update = True
+
+        def init_transfer_engine(self, init_info) -> None:
+            pass
+
+        def start_weight_update(self) -> None:
+            initialize_layerwise_reload(self.model)
+
+        def finish_weight_update(self) -> None:
+            finalize_layerwise_reload(self.model, self.model_config)
+
+        def update_weights(self, update_info: dict) -> None:
+            self.receive_weights(self.parse_update_info(update_info))
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+
+        def receive_weights(self, update_info: _UpdateInfo) -> None:
+            if update_info.path is not None:
+                from safetensors.torch import load_file
+
+                weights = load_file(update_info.path)
+            else:
+                weights = unpack(update_info.blob)
+            self.model.load_weights(list(weights.items()))
+
+        def shutdown(self) -> None:
+            pass
+
+    return InlineWeightTransferEngine
+
+
+def _register_transfer_engine() -> None:
+    try:
+        from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
+    except ImportError:
+        return
+    if TRANSFER_BACKEND not in WeightTransferEngineFactory._registry:
+        WeightTransferEngineFactory.register_engine(TRANSFER_BACKEND, _transfer_engine_cls())
+
+
+_register_transfer_engine()
