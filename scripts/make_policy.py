@@ -8,7 +8,10 @@ trains it with AdamW (warmup + cosine) on length-bucketed batches with the loss 
 response only, then samples `eval_n` held-out problems at temperature 1.0 and writes
 `task_eval.json` (accuracy, response-length stats) beside the weights. The step count is
 chosen so training ends "decent but imperfect", leaving RL room to improve. Deterministic in
-`seed` for a fixed thread count.
+`seed` for a fixed thread count. The shipped checkpoint was trained with this loop, these
+defaults and `threads=1` (1500 steps; 1096 s on the shared 2-core machine, ~140 ms/step when
+it is quiet): 23% sampled / 32% greedy accuracy. More steps should raise it (loss was still
+falling).
 
 Simplifies on purpose: one process, no packing, no validation loss, no checkpoint resume.
 """
@@ -52,10 +55,10 @@ class MakePolicyConfig:
 
 
 def lr_at(cfg: MakePolicyConfig, step: int) -> float:
-    if step < cfg.warmup:
-        return cfg.lr * (step + 1) / cfg.warmup
-    t = (step - cfg.warmup) / max(1, cfg.steps - cfg.warmup)
-    return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * t)))
+    """Linear warmup times cosine decay (over all steps) to `min_lr_ratio * lr`."""
+    warm = min(1.0, (step + 1) / cfg.warmup)
+    cos = 0.5 * (1 + math.cos(math.pi * step / cfg.steps))
+    return cfg.lr * warm * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * cos)
 
 
 def main(cfg: MakePolicyConfig) -> dict:
