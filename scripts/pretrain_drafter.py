@@ -107,6 +107,7 @@ def main(pc: PretrainConfig) -> dict:
     done = trainer.step_count >= total
     train_s = time.time() - t0
     extra = {"pretrain": {**asdict(pc), "steps": trainer.step_count, "total_steps": total, "world": world,
+                          "rollouts": min(chunks_done, n_chunks) * pc.chunk * world,
                           "wall_s": round(train_s, 1), "last": last},
              "recipe_config": OmegaConf.to_container(cfg)}
     if done:
