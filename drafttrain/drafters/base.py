@@ -11,7 +11,6 @@ A drafter, as the engine sees it:
 """
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Protocol
 
 import torch
@@ -71,7 +70,3 @@ def check_compatible(drafter, policy) -> None:
     if c.target_num_layers != pc.num_hidden_layers or max(drafter.aux_layer_ids) >= pc.num_hidden_layers:
         raise ValueError(f"drafter aux_layer_ids {list(drafter.aux_layer_ids)} do not fit the policy's "
                          f"{pc.num_hidden_layers} layers")
-
-
-def drafter_path_exists(path: str | Path) -> bool:
-    return (Path(path) / "config.json").is_file()
