@@ -67,6 +67,8 @@ def save_drafter(d: eagle3.Eagle3Drafter, path: str | Path, verifier: str | Path
             weights.pop("t2d")
         save_file(weights, str(tmp / "model.safetensors"))
         (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
+        for p, mode in ((tmp, 0o755), (tmp / "model.safetensors", 0o644)):  # mkdtemp/safetensors give 0700/0600
+            os.chmod(p, mode)
         old = None
         if path.exists():
             old = path.with_name(f".{path.name}.old")

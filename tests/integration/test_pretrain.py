@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch
 
-from drafttrain.config import PROJECT_ROOT
+from drafttrain.config import PROJECT_ROOT, ConfigError
 from drafttrain.export import load_drafter
 from tests.conftest import tiny_policy
 
@@ -52,6 +52,8 @@ def test_pretrain_stops_resumes_and_exports(policy_dir, tmp_path, capsys):
     load_drafter(out)  # a stopped run still exports what it has
 
     pc.max_steps = 0
+    with pytest.raises(ConfigError, match="resume: .*other settings"):  # a changed schedule does not resume
+        P.main(P.parse([*pc.overrides, f"out={out}", "prompts=16", "chunk=8", "epochs=2"]))
     r2 = P.main(pc)
     assert "at step 3, chunk 2" in capsys.readouterr().out
     assert r2["pretrain"]["steps"] == r2["pretrain"]["total_steps"] == 4
