@@ -13,13 +13,6 @@ from drafttrain.export import load_drafter
 from tests.conftest import tiny_policy
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny models run fastest on one thread; two threads on a busy 2-core machine stall in spin-waits."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 def _script():
