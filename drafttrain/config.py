@@ -82,10 +82,16 @@ class OnlineConfig:
     track: bool = True  # False: the drafter is never updated (the frozen baseline)
     mode: str = "sync"  # sync: train between RL steps | async: train in the background during rollouts
     buffer_mb: float = 64.0  # feature buffer cap (reduced precision)
-    steps_per_update: int = 16  # drafter optimizer steps per RL step
-    time_budget_s: float = 10.0  # sync mode: hard cap on drafter training per RL step
-    budget_frac: float = 0.05  # sync mode: also stop at this fraction of the last RL step's own time
-    canary_prompts: int = 4  # probe size after each swap (recent prompts, SD, short)
+    steps_per_update: int = 16  # at most this many drafter optimizer steps per RL step
+    time_budget_s: float = 10.0  # sync mode: hard cap on drafter work per RL step
+    # sync mode: drafter work (training, its estimate, publishing) is held to this fraction of the RL steps' own
+    # time on average: each step earns budget_frac x its time, training spends it (a time bank; 0 = no cap)
+    budget_frac: float = 0.05
+    estimate_rows: int = 8  # sequences of the latest step the trainer's acceptance estimate is computed on
+    # inline: the first rollout batch after a swap is the canary (no extra generation); probe: generate a short SD
+    # probe on recent prompts right after the swap (canary_prompts x canary_max_new_tokens)
+    canary: str = "inline"
+    canary_prompts: int = 4
     canary_max_new_tokens: int = 48
     canary_min_ratio: float = 0.5  # roll back if engine (MAL-1) < ratio * trainer-estimated (MAL-1)
 
@@ -188,6 +194,10 @@ def validate(cfg: Config) -> None:
         (cfg.sampling.temperature >= 0, "sampling.temperature", f"must be >= 0, got {cfg.sampling.temperature}"),
         (0 < cfg.sampling.top_p <= 1, "sampling.top_p", f"must be in (0, 1], got {cfg.sampling.top_p}"),
         (cfg.online.mode in ("sync", "async"), "online.mode", f"must be sync or async, got {cfg.online.mode!r}"),
+        (cfg.online.canary in ("inline", "probe"), "online.canary",
+         f"must be inline or probe, got {cfg.online.canary!r}"),
+        (cfg.online.budget_frac >= 0, "online.budget_frac", f"must be >= 0, got {cfg.online.budget_frac}"),
+        (cfg.online.estimate_rows >= 1, "online.estimate_rows", f"must be >= 1, got {cfg.online.estimate_rows}"),
         (cfg.rl.mode in ("sync", "async"), "rl.mode", f"must be sync or async, got {cfg.rl.mode!r}"),
         (cfg.online.buffer_mb > 0, "online.buffer_mb", f"must be > 0, got {cfg.online.buffer_mb}"),
         (cfg.rl.group_size >= 2, "rl.group_size", f"must be >= 2 (group-normalized advantages), got {cfg.rl.group_size}"),

@@ -2,17 +2,28 @@
 
     pub = Publisher(engines, initial_weights, cfg.online, log)
     rec = pub.publish(weights, expected_mal, probe_prompts, params)   # -> version, swap_s, canary, rolled_back
+    rec = pub.observe(rollout_batch)      # inline canary: judge the swap on the engine's own next rollouts
 
 Order of checks: non-finite weights, or a non-finite trainer estimate (a diverged drafter whose outputs are NaN),
 are never published (the engine would refuse NaN weights too); each engine's load_drafter is atomic and
-versioned; then the canary generates a short SD probe on recent prompts and compares the engine's mean accepted
-length with the trainer's own teacher-forced estimate. Silently dropped or corrupted weights (acceptance pinned at
-0, or 2.7 -> 1.0) fall far below it, and a drafter that makes the engine fail counts as failing: the engine is
-rolled back to the last good weights under a new version number, and the event is logged loudly.
+versioned; then the canary compares the engine's mean accepted length with the trainer's own teacher-forced
+estimate. Silently dropped or corrupted weights (acceptance pinned at 0, or 2.7 -> 1.0) fall far below it, and a
+drafter that makes the engine fail counts as failing: the engine is rolled back to the last good weights under a
+new version number, and the event is logged loudly.
+
+Two canaries (online.canary):
+- probe: right after the swap, generate a short SD probe on recent prompts (probe_prompts). Costs a little
+  generation per publish.
+- inline: no extra generation. The swap is pending until observe() sees a rollout batch that the new version
+  generated from start to end; its mean accepted length is the canary. A bad drafter thus serves one batch
+  (outputs stay exact: SD is lossless; only slower) before the rollback. Batches of an older version, or of mixed
+  versions, leave the check pending. A publish while a check is pending leaves the pending weights unverified:
+  rollbacks go to the last verified weights.
 """
 from __future__ import annotations
 
 import math
+import threading
 import time
 
 import torch
@@ -32,6 +43,8 @@ class Publisher:
         self.good_weights = {k: v.detach().clone() for k, v in initial_weights.items()}
         self.good_version = self.version
         self.rollbacks = 0
+        self.pending: dict | None = None  # inline canary: {version, weights, expected} not yet judged
+        self._lock = threading.RLock()  # publish (trainer thread) vs observe (a rollout thread, async RL)
 
     def _load_all(self, weights: dict, version: int) -> float:
         """Swap into every engine; returns the slowest engine's swap time (s)."""
@@ -44,6 +57,10 @@ class Publisher:
         return worst
 
     def publish(self, weights: dict, expected_mal: float | None = None, probe_prompts=None, params=None) -> dict:
+        with self._lock:
+            return self._publish(weights, expected_mal, probe_prompts, params)
+
+    def _publish(self, weights: dict, expected_mal, probe_prompts, params) -> dict:
         bad = first_nonfinite(weights)
         if bad is None and expected_mal is not None and not math.isfinite(expected_mal):
             bad = "outputs (the trainer's acceptance estimate)"
@@ -55,21 +72,58 @@ class Publisher:
         swap_s = self._load_all(weights, v)
         rec = {"published": True, "version": v, "swap_s": swap_s, "rolled_back": False, "canary_mal": None,
                "expected_mal": expected_mal}
-        if probe_prompts and self.engines and expected_mal is not None and params is not None:
-            floor = 1.0 + self.cfg.canary_min_ratio * (expected_mal - 1.0)
+        self.pending = None
+        judged = self.engines and expected_mal is not None
+        if judged and self.cfg.canary == "inline":
+            self.pending = {"version": v, "weights": weights, "expected": expected_mal}
+            return rec
+        if judged and probe_prompts and params is not None:
             try:
-                rec["canary_mal"] = min(e.generate(probe_prompts, params, speculative=True)
-                                        .stats.mean_accepted_length for e in self.engines)
-                why = f"engine mean accepted length {rec['canary_mal']:.2f} < {floor:.2f}"
+                mal = min(e.generate(probe_prompts, params, speculative=True).stats.mean_accepted_length
+                          for e in self.engines)
+                rec.update(self._judge(v, weights, expected_mal, mal))
             except (RuntimeError, ValueError) as err:  # e.g. NaN draft probabilities from broken weights
-                rec["canary_mal"], why = float("nan"), f"the engine failed with it: {str(err).splitlines()[0]}"
-            if not rec["canary_mal"] >= floor:
-                self.rollbacks += 1
-                back = v + 1
-                self._load_all(self.good_weights, back)
-                self.log(f"[drafttrain] ROLLBACK: drafter v{v} failed its canary ({why}, trainer estimate "
-                         f"{expected_mal:.2f}); engines now serve the weights of v{self.good_version} as v{back}")
-                rec.update(rolled_back=True, version=back)
-                return rec
+                rec.update(self._judge(v, weights, expected_mal, float("nan"), str(err).splitlines()[0]))
+            return rec
         self.good_weights, self.good_version = weights, v
+        return rec
+
+    def observe(self, batch) -> dict:
+        """Inline canary: judge the pending swap on a rollout batch (RolloutBatch) if the pending version generated
+        all of it; {} while the check stays pending (or nothing is pending)."""
+        versions = list(getattr(batch, "drafter_versions", None) or [batch.drafter_version])
+        with self._lock:
+            p = self.pending
+            if p is None or any(x != p["version"] for x in versions) or batch.stats.drafted == 0:
+                return {}
+            self.pending = None
+            return self._judge(p["version"], p["weights"], p["expected"], batch.stats.mean_accepted_length)
+
+    def fail(self, error: BaseException) -> dict:
+        """Inline canary: the engine failed while the pending version served (e.g. NaN draft probabilities): roll
+        back now. {} if nothing is pending (the failure is not the new drafter's; the caller re-raises)."""
+        with self._lock:
+            p, self.pending = self.pending, None
+            if p is None:
+                return {}
+            return self._judge(p["version"], p["weights"], p["expected"], float("nan"), str(error).splitlines()[0])
+
+    def _floor(self, expected_mal: float) -> float:
+        return 1.0 + self.cfg.canary_min_ratio * (expected_mal - 1.0)
+
+    def _judge(self, v: int, weights: dict, expected_mal: float, mal: float, error: str | None = None) -> dict:
+        """Keep v as the last good version, or roll every engine back to the last good weights."""
+        floor = self._floor(expected_mal)
+        rec = {"canary_mal": mal, "rolled_back": False}
+        if mal >= floor:
+            self.good_weights, self.good_version = weights, v
+            return rec
+        why = (f"the engine failed with it: {error}" if error else
+               f"engine mean accepted length {mal:.2f} < {floor:.2f}")
+        self.rollbacks += 1
+        back = self.version + 1
+        self._load_all(self.good_weights, back)
+        self.log(f"[drafttrain] ROLLBACK: drafter v{v} failed its canary ({why}, trainer estimate "
+                 f"{expected_mal:.2f}); engines now serve the weights of v{self.good_version} as v{back}")
+        rec.update(rolled_back=True, version=back)
         return rec

@@ -16,7 +16,7 @@ import math
 import statistics
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -32,6 +32,7 @@ class Rollouts:
     logprobs: list[list[float]]
     rewards: list[float]
     batch: object  # RolloutBatch
+    canary: dict = field(default_factory=dict)  # the inline canary's verdict on this batch, if it gave one
 
 
 class GRPO:
@@ -52,11 +53,13 @@ class GRPO:
         problems = make_prompts(rl.prompts_per_step, seed=seed)
         prompts = [encode_prompt(self.tok, p.prompt) for p in problems for _ in range(rl.group_size)]
         params = sampling_params(self.cfg, stop_token_ids=(self.tok.eos_token_id,), seed=seed)
-        batch = self.engine.generate(prompts, params, speculative=True)
-        rewards = [reward(problems[i // rl.group_size], decode(self.tok, r)) for i, r in enumerate(batch.tokens)]
-        if self.tracker is not None:
+        if self.tracker is not None:  # the first batch of a new drafter version is its (inline) canary
+            batch, canary = self.tracker.generate(self.engine, prompts, params)
             self.tracker.set_probe(prompts[:: rl.group_size])
-        return Rollouts(step, prompts, batch.tokens, batch.logprobs, rewards, batch)
+        else:
+            batch, canary = self.engine.generate(prompts, params, speculative=True), {}
+        rewards = [reward(problems[i // rl.group_size], decode(self.tok, r)) for i, r in enumerate(batch.tokens)]
+        return Rollouts(step, prompts, batch.tokens, batch.logprobs, rewards, batch, canary)
 
     def advantages(self, rewards: list[float]) -> torch.Tensor:
         G = self.cfg.rl.group_size
@@ -121,6 +124,8 @@ class GRPO:
         self.engine.update_policy()
         if ro_next is None and not last:
             ro_next = self.rollout(step + 1)
+        if ro_next is not None:
+            rec.update(ro_next.canary)  # sync: the verdict on the drafter this step published
         rec["rl_step_s"] = time.perf_counter() - t0
         return rec, ro_next
 

@@ -7,8 +7,13 @@
     tracker.measure(k)                                          # live vs frozen step-0 drafter, teacher-forced
     tracker.start_capture(policy, grad_only=True) ... tracker.stop_capture()   # the same, for callback APIs (TRL)
 
-online.mode=sync trains within online.time_budget_s between RL steps; online.mode=async trains and publishes in a
-background thread (call wait() before reading its result; the next on_policy_update waits by itself).
+online.mode=sync trains between RL steps, within online.time_budget_s and a time bank: each RL step earns
+online.budget_frac x its own time (measured between on_policy_update calls, drafter work excluded), and drafter work
+(training steps, the acceptance estimate, publishing) spends it, so on average it adds at most budget_frac to the
+RL step time. An update with the bank in debt trains and publishes nothing. online.mode=async trains and publishes
+in a background thread (call wait() before reading its result; the next on_policy_update waits by itself).
+With online.canary=inline (the default) the loop hands each rollout batch to observe_rollout(batch): the first
+batch a new version generated is its canary (no extra generation).
 online.track=false keeps the drafter frozen (the baseline recipe) but still captures for measurement.
 An update whose every step was non-finite publishes nothing; one that diverged (NaN/inf weights or outputs) is
 not published and the drafter goes back to the last good weights.
@@ -52,8 +57,9 @@ class DraftTracker:
         self.latest: list[dict] = []  # the previous step's: the background update reads only these
         self.probe_prompts: list[list[int]] = []
         self.policy_version = 0
-        self._last_update_t: float | None = None  # when the last on_policy_update returned
-        self._last_train_s = 0.0
+        self._last_update_t = time.perf_counter()  # RL time is measured from here (construction: step 0's start)
+        self.bank_s = 0.0  # sync mode: drafter time earned (budget_frac x RL time) minus drafter time spent
+        self._step_cost_s: float | None = None  # moving average of one drafter step (for the bank)
         self._thread: threading.Thread | None = None
         self._result: dict = {}
         self._lock = threading.Lock()  # guards the drafter and the buffer against a background update
@@ -147,22 +153,19 @@ class DraftTracker:
         self.policy_version = step + 1 if step is not None else self.policy_version + 1
         if self.self_drafter and self.cfg.online.track:
             return self._requantize(policy)
-        if not self.cfg.online.track or len(self.buffer) == 0:  # no update; the same keys (report.py's rule)
-            self._result = {"drafter_train_s": 0.0, "publish_s": 0.0, "drafter_loss": None, "drafter_steps": 0,
-                            "drafter_skipped_nonfinite": 0, "swap_s": None, "canary_mal": None, "expected_mal": None,
-                            "rolled_back": False, "published": False, "drafter_version": self.version}
-            return self._result
+        if not self.cfg.online.track or len(self.buffer) == 0:  # no update
+            return self._idle()
         now = time.perf_counter()
-        # the RL step's own time since the last update (its drafter training excluded) sets the sync budget
-        rl_s = None if self._last_update_t is None else now - self._last_update_t - self._last_train_s
+        # the RL step's own time since the last update (its drafter work excluded) earns the sync budget
+        rl_s = now - self._last_update_t  # _last_update_t is set after the previous update's drafter work
         bg = self.cfg.online.mode == "async" if background is None else background
         if bg:
             self._thread = threading.Thread(target=self._update, args=(None,), daemon=True)
             self._thread.start()
-            self._last_update_t, self._last_train_s = time.perf_counter(), 0.0
+            self._last_update_t = time.perf_counter()
             return {}
         out = self._update(rl_s)
-        self._last_update_t, self._last_train_s = time.perf_counter(), out["drafter_train_s"] + out["publish_s"]
+        self._last_update_t = time.perf_counter()
         return out
 
     def wait(self) -> dict:
@@ -172,31 +175,42 @@ class DraftTracker:
         return self._result
 
     def _update(self, rl_s: float | None) -> dict:
-        """Train up to online.steps_per_update steps (sync: within min(time_budget_s, budget_frac * rl_s); at
-        least one step), then publish."""
+        """Train up to online.steps_per_update steps, then publish. Sync mode (rl_s = the RL step's own time):
+        within time_budget_s, and while the time bank (budget_frac, see the module doc) is not in debt; a
+        step is taken while the bank covers one more (at least one when the bank is positive)."""
         oc, t0 = self.cfg.online, time.perf_counter()
-        budget = oc.time_budget_s if rl_s is None else min(oc.time_budget_s, oc.budget_frac * rl_s)
+        bank = oc.budget_frac > 0 and rl_s is not None
+        if bank:
+            self.bank_s = min(self.bank_s + oc.budget_frac * rl_s, oc.time_budget_s)
+            if self.bank_s <= 0:
+                return self._idle()
         losses, skipped = [], 0
-        for _ in range(oc.steps_per_update):
+        for i in range(oc.steps_per_update):
+            ts = time.perf_counter()
             with self._lock:  # per step, so captures and measurements wait at most one drafter step
                 out = self.trainer.step(self.buffer.sample(self.cfg.train.batch_size))
+            dt = time.perf_counter() - ts
+            self._step_cost_s = dt if self._step_cost_s is None else 0.8 * self._step_cost_s + 0.2 * dt
             skipped += out["nonfinite"]
             losses.append(out["loss"])
-            if oc.mode == "sync" and time.perf_counter() - t0 > budget:
+            spent = time.perf_counter() - t0
+            if rl_s is not None and (spent + self._step_cost_s > oc.time_budget_s
+                                     or bank and spent + self._step_cost_s > self.bank_s):
                 break
         with self._lock:
             weights = {k: v.detach().clone() for k, v in self.drafter.state_dict().items()}
-            est = teacher_forced_acceptance(self.drafter, _rows(self.latest, self.steps),
+            est = teacher_forced_acceptance(self.drafter, _rows(self.latest, self.steps, oc.estimate_rows),
                                             max_draft_len(self.cfg.engine))["mal"] if self.latest else None
         train_s = time.perf_counter() - t0
         params = sampling_params(self.cfg, max_new_tokens=oc.canary_max_new_tokens)
+        probe = self.probe_prompts if oc.canary == "probe" else None
         t1 = time.perf_counter()
         if skipped == len(losses):  # every step was skipped: the weights did not change, nothing new to publish
             self.log(f"[drafttrain] NOT PUBLISHED: all {skipped} drafter steps had a NaN/inf loss or gradient; "
                      f"engines keep v{self.version}")
             pub = {"published": False}
         else:
-            pub = self.publisher.publish(weights, est, self.probe_prompts, params)
+            pub = self.publisher.publish(weights, est, probe, params)
         if pub.get("reason", "").startswith("nonfinite"):  # diverged: train on from the last good weights
             with self._lock:
                 self.trainer.restore(self.publisher.good_weights)
@@ -206,7 +220,35 @@ class DraftTracker:
                         "swap_s": pub.get("swap_s"), "canary_mal": pub.get("canary_mal"),
                         "expected_mal": est, "rolled_back": pub.get("rolled_back", False),
                         "published": pub["published"], "drafter_version": self.version}
+        if bank:
+            self.bank_s -= time.perf_counter() - t0
+        self._result["budget_bank_s"] = self.bank_s if bank else None
         return self._result
+
+    def _idle(self) -> dict:
+        """No update (frozen, nothing captured, or the time bank in debt): the same keys (report.py's rule)."""
+        self._result = {"drafter_train_s": 0.0, "publish_s": 0.0, "drafter_loss": None, "drafter_steps": 0,
+                        "drafter_skipped_nonfinite": 0, "swap_s": None, "canary_mal": None, "expected_mal": None,
+                        "rolled_back": False, "published": False, "drafter_version": self.version,
+                        "budget_bank_s": self.bank_s if self.cfg.online.budget_frac > 0 else None}
+        return self._result
+
+    def observe_rollout(self, batch) -> dict:
+        """Hand a rollout batch of one of the engines to the inline canary (online.canary=inline): the first batch
+        the newly published version generated decides keep or roll back. {} while nothing is decided."""
+        return self.publisher.observe(batch)
+
+    def generate(self, engine, prompts, params, speculative: bool = True):
+        """engine.generate, with the inline canary watching: if it fails while a newly published drafter is on
+        probation, roll back to the last good drafter and generate again. Returns (batch, canary verdict)."""
+        try:
+            batch = engine.generate(prompts, params, speculative=speculative)
+        except (RuntimeError, ValueError) as err:  # e.g. NaN draft probabilities from broken weights
+            verdict = self.publisher.fail(err)
+            if not verdict:
+                raise
+            return engine.generate(prompts, params, speculative=speculative), verdict
+        return batch, self.observe_rollout(batch)
 
     def _requantize(self, policy) -> dict:
         """Self-drafter: every engine requantizes the new policy weights into its standby drafter and swaps."""
@@ -241,11 +283,12 @@ class DraftTracker:
         self.wait()
         return {"frozen": self.frozen.state_dict(), "version": self.publisher.version,
                 "good_weights": self.publisher.good_weights, "good_version": self.publisher.good_version,
-                "policy_version": self.policy_version}
+                "policy_version": self.policy_version, "bank_s": self.bank_s}
 
     def load_state_dict(self, state: dict) -> None:
         self.frozen.load_state_dict(state["frozen"])
         self.policy_version = state["policy_version"]
+        self.bank_s = state.get("bank_s", 0.0)
         self.publisher.good_weights, self.publisher.good_version = state["good_weights"], state["good_version"]
         if state["version"] > 0:  # engines serve the last good weights; the drafter may hold newer, rejected ones
             self.publisher._load_all({k: v.detach().clone() for k, v in state["good_weights"].items()},

@@ -17,8 +17,9 @@ drafter trains and publishes v+1 (in the background with online.mode=async; trai
 Engines, a choice: with use_vllm=False TRL samples from the HF model itself, so no engine needs the drafter. Pass
 engines=[] and take the drafter from tracker.drafter (export it with drafttrain.export); versions still count up.
 An embedded TorchEngine may be passed to measure the drafter in real speculative decoding: the callback refreshes
-its policy copy after each optimizer step (engine.update_policy()). The canary runs only once the caller has given
-probe prompts (tracker.set_probe(prompt_ids)): the callback never sees token-level prompts.
+its policy copy after each optimizer step (engine.update_policy()). TRL generates its own rollouts, so no engine
+batch can serve as the inline canary: the callback switches the tracker to online.canary=probe, which runs once the
+caller has given probe prompts (tracker.set_probe(prompt_ids)): the callback never sees token-level prompts.
 """
 from __future__ import annotations
 
@@ -30,6 +31,9 @@ from drafttrain.rl.hooks import DraftTracker
 class DraftTrackerCallback(TrainerCallback):
     def __init__(self, tracker: DraftTracker):
         self.tracker = tracker
+        if tracker.cfg.online.canary != "probe":  # TRL's rollouts never pass through the tracker's engines
+            tracker.cfg.online.canary = "probe"
+            tracker.log("[drafttrain] DraftTrackerCallback: online.canary=probe (TRL generates its own rollouts)")
         self.history: list[dict] = []  # one record per optimizer step (measure + update results)
 
     def on_step_begin(self, args, state, control, model=None, **kw):

@@ -63,7 +63,8 @@ def test_one_rl_step_with_hot_swap(policy_dir, tmp_path, monkeypatch, mode):
     engines = []
     build = run.build_engine
     monkeypatch.setattr(run, "build_engine", lambda *a, **kw: engines.append(build(*a, **kw)) or engines[-1])
-    cfg = load_recipe("eagle3_track", overrides(policy_dir, tmp_path, f"rl.mode={mode}", f"online.mode={mode}"))
+    cfg = load_recipe("eagle3_track", overrides(policy_dir, tmp_path, f"rl.mode={mode}", f"online.mode={mode}",
+                                                "online.canary=probe"))
     (rec,) = run.main(cfg)
 
     assert KEYS <= set(rec), KEYS - set(rec)
@@ -77,6 +78,18 @@ def test_one_rl_step_with_hot_swap(policy_dir, tmp_path, monkeypatch, mode):
     assert saved.rl.mode == mode and saved.online.mode == mode and saved.recipe == "eagle3_track"
     state = torch.load(tmp_path / "ckpt" / "step-1" / "state.pt", weights_only=False)
     assert state["step"] == 1 and state["tracker"]["version"] == 1
+
+
+def test_inline_canary_judges_a_swap_on_the_next_rollouts(policy_dir, tmp_path):
+    """online.canary=inline (the default): no probe generation; step 1's rollouts, the first the v1 drafter
+    generated, are its canary, and the verdict lands in step 0's record."""
+    from drafttrain.online.run import main
+
+    cfg = load_recipe("eagle3_track", overrides(policy_dir, tmp_path, "rl.steps=2", "online.budget_frac=0"))
+    assert cfg.online.canary == "inline"
+    r0, r1 = main(cfg)
+    assert r0["published"] and r1["rollout_drafter_version"] == 1
+    assert r0["canary_mal"] == r1["live_mal"] >= 1.0 and not r0["rolled_back"]
 
 
 def test_frozen_drafter_records_the_same_keys(policy_dir, tmp_path):
@@ -212,18 +225,29 @@ def _corrupt(weights: dict, how: str) -> dict:
             for k, v in weights.items()}
 
 
+@pytest.mark.parametrize("canary", ["probe", "inline"])
 @pytest.mark.parametrize("how", ["zeroed", "shuffled"])
-def test_canary_rolls_back_a_corrupt_drafter(trained, how):
+def test_canary_rolls_back_a_corrupt_drafter(trained, how, canary):
+    """probe: judged by a probe right after the swap; inline: by the first rollout batch the new version serves."""
     from drafttrain.online.hotswap import Publisher
 
     engine, logs = _engine(trained), []
-    cfg, probe = trained["cfg"], trained["prompts"][:4]
+    cfg, probe = trained["cfg"].copy(), trained["prompts"][:4]
+    cfg.online.canary = canary
     params = sampling_params(cfg, max_new_tokens=cfg.online.canary_max_new_tokens)
     pub = Publisher([engine], engine.drafter.state_dict(), cfg.online, log=logs.append)
-    ok = pub.publish(trained["good"], trained["expected"], probe, params)
+
+    def publish(weights):
+        rec = pub.publish(weights, trained["expected"], probe, params)
+        if canary == "inline":
+            assert rec["canary_mal"] is None and pub.pending["version"] == rec["version"]
+            rec.update(pub.observe(engine.generate(probe, params)))  # the engine's next rollouts
+        return rec
+
+    ok = publish(trained["good"])
     assert ok["published"] and not ok["rolled_back"] and engine.drafter_version == 1
 
-    bad = pub.publish(_corrupt(trained["good"], how), trained["expected"], probe, params)
+    bad = publish(_corrupt(trained["good"], how))
     assert bad["rolled_back"] and bad["canary_mal"] < ok["canary_mal"]
     assert bad["version"] == engine.drafter_version == 3 and pub.good_version == 1  # v2 failed; v3 = v1's weights
     served = engine.drafter.state_dict()
@@ -232,16 +256,43 @@ def test_canary_rolls_back_a_corrupt_drafter(trained, how):
     assert any("ROLLBACK" in m and "v2" in m for m in logs), logs
 
 
-def test_canary_rolls_back_a_drafter_that_crashes_the_engine(trained):
-    """Huge (finite) weights make the int8 drafter's kernels fail: a failed canary, not a dead RL job."""
+def test_inline_canary_waits_for_a_batch_of_the_new_version(trained):
+    """A batch the old version generated (or a mix) does not judge the new one; the next pure batch does."""
+    from drafttrain.online.hotswap import Publisher
+
+    engine, cfg, probe = _engine(trained), trained["cfg"], trained["prompts"][:2]
+    params = sampling_params(cfg, max_new_tokens=16)
+    pub = Publisher([engine], engine.drafter.state_dict(), cfg.online, log=lambda m: None)
+    old_batch = engine.generate(probe, params)
+    assert pub.publish(_corrupt(trained["good"], "zeroed"), trained["expected"])["published"]
+    assert pub.observe(old_batch) == {} and pub.pending is not None  # v0's batch says nothing about v1
+    rec = pub.observe(engine.generate(probe, params))
+    assert rec["rolled_back"] and pub.pending is None and engine.drafter_version == 2 and pub.good_version == 0
+    assert pub.observe(engine.generate(probe, params)) == {}  # nothing pending any more
+
+
+@pytest.mark.parametrize("canary", ["probe", "inline"])
+def test_canary_rolls_back_a_drafter_that_crashes_the_engine(trained, canary):
+    """Huge (finite) weights make the int8 drafter's kernels fail: a failed canary, not a dead RL job. Inline, the
+    rollout that failed is generated again with the good drafter (DraftTracker.generate)."""
     from drafttrain.online.hotswap import Publisher
 
     engine, logs = _engine(trained, int8=True), []
-    cfg, probe = trained["cfg"], trained["prompts"][:2]
+    cfg, probe = trained["cfg"].copy(), trained["prompts"][:2]
+    cfg.online.canary = canary
     params = sampling_params(cfg, max_new_tokens=16)
-    pub = Publisher([engine], trained["good"], cfg.online, log=logs.append)
     huge = {k: v * 1e10 if v.is_floating_point() else v for k, v in trained["good"].items()}
-    rec = pub.publish(huge, trained["expected"], probe, params)
+    if canary == "probe":
+        pub = Publisher([engine], trained["good"], cfg.online, log=logs.append)
+        rec = pub.publish(huge, trained["expected"], probe, params)
+    else:
+        tracker, logs = _tracker_with_features(trained, engine)
+        rec = tracker.publisher.publish(huge, trained["expected"])
+        with pytest.raises((RuntimeError, ValueError)):
+            engine.generate(probe, params)  # what the rollout would die of
+        batch, verdict = tracker.generate(engine, probe, params)
+        rec.update(verdict)
+        assert batch.drafter_versions and set(batch.drafter_versions) == {2}
     assert rec["rolled_back"] and engine.drafter_version == 2 and any("ROLLBACK" in m for m in logs)
     assert engine.generate(probe, params).stats.mean_accepted_length > 2.0  # the good weights serve again
 
@@ -253,7 +304,8 @@ def _tracker_with_features(trained, engine, *extra):
     from drafttrain.rl.hooks import DraftTracker
 
     cfg = load_recipe("eagle3_track", ["drafter.path=null", "engine.drafter_int8=false", "train.batch_size=4",
-                                       "online.steps_per_update=2", "online.canary_max_new_tokens=16", *extra])
+                                       "online.steps_per_update=2", "online.canary_max_new_tokens=16",
+                                       "online.budget_frac=0", *extra])
     policy = trained["policy"]
     drafter = build_drafter(cfg.drafter, policy)
     drafter.load_state_dict(trained["good"])
@@ -265,6 +317,36 @@ def _tracker_with_features(trained, engine, *extra):
         policy(input_ids=ids)
     tracker.set_probe(trained["prompts"][:2])
     return tracker, logs
+
+
+def test_sync_training_is_held_to_its_time_bank(trained, monkeypatch):
+    """online.budget_frac=0.05: each RL second earns 50 ms of drafter work. On a fake clock where only drafter steps
+    take time (20 ms each), the steps per update follow the bank exactly, debt included."""
+    import types
+
+    from drafttrain.rl import hooks
+
+    clock = [0.0]
+    monkeypatch.setattr(hooks, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
+    engine = _engine(trained)
+    tracker, _ = _tracker_with_features(trained, engine, "online.budget_frac=0.05", "online.steps_per_update=50")
+    step = tracker.trainer.step
+
+    def slow_step(batch):
+        clock[0] += 0.02
+        return step(batch)
+
+    monkeypatch.setattr(tracker.trainer, "step", slow_step)
+    tracker._last_update_t = 0.0
+    taken = []
+    for rl_s in (1.0, 0.0, 0.0, 10.0):  # RL time before each update
+        clock[0] += rl_s
+        out = tracker.on_policy_update(trained["policy"], len(taken))
+        taken.append(out["drafter_steps"])
+        assert out["published"] == (out["drafter_steps"] > 0)
+    # 50 ms: 2 steps (10 ms left); 1 more step (-10 ms: debt); nothing until repaid; 490 ms: 24 steps
+    assert taken == [2, 1, 0, 24]
+    assert tracker.bank_s == pytest.approx(0.01)
 
 
 def test_nan_update_is_never_published(trained):
@@ -314,7 +396,7 @@ def test_resume_after_rollback_serves_the_good_weights(trained):
     from drafttrain.rl.hooks import DraftTracker
 
     engine = _engine(trained)
-    tracker, _ = _tracker_with_features(trained, engine)
+    tracker, _ = _tracker_with_features(trained, engine, "online.canary=probe")
     cfg, probe = tracker.cfg, trained["prompts"][:4]
     params = sampling_params(cfg, max_new_tokens=48)
     assert tracker.publisher.publish(trained["good"], trained["expected"], probe, params)["published"]
