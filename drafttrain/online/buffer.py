@@ -81,13 +81,18 @@ class FeatureBuffer:
     def sample_batches(self, n: int, count: int) -> list[dict[str, torch.Tensor]]:
         """Up to `count` batches of n records: min(n*count, len) records drawn as in sample(), grouped by length
         (less padding: each record is used once, so long rollouts are not under-drawn), in random order."""
+        return [collate(g, self.steps) for g in self.sample_groups(n, count)]
+
+    def sample_groups(self, n: int, count: int) -> list[list[dict]]:
+        """sample_batches before collation: lists of records (references: still valid after an eviction), so a
+        caller that may stop early collates only the batches it uses."""
         if not self.records:
             raise ValueError("FeatureBuffer.sample_batches: the buffer is empty")
         idx = torch.randperm(len(self.records), generator=self.gen)[:n * count].tolist()
         idx.sort(key=lambda i: self.records[i]["aux"].shape[0])
         groups = [idx[j:j + n] for j in range(0, len(idx), n)]
         order = torch.randperm(len(groups), generator=self.gen).tolist()
-        return [collate([self.records[i] for i in groups[g]], self.steps) for g in order]
+        return [[self.records[i] for i in groups[g]] for g in order]
 
     def state_dict(self) -> dict:
         return {"records": list(self.records), "nbytes": self.nbytes, "added": self.added,

@@ -184,11 +184,13 @@ class DraftTracker:
             self.bank_s = min(self.bank_s + oc.budget_frac * rl_s, oc.time_budget_s)
             if self.bank_s <= 0:
                 return self._idle()
-        losses, skipped = [], 0
-        for i in range(oc.steps_per_update):
+        losses, skipped, groups = [], 0, []
+        for _ in range(oc.steps_per_update):
             ts = time.perf_counter()
             with self._lock:  # per step, so captures and measurements wait at most one drafter step
-                out = self.trainer.step(self.buffer.sample(self.cfg.train.batch_size))
+                if not groups:  # length-grouped batches (less padding), collated only when used
+                    groups = self.buffer.sample_groups(self.cfg.train.batch_size, oc.steps_per_update - len(losses))
+                out = self.trainer.step(collate(groups.pop(), self.buffer.steps))
             dt = time.perf_counter() - ts
             self._step_cost_s = dt if self._step_cost_s is None else 0.8 * self._step_cost_s + 0.2 * dt
             skipped += out["nonfinite"]
