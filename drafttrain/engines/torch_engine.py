@@ -187,11 +187,12 @@ class TorchEngine:
 
         while True:
             # commit what the last verify emitted; find rows that finished
-            done = []
+            done, emitted = [], []
             out_l, n_l, lp_l = out.tolist(), n.tolist(), lp.tolist()
             if ctl is not None:
                 ctl.observe(n_l, k)
             for j, b in enumerate(row_ids):
+                before = len(resp[b])
                 for t, l in zip(out_l[j][: n_l[j] + 1], lp_l[j][: n_l[j] + 1]):
                     resp[b].append(t)
                     lps[b].append(l)
@@ -200,9 +201,12 @@ class TorchEngine:
                         break
                     if len(resp[b]) >= params.max_new_tokens or lens_l[b] + len(resp[b]) >= L:
                         break
+                emitted.append(len(resp[b]) - before)
                 # a row whose last token sits at position L-1 has no room left (its maximum position); others go on
                 if reasons[b] == "stop" or len(resp[b]) >= params.max_new_tokens or lens_l[b] + len(resp[b]) >= L:
                     done.append(j)
+            if versions:  # `out` came from a verify step (not the prefill): count only what the rows kept
+                stats.update(n, k, torch.tensor(emitted))
             if done:
                 keep = torch.tensor([j for j in range(len(row_ids)) if j not in set(done)], dtype=torch.long)
                 row_ids = [row_ids[j] for j in keep.tolist()]
@@ -231,7 +235,6 @@ class TorchEngine:
                 inp = last.view(Bn, 1)
             logits, aux_v = lean.forward(inp, pos, cache, aux_ids if k_max > 0 else ())
             out, n, lp = self._sample(logits, q, d, params, gen)
-            stats.update(n, k)
             if drafter is not None:  # AR steps (toggle off) accumulate; the next SD step catches up in one pass
                 new_ids, aux, n_new, start = _append_pending(new_ids, aux, n_new, start, out.clamp_min(0), aux_v,
                                                              n + 1, pos)

@@ -406,23 +406,22 @@ class VllmEngine:
 
 
 def _spec_stats(toks, metrics, spec: bool, forwards: int) -> SpecStats:
-    """SpecStats from vLLM's per-row metrics: per_step_accepted / per_step_drafted of each verify step."""
+    """SpecStats from vLLM's per-row metrics: per_step_accepted / per_step_drafted of each verify step, counted
+    as the torch engine counts them (SpecStats.update): a step emits accepted + 1 tokens, the last one only up to
+    the row's end (drafts vLLM accepted past a stop token are not counted)."""
     st = SpecStats()
-    st.target_forwards = forwards
     for row, m in zip(toks, metrics):
         acc = list(m.per_step_accepted) if (spec and m is not None) else []
         drafted = list(m.per_step_drafted) if (spec and m is not None) else []
-        # decode steps without drafts (AR, or vLLM skipped drafting) emitted one token each
-        plain = max(0, len(row) - 1 - sum(a + 1 for a in acc))
-        st.verify_rows += len(acc) + plain
-        st.drafted += sum(drafted)
-        st.accepted += sum(acc)
-        if drafted:
-            st._grow(max(drafted))
+        left = len(row) - 1  # the prefill emitted the first token
         for a, d in zip(acc, drafted):
-            for j in range(d):
-                st.reached_per_position[j] += j <= a
-                st.accepted_per_position[j] += j < a
+            kept = max(0, min(a + 1, left))
+            st.update(torch.tensor([a]), d, torch.tensor([kept]))
+            left -= kept
+        # decode steps without drafts (AR, or vLLM skipped drafting) emitted one token each
+        for _ in range(max(0, left)):
+            st.update(torch.zeros(1, dtype=torch.long), 0)
+    st.target_forwards = forwards
     return st
 
 

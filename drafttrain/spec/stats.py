@@ -1,6 +1,11 @@
 """SpecStats: what speculative decoding did, accumulated over decode steps and mergeable across batches/engines.
 
-mean_accepted_length = tokens emitted per (row, verify) pair = 1 + accepted / verify_rows; AR gives 1.0.
+mean_accepted_length (MAL) = response tokens emitted per (row, verify) pair = emitted / verify_rows; AR gives 1.0.
+A step emits num_accepted + 1 tokens (the accepted drafts, then the resampled or bonus token), except a row's last
+step when a stop token or the length limit cuts it: it emits only the tokens up to the cut, and drafts past the cut
+count as neither drafted nor reached (they are not part of the response, whatever the verify pass said about them).
+The prefill's first token is no verify step and is not counted. So MAL = (response tokens - 1) / verify steps per
+row, pooled over rows; teacher_forced_acceptance (online/acceptance.py) reports the expectation of the same counts.
 acceptance_per_position[i] = P(draft i accepted | drafts 0..i-1 accepted) as a rate over rows that drafted i.
 """
 from __future__ import annotations
@@ -12,27 +17,34 @@ import torch
 
 @dataclass
 class SpecStats:
-    drafted: int = 0  # draft tokens proposed
-    accepted: int = 0  # draft tokens accepted
-    verify_rows: int = 0  # (row, target forward) pairs, AR steps included
+    drafted: float = 0  # draft tokens proposed (inside the response)
+    accepted: float = 0  # draft tokens accepted (inside the response)
+    verify_rows: float = 0  # (row, target forward) pairs, AR steps included
     target_forwards: int = 0  # batched target forward calls (prefill excluded)
-    accepted_per_position: list[int] = field(default_factory=list)  # count of rows accepting draft i
-    reached_per_position: list[int] = field(default_factory=list)  # count of rows whose drafts 0..i-1 were accepted
+    emitted: float = 0  # response tokens the verify steps emitted
+    accepted_per_position: list = field(default_factory=list)  # count of rows accepting draft i
+    reached_per_position: list = field(default_factory=list)  # count of rows whose drafts 0..i-1 were accepted
 
-    def update(self, num_accepted: torch.Tensor, k: int) -> None:
-        """num_accepted[B] from one verify step that drafted k tokens per row."""
-        na = num_accepted.detach().cpu()
+    def update(self, num_accepted: torch.Tensor, k: int, emitted: torch.Tensor | None = None) -> None:
+        """num_accepted[B] from one verify step that drafted k tokens per row; emitted[B]: the tokens each row
+        kept (num_accepted + 1 unless a stop token or the length limit cut the row; None = no cut)."""
+        na = num_accepted.detach().cpu().long()
         B = na.numel()
+        em = na + 1 if emitted is None else torch.as_tensor(emitted).detach().cpu().long()
+        cut = em <= na  # the response ended inside the accepted drafts
         self.target_forwards += 1
         self.verify_rows += B
+        self.emitted += int(em.sum())
         if k == 0:
             return
-        self.drafted += B * k
-        self.accepted += int(na.sum())
+        inside = torch.where(cut, em, torch.full_like(em, k)).clamp_max(k)  # drafts before the cut
+        self.drafted += int(inside.sum())
+        self.accepted += int(torch.minimum(na, inside).sum())
         self._grow(k)
         pos = torch.arange(k)
-        acc = (na.unsqueeze(1) > pos).sum(0).tolist()  # rows that accepted draft i
-        reach = (na.unsqueeze(1) >= pos).sum(0).tolist()  # rows that got to try draft i
+        kept = pos < inside.unsqueeze(1)  # [B, k]
+        acc = ((na.unsqueeze(1) > pos) & kept).sum(0).tolist()  # rows that accepted draft i
+        reach = ((na.unsqueeze(1) >= pos) & kept).sum(0).tolist()  # rows that got to try draft i
         for i in range(k):
             self.accepted_per_position[i] += acc[i]
             self.reached_per_position[i] += reach[i]
@@ -44,7 +56,8 @@ class SpecStats:
 
     def merge(self, other: "SpecStats") -> "SpecStats":
         out = SpecStats(self.drafted + other.drafted, self.accepted + other.accepted,
-                        self.verify_rows + other.verify_rows, self.target_forwards + other.target_forwards)
+                        self.verify_rows + other.verify_rows, self.target_forwards + other.target_forwards,
+                        self.emitted + other.emitted)
         out._grow(max(len(self.accepted_per_position), len(other.accepted_per_position)))
         for s in (self, other):
             for i, (a, r) in enumerate(zip(s.accepted_per_position, s.reached_per_position)):
@@ -54,7 +67,7 @@ class SpecStats:
 
     @property
     def mean_accepted_length(self) -> float:
-        return 1.0 + self.accepted / self.verify_rows if self.verify_rows else 0.0
+        return self.emitted / self.verify_rows if self.verify_rows else 0.0
 
     @property
     def acceptance_rate(self) -> float:
@@ -66,5 +79,6 @@ class SpecStats:
 
     def to_dict(self) -> dict:
         return {"drafted": self.drafted, "accepted": self.accepted, "verify_rows": self.verify_rows,
-                "target_forwards": self.target_forwards, "mean_accepted_length": self.mean_accepted_length,
-                "acceptance_rate": self.acceptance_rate, "acceptance_per_position": self.acceptance_per_position}
+                "target_forwards": self.target_forwards, "emitted": self.emitted,
+                "mean_accepted_length": self.mean_accepted_length, "acceptance_rate": self.acceptance_rate,
+                "acceptance_per_position": self.acceptance_per_position}

@@ -255,7 +255,8 @@ def test_oracle_drafter_long_runs_stops_and_lengths(make_engine, policy):
     ar = eng.generate(ORACLE_PROMPTS, g, speculative=False)
     sd = eng.generate(ORACLE_PROMPTS, g)
     assert sd.tokens == ar.tokens
-    assert sd.stats.mean_accepted_length > 1 + 0.9 * k  # the oracle is (almost) always right
+    assert sd.stats.acceptance_rate > 0.9  # the oracle is (almost) always right
+    assert sd.stats.mean_accepted_length == (n - 1) / -(-(n - 1) // (k + 1))  # each row's last step is cut at n
     assert sd.stats.target_forwards <= -(-(n - 1) // (k + 1)) + 1
     # a stop token emitted mid-run: the accepted drafts after it are dropped
     for row in ar.tokens:
@@ -267,10 +268,13 @@ def test_oracle_drafter_long_runs_stops_and_lengths(make_engine, policy):
             for r, got, why in zip(ar.tokens, b.tokens, b.finish_reasons):
                 want = r[: r.index(stop) + 1] if stop in r else r
                 assert got == want and why == ("stop" if stop in r else "length")
+            # MAL counts the response only: not the drafts accepted past the stop token, no bonus token there
+            assert b.stats.mean_accepted_length == sum(len(t) - 1 for t in b.tokens) / b.stats.verify_rows
     # max_new_tokens that cut a run of k+1 accepted tokens short
     for m in (2, 4, 6, 8):
         b = eng.generate(ORACLE_PROMPTS, SamplingParams(temperature=0, max_new_tokens=m))
         assert b.tokens == [r[:m] for r in ar.tokens]
+        assert b.stats.mean_accepted_length == len(ORACLE_PROMPTS) * (m - 1) / b.stats.verify_rows
         assert [len(x) for x in b.logprobs] == [m] * len(ORACLE_PROMPTS)
 
 

@@ -384,6 +384,23 @@ def test_spec_stats_update():
     assert d["mean_accepted_length"] == pytest.approx(2.0) and d["acceptance_per_position"][1] == pytest.approx(0.75)
 
 
+def test_spec_stats_counts_only_the_response():
+    """A step cut by a stop token or the length limit emits only the tokens up to the cut: no bonus token, and
+    drafts past the cut are neither drafted nor reached. MAL = emitted tokens per verify step."""
+    st = SpecStats()
+    # rows: not cut (2 accepted, 3 emitted); stop on accepted draft 1 (2 emitted, drafts 2.. dropped even though
+    # the verify pass accepted 3); stop on the resampled token (1 accepted + it = 2 emitted: not a cut)
+    st.update(torch.tensor([2, 3, 1]), k=4, emitted=torch.tensor([3, 2, 2]))
+    assert (st.drafted, st.accepted, st.emitted, st.verify_rows) == (4 + 2 + 4, 2 + 2 + 1, 7, 3)
+    assert st.reached_per_position == [3, 3, 1, 0] and st.accepted_per_position == [3, 2, 0, 0]
+    assert st.mean_accepted_length == pytest.approx(7 / 3)
+    # all k drafts accepted and the last one is the stop token: k tokens, no bonus
+    st2 = SpecStats()
+    st2.update(torch.tensor([3]), k=3, emitted=torch.tensor([3]))
+    assert (st2.drafted, st2.accepted, st2.mean_accepted_length) == (3, 3, 3.0)
+    assert st2.acceptance_per_position == [1.0, 1.0, 1.0]
+
+
 def test_spec_stats_merge_and_empty():
     assert SpecStats().mean_accepted_length == 0.0 and SpecStats().acceptance_rate == 0.0
     a, b = SpecStats(), SpecStats()
