@@ -35,7 +35,7 @@ from drafttrain.online.run import main as run_main
 from drafttrain.online.trainer import DrafterTrainer
 from drafttrain.policy import encode_prompt, load_policy, make_prompts
 from drafttrain.report import format_table, read_jsonl, write_json
-from drafttrain.spec import SamplingParams
+from drafttrain.spec import SamplingParams, SpecStats
 
 DEFAULTS = dict(recipe="eagle3_track", checkpoints=[12, 24], rl_lr=1e-4, run_dir="runs/bench_tracking", fresh=True,
                 oracle_rollouts=96, oracle_steps=300, eval_rollouts=48, max_new_tokens=256, out="bench/tracking.json",
@@ -58,8 +58,10 @@ def features(policy, drafter, prompts, responses, k):
 
 
 def score(drafter, feats, k) -> float:
-    vals = [(teacher_forced_acceptance(drafter, f, k)["mal"], int(f["valid"].sum())) for f in feats]
-    return sum(m * n for m, n in vals) / sum(n for _, n in vals)
+    st = SpecStats()
+    for f in feats:  # pooled as the engine pools rows
+        st = st.merge(teacher_forced_acceptance(drafter, f, k)["stats"])
+    return st.mean_accepted_length
 
 
 def train_oracle(base, feats, rc, steps):
