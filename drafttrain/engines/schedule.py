@@ -10,6 +10,13 @@ calibrated on the live engine (CostModel.calibrate); a_j are moving averages of 
 decisions in a row). With the toggle on, SD runs only where the predicted speed-up is >= threshold, and keeps
 running until it drops below threshold - hysteresis; while off, one SD step every probe_every steps keeps the
 acceptance estimates current. The toggle never changes outputs: AR and SD are both exact.
+
+The calibrated T and D are bare forward times. A real decode step also samples, verifies, catches the drafter up on
+the accepted tokens and does the row bookkeeping, and SD pays more of that than AR. So the engine reports every
+step's wall time (observe_step) and the controller keeps, per mode (AR/SD) and power-of-two batch bucket, a moving
+average of the residual (measured - modelled ms), added to the model's step times in the prediction:
+    speed-up(B, k) = E[tokens | k] * (T(B, 1) + R_ar(B)) / (T(B, k+1) + k * D(B) + R_sd(B))
+A bucket with no observation borrows the nearest observed bucket's residual (0 before any).
 """
 from __future__ import annotations
 
@@ -106,11 +113,32 @@ class SpecController:
         self.probe_every, self._off_steps = probe_every, 0  # while off, one SD step now and then refreshes a_j
         self.trace: list[dict] = []
         self.step = 0
+        self.residual: dict[tuple[str, int], float] = {}  # (ar|sd, batch bucket) -> ms, moving average
+
+    def model_ms(self, batch: int, k: int) -> float:
+        """The cost model's time of one decode step (k = 0: AR)."""
+        c = self.cost
+        return c.target(batch, 1) if k == 0 else c.target(batch, k + 1) + k * c.draft(batch)
+
+    def _residual(self, mode: str, batch: int) -> float:
+        have = [b for (m, b) in self.residual if m == mode]
+        if not have:
+            return 0.0
+        want = _bucket(batch)
+        return self.residual[(mode, min(have, key=lambda b: abs(b.bit_length() - want.bit_length())))]
+
+    def observe_step(self, batch: int, k: int, ms: float, decay: float = 0.8) -> None:
+        """A decode step of `batch` rows with k drafts (0: AR) took `ms` of wall time."""
+        if self.cost is None:
+            return
+        key = ("sd" if k else "ar", _bucket(batch))
+        r = ms - self.model_ms(batch, k)
+        self.residual[key] = r if key not in self.residual else decay * self.residual[key] + (1 - decay) * r
 
     def speedup(self, batch: int, k: int) -> float:
-        c = self.cost
-        t1 = c.target(batch, 1)
-        return self.acc.expected_tokens(k) * t1 / (c.target(batch, k + 1) + k * c.draft(batch))
+        t_ar = self.model_ms(batch, 0) + self._residual("ar", batch)
+        t_sd = self.model_ms(batch, k) + self._residual("sd", batch)
+        return self.acc.expected_tokens(k) * t_ar / max(t_sd, 1e-6)
 
     def decide(self, batch: int) -> int:
         """k for this decode step; 0 means an AR step."""
@@ -145,3 +173,8 @@ class SpecController:
             if abs(self._streak) >= 2:
                 self.rung = min(max(self.rung + (1 if self._streak > 0 else -1), 0), len(self.ladder) - 1)
                 self._streak = 0
+
+
+def _bucket(batch: int) -> int:
+    """The power of two at or below batch (1, 2, 4, ...)."""
+    return 1 << (max(batch, 1).bit_length() - 1)
