@@ -8,8 +8,9 @@ calibrated on the live engine (CostModel.calibrate); a_j are moving averages of 
 (AcceptanceEstimate). SpecController picks k per step: a fixed k, "auto" (argmax of the predicted speed-up over
 1..k_max), or "ladder" (the EfficientRollout anchor: step up the ladder when (L-1)/k >= up, down when <= down, two
 decisions in a row). With the toggle on, SD runs only where the predicted speed-up is >= threshold, and keeps
-running until it drops below threshold - hysteresis; while off, one SD step every probe_every steps keeps the
-acceptance estimates current. The toggle never changes outputs: AR and SD are both exact.
+running until it drops below threshold - hysteresis; while off, a probe SD step keeps the acceptance estimates
+current: after probe_every AR steps, then twice as long after each probe that leaves SD off (up to 16x), and never
+where SD could not pay even if every draft were accepted ((k+1) T_ar < threshold * T_sd). The toggle never changes outputs: AR and SD are both exact.
 
 The calibrated T and D are bare forward times. A real decode step also samples, verifies, catches the drafter up on
 the accepted tokens and does the row bookkeeping, and SD pays more of that than AR. So the engine reports every
@@ -111,6 +112,7 @@ class SpecController:
         self.acc = acc or AcceptanceEstimate(self.k_max)
         self.on = True
         self.probe_every, self._off_steps = probe_every, 0  # while off, one SD step now and then refreshes a_j
+        self._probe_gap = probe_every
         self.trace: list[dict] = []
         self.step = 0
         self.residual: dict[tuple[str, int], float] = {}  # (ar|sd, batch bucket) -> ms, moving average
@@ -154,7 +156,13 @@ class SpecController:
             bar = self.threshold - (self.hysteresis if self.on else 0.0)
             self.on = pred >= bar
             self._off_steps = 0 if self.on else self._off_steps + 1
-            probe = not self.on and self.probe_every > 0 and self._off_steps % self.probe_every == 0
+            if self.on:
+                self._probe_gap = self.probe_every
+            elif self.probe_every > 0 and self._off_steps >= self._probe_gap:
+                # worth probing only if SD could pay with every draft accepted
+                probe = pred * (k + 1) / self.acc.expected_tokens(k) >= self.threshold
+                self._off_steps = 0
+                self._probe_gap = min(2 * self._probe_gap, 16 * self.probe_every)
         run = self.on or probe
         self.trace.append({"step": self.step, "batch": batch, "on": run, "k": k if run else 0,
                            "predicted_speedup": pred, "probe": probe})

@@ -184,6 +184,7 @@ class TorchEngine:
         stats, versions, ends = SpecStats(), [], []
         last = out[:, 0]
         k = 0
+        t_prev = time.perf_counter()
 
         while True:
             # commit what the last verify emitted; find rows that finished
@@ -225,6 +226,7 @@ class TorchEngine:
             versions.append(version)
             Bn = len(row_ids)
             k = max(0, min(ctl.decide(Bn), L - 1 - int(pos.max()))) if ctl is not None else 0
+            catch_up = int(n_new.max()) if k > 0 else 0  # pending positions the drafter extends its cache by
             if k > 0:
                 with self._in_use[id(drafter)]:
                     d, q = drafter.propose(dstate, new_ids, aux, n_new, start, k, params, greedy_drafts, gen)
@@ -241,6 +243,9 @@ class TorchEngine:
             pos = pos + n + 1
             last = out.gather(1, n.view(-1, 1)).squeeze(1)
             ends.append(time.perf_counter())
+            if ctl is not None and catch_up <= k_max + 1:  # not a one-off catch-up (prompt, or after AR steps)
+                ctl.observe_step(Bn, k, (ends[-1] - t_prev) * 1e3)
+            t_prev = ends[-1]
 
         return RolloutBatch(resp, lps, stats, self.drafter_version if not versions else versions[0], reasons,
                             time.perf_counter() - t_start, versions, ends,

@@ -171,3 +171,16 @@ def test_ragged_catch_up_near_the_cache_end(policy, drafter):
     assert d.shape == (2, 1) and torch.isfinite(q).all()
     # the real entries landed: row 1's positions 0..7 are written, row 0's position 14 too
     assert st.cache.k[0][1, :, :8].abs().sum(-1).gt(0).all() and st.cache.k[0][0, :, 14].abs().sum() > 0
+
+
+def test_probes_back_off_and_skip_where_sd_cannot_pay():
+    """While off: probe SD after 16 AR steps, then 32, 64, ... (up to 16x); never where even all-accepted drafts
+    would lose (batch 64 here: (k+1) T_ar < T_sd)."""
+    def probes(batch, acc, steps=16 * (1 + 2 + 4 + 8)):
+        ctl = SpecController(4, 4, toggle=True, cost=synthetic_cost(), acc=AcceptanceEstimate(4, prior=acc),
+                             probe_every=16)
+        ks = [ctl.decide(batch) for _ in range(steps)]
+        return [i for i, k in enumerate(ks) if k > 0]
+
+    assert probes(1, acc=0.05) == [15, 15 + 32, 15 + 32 + 64, 15 + 32 + 64 + 128]  # low acceptance: off, probing
+    assert probes(64, acc=0.05) == []  # cannot pay at any acceptance
