@@ -13,6 +13,7 @@ Prints tables; writes bench/longtail.json and bench/longtail_trace.png (active b
 from __future__ import annotations
 
 import copy
+from dataclasses import replace
 
 import torch
 from omegaconf import OmegaConf
@@ -68,7 +69,9 @@ def main(cfg) -> dict:
                 continue  # AR does not depend on the drafter
             over = dict(over or {})
             eng = engine_for(rc, policy, drafter if over else None, over.pop("k", cfg.k), **over)
-            eng.generate(prompts[:2], SamplingParams(max_new_tokens=8, seed=0), speculative=over is not None)
+            # warm-up: the same workload on other samples, as the previous RL step's rollouts would be (the
+            # controller's acceptance estimates and measured step times carry over, as in a running job)
+            eng.generate(prompts, replace(params, seed=cfg.seed + 1), speculative=over is not None)
             b = eng.generate(prompts, params, speculative=over is not None)
             lens = sorted(len(t) for t in b.tokens)
             rows.append({"drafter": dname if over else "-", "mode": mode, "wall_s": b.wall_s,
@@ -93,7 +96,8 @@ def main(cfg) -> dict:
         batch = (prompts * (B // len(prompts) + 1))[:B]
         row = {"batch": B}
         for name, eng in engines.items():
-            eng.generate(batch[:1], SamplingParams(max_new_tokens=4, seed=0), speculative=name != "ar")
+            eng.generate(batch, replace(flat, max_new_tokens=16, seed=cfg.seed + 1),
+                         speculative=name != "ar")  # warm-up at this batch
             b = eng.generate(batch, flat, speculative=name != "ar")
             row[f"{name}_tps"] = b.num_tokens / b.wall_s
         row["toggle_over_best"] = row["toggle_tps"] / max(row["ar_tps"], row["sd_tps"])

@@ -134,7 +134,8 @@ class SpecController:
         if self.cost is None:
             return
         key = ("sd" if k else "ar", _bucket(batch))
-        r = ms - self.model_ms(batch, k)
+        model = self.model_ms(batch, k)
+        r = min(ms - model, model)  # one step counts as at most twice its modelled time (a stall is not a trend)
         self.residual[key] = r if key not in self.residual else decay * self.residual[key] + (1 - decay) * r
 
     def speedup(self, batch: int, k: int) -> float:

@@ -45,21 +45,23 @@ def test_cost_model_interpolates_and_extrapolates():
 
 
 def test_measured_step_times_correct_the_cost_model():
-    """The model says SD pays at batch 1 (1.0 ms AR vs 2.4 ms for a k=4 step); real SD steps take 5 ms, AR steps
+    """The model says SD pays at batch 1 (1.0 ms AR vs 2.4 ms for a k=4 step); real SD steps take 4.5 ms, AR steps
     1.2 ms. The residuals move the prediction below the threshold: the toggle turns SD off. A bucket without
     observations (batch 16) borrows the nearest one's; a bucket with its own keeps it."""
     ctl = SpecController(4, 4, toggle=True, cost=synthetic_cost(), acc=AcceptanceEstimate(4, prior=0.8))
     assert ctl.decide(1) == 4 and ctl.speedup(1, 4) > 1.3
     for _ in range(20):
-        ctl.observe_step(1, 4, 5.0)
+        ctl.observe_step(1, 4, 4.5)
         ctl.observe_step(1, 0, 1.2)
-    assert ctl.residual[("sd", 1)] == pytest.approx(5.0 - ctl.model_ms(1, 4))
+    assert ctl.residual[("sd", 1)] == pytest.approx(4.5 - ctl.model_ms(1, 4))
     assert ctl.residual[("ar", 1)] == pytest.approx(0.2)
-    assert ctl.speedup(1, 4) == pytest.approx(AcceptanceEstimate(4, prior=0.8).expected_tokens(4) * 1.2 / 5.0)
+    assert ctl.speedup(1, 4) == pytest.approx(AcceptanceEstimate(4, prior=0.8).expected_tokens(4) * 1.2 / 4.5)
     assert ctl.decide(1) == 0 and not ctl.trace[-1]["on"]
     assert ctl._residual("sd", 16) == ctl.residual[("sd", 1)]  # borrowed
     ctl.observe_step(16, 4, ctl.model_ms(16, 4))  # measured exactly as modelled at 16
     assert ctl._residual("sd", 16) == 0.0 and ctl._residual("sd", 31) == 0.0 and ctl._residual("sd", 2) > 0
+    ctl.observe_step(16, 4, 1000.0)  # a stall: counts as twice the modelled time, not 1 s
+    assert ctl._residual("sd", 16) == pytest.approx(0.2 * ctl.model_ms(16, 4))
 
 
 def test_toggle_follows_the_cost_model():
