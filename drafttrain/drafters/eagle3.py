@@ -223,6 +223,8 @@ class Eagle3Drafter(nn.Module):
 
     def _to_target(self, draft_logits: torch.Tensor) -> torch.Tensor:
         """[B, Vd] -> [B, V] with -inf outside the draft vocabulary."""
+        if draft_logits.shape[-1] == self.config.vocab_size:  # the draft vocabulary is the whole vocabulary
+            return draft_logits
         full = draft_logits.new_full((draft_logits.shape[0], self.config.vocab_size), float("-inf"))
         full[:, self.draft_ids()] = draft_logits
         return full
