@@ -10,13 +10,15 @@ speculative decoding, drafter hot-swap and policy weight pushes into one running
 Inputs. `policy`: an HF checkpoint folder (str / Path, loaded by vLLM as it is) or an HF causal-LM module (saved
 once into the engine's temporary folder; `update_policy()` with no argument re-pushes that module's weights).
 `drafter`: an Eagle3Drafter or a speculators folder (str / Path: its config.json is checked as vLLM reads it,
-then it is loaded), exported with export.save_drafter into the temporary folder; or None (AR only). Both are
-checked against the target before vLLM starts (one-line errors). VLLM_CPU_KVCACHE_SPACE defaults to 1 (GiB).
+then it is loaded), exported with export.save_drafter into the temporary folder; a SelfQuantDrafter, exported by
+vllm_selfdraft as a compressed-tensors copy of the policy (int8: W8A8, int4: W4A8, from the drafter's own quantized
+weights) and run as vLLM's `draft_model` with vLLM's quantized kernels; or None (AR only). All are checked against
+the target before vLLM starts (one-line errors). VLLM_CPU_KVCACHE_SPACE defaults to 1 (GiB).
 
 How the contract maps onto vLLM 0.32:
-- SD: speculative_config {method eagle3, model <folder>, num_speculative_tokens k}; cfg.draft_sampling "sample"
-  is vLLM's draft_sample_method "probabilistic", "greedy" is "greedy". cfg.drafter_int8 does not apply (vLLM
-  runs the fp32 drafter).
+- SD: speculative_config {method eagle3 | draft_model (a self-drafter), model <folder>, num_speculative_tokens k};
+  cfg.draft_sampling "sample" is vLLM's draft_sample_method "probabilistic", "greedy" is "greedy".
+  cfg.drafter_int8 does not apply (vLLM runs the fp32 EAGLE head; a self-drafter is quantized already).
 - speculative=False: the same engine with drafting switched off in the worker (its model runner proposes zero
   draft tokens, so the scheduler runs plain decode steps). This needs async scheduling off, which is forced.
 - logprobs: logprobs_mode=processed_logprobs with logprobs=0 gives the log of processed_probs for each emitted
@@ -32,7 +34,10 @@ How the contract maps onto vLLM 0.32:
   backend does, because vLLM-CPU repacks linear weights into oneDNN kernels after loading. Every update is read
   back: each tensor is probed in the worker through the layer's own kernel (W @ x for a fixed x) and compared
   with the same probe of what was sent; a drafter swap that does not land is refused and the served weights are
-  pushed back.
+  pushed back. A self-drafter swap takes what the embedded engine takes (the policy's state dict, requantized
+  here, or the drafter's own); its quantized weights and scales are pushed as they are, loaded by rebuilding the
+  layers (vLLM-CPU's layerwise reload breaks its int8 kernel), and probed through vLLM's quantized kernels with an
+  integer probe that their activation quantization keeps exact (vllm_worker.probe).
 - vLLM shares the target's embed_tokens with an EAGLE head whose embed_tokens equal the target's (ours are a
   frozen copy). A shared tensor is never written by a drafter swap (that would overwrite the policy); it follows
   the policy instead. A drafter lm_head shared that way is refused at swap time if it changed.
@@ -97,6 +102,7 @@ class VllmEngine:
         self._module = None
         self._version = -1
         self._template = None
+        self._method = "eagle3"  # speculative method: eagle3 | draft_model (a self-drafter)
         self._drafting = True
         self._rid = 0
         self.last_swap_s = 0.0
@@ -120,7 +126,7 @@ class VllmEngine:
                       weight_transfer_config={"backend": TRANSFER_BACKEND})
             if drafter_dir is not None:
                 kw["speculative_config"] = {
-                    "method": "eagle3", "model": str(drafter_dir), "num_speculative_tokens": int(cfg.k),
+                    "method": self._method, "model": str(drafter_dir), "num_speculative_tokens": int(cfg.k),
                     "draft_sample_method": "greedy" if cfg.draft_sampling == "greedy" else "probabilistic"}
                 kw["per_request_spec_decode_metrics"] = "detailed"
             kw.update(llm_kwargs)
@@ -143,7 +149,7 @@ class VllmEngine:
                 raise RuntimeError(f"vLLM failed its first step ({type(e).__name__}: {msg}; see the engine log "
                                    f"above)") from e
             if drafter_dir is not None:
-                sd = self._template.state_dict()
+                sd = self._vllm_form()
                 served = self._drafter_tensors(sd)
                 _read_back(self, served, draft=True, what="drafter")  # what vLLM loaded from the folder
                 self._served, self._version = {n: t.clone() for n, t in served.items()}, 0
@@ -173,9 +179,15 @@ class VllmEngine:
             path = Path(drafter).resolve()
             export.check_vllm_target(export.read_speculators_config(path), self.target, f"drafter {path}")
             drafter = export.load_drafter(path)
+        if getattr(drafter, "kind", None) == "selfquant":  # the quantized policy copy as vLLM's draft_model
+            from drafttrain.engines import vllm_selfdraft
+
+            out = vllm_selfdraft.save_checkpoint(drafter, policy_dir, self._tmp / "drafter")
+            self._template, self._method = copy.deepcopy(drafter), "draft_model"
+            return out
         if getattr(drafter, "kind", None) != "eagle3":
-            raise ValueError(f"drafter: the vLLM engine runs EAGLE-3 drafters, got kind "
-                             f"{getattr(drafter, 'kind', type(drafter).__name__)!r}")
+            raise ValueError(f"drafter: the vLLM engine runs EAGLE-3 drafters and self-drafters (selfquant), "
+                             f"got kind {getattr(drafter, 'kind', type(drafter).__name__)!r}")
         out = self._tmp / "drafter"
         export.save_drafter(drafter, out, verifier=policy_dir, k=int(self.cfg.k))
         export.check_vllm_target(export.read_speculators_config(out), self.target, "drafter")
@@ -230,12 +242,16 @@ class VllmEngine:
         from drafttrain.drafters.eagle3 import check_weights
 
         t0 = time.perf_counter()
-        check_weights(self._template, weights)  # names, shapes, finiteness: one-line error
         shared = set(self.worker_info["drafter_shared"])
+        if self._method == "draft_model":  # a self-drafter: requantized (policy form) or copied (own form) in place
+            self._template.load_state_dict(weights)  # validates before writing: one-line error
+            weights = self._vllm_form()
+        else:
+            check_weights(self._template, weights)  # names, shapes, finiteness: one-line error
         if "lm_head.weight" in shared and not torch.equal(weights["lm_head.weight"], self._fixed["lm_head.weight"]):
             raise ValueError("load_drafter: lm_head.weight is shared with the policy in this vLLM engine (they were "
                              "identical at start-up), so it cannot change; start the engine with a distinct lm_head")
-        if not self.worker_info["drafter_has_d2t"] and weights["d2t"].any():
+        if not self.worker_info["drafter_has_d2t"] and weights.get("d2t", torch.zeros(1)).any():
             raise ValueError("load_drafter: d2t is non-zero but the served drafter covers the whole vocabulary")
         push = self._drafter_tensors(weights)
         self._push(push, draft=True)
@@ -251,6 +267,14 @@ class VllmEngine:
         self.last_swap_s = time.perf_counter() - t0
         self.last_swap_info = {"version": version, "seconds": self.last_swap_s,
                                "not_pushed_shared_with_policy": sorted(shared)}
+
+    def _vllm_form(self) -> dict:
+        """The template drafter's weights under the names vLLM's draft model reads (the checkpoint's tensors)."""
+        if self._method == "draft_model":
+            from drafttrain.engines.vllm_selfdraft import vllm_tensors
+
+            return vllm_tensors(self._template)
+        return self._template.state_dict()
 
     def _drafter_tensors(self, sd: dict) -> dict:
         """The tensors vLLM's EAGLE-3 head holds: no t2d (derived from d2t), no d2t for a full draft vocabulary,
@@ -485,15 +509,20 @@ def _read_back(engine, weights: dict, draft: bool, what: str) -> None:
     """Probe every sent tensor in the worker (through the layer's own kernel where weights are repacked, as on
     CPU) and compare with the same probe of the sent tensor; ValueError naming the first tensor that differs."""
     groups: dict[str, list[tuple[int, str]]] = {}
+    eagle = draft and engine._method == "eagle3"  # a draft_model uses the policy's own names
+    asym = draft and not eagle and engine._template.quant == "int4"  # vLLM's W4A8 kernel: see vllm_worker.probe
     for name in weights:
-        theirs, shard = vllm_name(name, draft)
+        base = weights.get(name[:-len("_scale")]) if name.endswith(".weight_scale") else None
+        if base is not None and base.dtype == torch.int8:
+            continue  # read back through its weight's probe (quantized kernels may drop the parameter)
+        theirs, shard = vllm_name(name, eagle)
         groups.setdefault(theirs, []).append((shard or 0, name))
     got = unpack(engine._rpc("dt_probe", sorted(groups), draft))
     for theirs, members in groups.items():
         if theirs not in got:
             raise ValueError(f"{what}: read-back found no tensor {members[0][1]!r} in the worker's model")
         members = [n for _, n in sorted(members)]
-        wants, scales = zip(*(probe(weights[n]) for n in members))
+        wants, scales = zip(*(probe(weights[n], weights.get(n + "_scale"), asym) for n in members))
         want, scale = torch.cat(wants), torch.cat(scales)
         y = got[theirs].float()
         if theirs.endswith(("embed_tokens.weight", "lm_head.weight")) and len(y) > len(want):

