@@ -67,14 +67,21 @@ class GRPO:
         return ((r - r.mean(1, keepdim=True)) / (r.std(1, keepdim=True) + 1e-4)).view(-1)  # [P*G]
 
     def train_step(self, ro: Rollouts) -> dict:
-        """One clipped policy-gradient update on a rollout batch (micro-batched, token-mean loss)."""
+        """One clipped policy-gradient update on a rollout batch (micro-batched, token-mean loss).
+
+        Micro-batches hold sequences of similar length (less padding). A sequence whose advantage is 0 (its group's
+        rewards were all equal) adds no gradient, so those go last and run without autograd (their forward still
+        feeds the tracker); under DDP every process must run the same backward passes, so there all of them do."""
         rl, T = self.cfg.rl, self.cfg.sampling.temperature or 1.0
-        adv = self.advantages(ro.rewards)
+        adv = self.advantages(ro.rewards)  # [N]
         n_tok = sum(len(r) for r in ro.responses)
+        ddp = self.acc is not None and self.acc.num_processes > 1
+        order = sorted(range(len(ro.prompts)), key=lambda i: (not adv[i], len(ro.prompts[i]) + len(ro.responses[i])))
         self.model.train()
         losses, clipped = 0.0, 0
-        for s in range(0, len(ro.prompts), rl.micro_batch):
-            idx = range(s, min(s + rl.micro_batch, len(ro.prompts)))
+        for s in range(0, len(order), rl.micro_batch):
+            idx = order[s: s + rl.micro_batch]
+            grad = ddp or bool(adv[idx].any())
             seqs = [ro.prompts[i] + ro.responses[i] for i in idx]
             L = max(map(len, seqs))
             ids = torch.zeros(len(seqs), L, dtype=torch.long)
@@ -89,17 +96,18 @@ class GRPO:
                 old[j, p - 1: p + r - 1] = torch.tensor(ro.logprobs[i])
             starts = torch.tensor([len(ro.prompts[i]) for i in idx])
             ctx = self.tracker.capture(self.policy, response_start=starts) if self.tracker else contextlib.nullcontext()
-            with ctx:
+            with ctx, torch.set_grad_enabled(grad):
                 logits = self.model(input_ids=ids, attention_mask=mask).logits  # [b, L, V]
             logp = (logits.float() / T).log_softmax(-1)[:, :-1].gather(-1, ids[:, 1:].unsqueeze(-1)).squeeze(-1)
             m = resp[:, :-1]
             ratio = (logp - old[:, :-1]).exp()
-            a = adv[list(idx)].view(-1, 1)
+            a = adv[idx].view(-1, 1)
             obj = torch.minimum(ratio * a, ratio.clamp(1 - rl.clip_eps, 1 + rl.clip_eps) * a)
             loss = -(obj * m).sum() / n_tok
             if not torch.isfinite(loss):
                 raise FloatingPointError(f"rl loss is NaN/inf at step {ro.step} (rl.lr={rl.lr} too high?)")
-            (self.acc.backward(loss) if self.acc else loss.backward())
+            if grad:
+                (self.acc.backward(loss) if self.acc else loss.backward())
             losses += float(loss.detach())
             clipped += int((((ratio - 1).abs() > rl.clip_eps) & m).sum())
         torch.nn.utils.clip_grad_norm_(self.policy.parameters(), 1.0)
