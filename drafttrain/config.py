@@ -106,6 +106,10 @@ class RLConfig:
     micro_batch: int = 16  # sequences per policy forward/backward
     mode: str = "sync"  # sync: generate then train | async: generate step t+1 with the step-t policy
     prompt_seed: int = 1
+    # held-out check of the policy before and after the run: this many fixed problems (eval_seed), scored sampled
+    # (sampling.temperature) and greedy through the rollout engine; 0 = off
+    eval_prompts: int = 256
+    eval_seed: int = 999  # training prompts come from prompt_seed * 1_000_003 + 101 * step (+ rank)
 
 
 @dataclass
@@ -200,6 +204,7 @@ def validate(cfg: Config) -> None:
         (cfg.online.estimate_rows >= 1, "online.estimate_rows", f"must be >= 1, got {cfg.online.estimate_rows}"),
         (cfg.rl.mode in ("sync", "async"), "rl.mode", f"must be sync or async, got {cfg.rl.mode!r}"),
         (cfg.online.buffer_mb > 0, "online.buffer_mb", f"must be > 0, got {cfg.online.buffer_mb}"),
+        (cfg.rl.eval_prompts >= 0, "rl.eval_prompts", f"must be >= 0, got {cfg.rl.eval_prompts}"),
         (cfg.rl.group_size >= 2, "rl.group_size", f"must be >= 2 (group-normalized advantages), got {cfg.rl.group_size}"),
         (cfg.drafter.ttt_steps >= 1, "drafter.ttt_steps", f"must be >= 1, got {cfg.drafter.ttt_steps}"),
         (cfg.drafter.quant in ("int8", "int4"), "drafter.quant", f"must be int8 or int4, got {cfg.drafter.quant!r}"),

@@ -129,3 +129,11 @@ def summary_table(records: list[dict]) -> str:
             rows.append({"metric": k, "first": float(vals[0]), "last": float(vals[-1]),
                          "mean": float(sum(vals) / len(vals))})
     return format_table(rows, ["metric", "first", "last", "mean"])
+
+
+def eval_table(before: dict | None, after: dict) -> str:
+    """Held-out accuracy (GRPO.evaluate) before and after a run, and the change."""
+    before = before or {}
+    rows = [{"metric": k, "before": before.get(k), "after": v, "change": v - before[k] if k in before else None}
+            for k, v in after.items()]
+    return format_table(rows, ["metric", "before", "after", "change"])

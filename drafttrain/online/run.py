@@ -4,8 +4,10 @@
     python -m drafttrain.online recipe=eagle3_track rl.steps=5
 
 Writes into run.out_dir: config.yaml (resolved), metrics.jsonl (+ tb/), ckpt/ (resumable after any kill: the
-latest complete step wins), report.png and a summary table at the end. Under `accelerate launch` with N
-processes every process generates its own rollouts and DDP syncs both the policy's and the drafter's gradients.
+latest complete step wins), report.png and a summary table at the end, and eval.json with its table: the policy's
+held-out accuracy before and after the run (rl.eval_prompts fixed problems, sampled and greedy). Under
+`accelerate launch` with N processes every process generates its own rollouts and DDP syncs both the policy's and
+the drafter's gradients.
 """
 from __future__ import annotations
 
@@ -22,7 +24,7 @@ from drafttrain.config import ConfigError, load_recipe, resolve_path, save_confi
 from drafttrain.drafters import build_drafter
 from drafttrain.engines import build_engine
 from drafttrain.policy import load_policy, save_policy
-from drafttrain.report import RunLogger, plot_run, summary_table
+from drafttrain.report import RunLogger, eval_table, plot_run, summary_table, write_json
 from drafttrain.rl.grpo import GRPO
 from drafttrain.rl.hooks import DraftTracker
 
@@ -40,7 +42,7 @@ class Checkpointer:
         p = self.root / f.read_text().strip()
         return p if (p / "state.pt").is_file() else None
 
-    def save(self, step: int, grpo: GRPO, tracker: DraftTracker, recipe: str) -> None:
+    def save(self, step: int, grpo: GRPO, tracker: DraftTracker, recipe: str, eval_before: dict | None) -> None:
         d = self.root / f"step-{step}"
         tmp = self.root / f".tmp-step-{step}"
         if self.acc.is_main_process:
@@ -52,7 +54,8 @@ class Checkpointer:
         if self.acc.is_main_process:
             save_policy(grpo.policy, grpo.tok, str(tmp / "policy"))
             torch.save({"step": step, "recipe": recipe, "opt": grpo.opt.state_dict(),
-                        "tracker": tracker.state_dict(), "rng": torch.get_rng_state()}, tmp / "state.pt")
+                        "tracker": tracker.state_dict(), "rng": torch.get_rng_state(), "eval_before": eval_before},
+                       tmp / "state.pt")
             shutil.rmtree(d, ignore_errors=True)
             os.replace(tmp, d)
             (self.root / ".latest.tmp").write_text(d.name)
@@ -98,6 +101,9 @@ def main(cfg) -> list[dict]:
     if acc.is_main_process:
         save_config(cfg, out)
     logger = RunLogger(out, cfg.run.tensorboard, resume_step=start) if acc.is_main_process else None
+    before = state.get("eval_before") if state else None  # the step-0 policy's, carried through resumes
+    if logger and cfg.rl.eval_prompts and state is None:
+        before = grpo.evaluate()
     ro = grpo.rollout(start) if start < cfg.rl.steps else None
     bar = tqdm(range(start, cfg.rl.steps), desc=f"{cfg.recipe}", disable=not acc.is_main_process,
                initial=start, total=cfg.rl.steps)
@@ -107,7 +113,7 @@ def main(cfg) -> list[dict]:
             logger.log(rec)
             bar.set_postfix(reward=f"{rec['reward_mean']:.2f}", mal=f"{rec['live_mal']:.2f}",
                             frozen=f"{rec.get('frozen_tf_mal') or 0:.2f}", v=tracker.version)
-        ckpt.save(step + 1, grpo, tracker, cfg.recipe)
+        ckpt.save(step + 1, grpo, tracker, cfg.recipe, before)
     if logger is None:
         return []
     logger.close()
@@ -115,6 +121,11 @@ def main(cfg) -> list[dict]:
         png = plot_run(logger.records, out / "report.png", title=cfg.recipe)
         print(summary_table(logger.records))
         print(f"report: {png}  metrics: {logger.path}  config: {out / 'config.yaml'}")
+    if cfg.rl.eval_prompts:
+        after = grpo.evaluate()
+        write_json({"prompts": cfg.rl.eval_prompts, "seed": cfg.rl.eval_seed, "before": before, "after": after},
+                   out / "eval.json")
+        print(eval_table(before, after))
     return logger.records
 
 

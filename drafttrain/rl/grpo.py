@@ -61,6 +61,19 @@ class GRPO:
         rewards = [reward(problems[i // rl.group_size], decode(self.tok, r)) for i, r in enumerate(batch.tokens)]
         return Rollouts(step, prompts, batch.tokens, batch.logprobs, rewards, batch, canary)
 
+    def evaluate(self) -> dict:
+        """Held-out exact-match accuracy of the current policy on rl.eval_prompts fixed problems (rl.eval_seed):
+        sampled (sampling.temperature) and greedy, through the rollout engine (SD is lossless), seeded."""
+        rl, eos = self.cfg.rl, self.tok.eos_token_id
+        problems = make_prompts(rl.eval_prompts, seed=rl.eval_seed)
+        prompts = [encode_prompt(self.tok, p.prompt) for p in problems]
+        out = {}
+        for name, T in (("sampled", self.cfg.sampling.temperature), ("greedy", 0.0)):
+            params = sampling_params(self.cfg, temperature=T, stop_token_ids=(eos,), seed=rl.eval_seed)
+            texts = [decode(self.tok, r) for r in self.engine.generate(prompts, params, speculative=True).tokens]
+            out[f"eval_{name}_acc"] = statistics.fmean(reward(p, t) for p, t in zip(problems, texts))
+        return out
+
     def advantages(self, rewards: list[float]) -> torch.Tensor:
         G = self.cfg.rl.group_size
         r = torch.tensor(rewards).view(-1, G)  # [P, G]

@@ -6,6 +6,7 @@ model's decode steps 10-100x slower.
 """
 from __future__ import annotations
 
+import json
 import math
 import os
 import signal
@@ -49,8 +50,8 @@ def policy_dir(tmp_path_factory):
 def overrides(policy_dir, out, *extra) -> list[str]:
     return [f"policy.path={policy_dir}", "drafter.path=null", "rl.steps=1", "rl.prompts_per_step=2",
             "rl.group_size=2", "sampling.max_new_tokens=16", "online.steps_per_update=2", "online.canary_prompts=2",
-            "online.canary_max_new_tokens=8", "train.batch_size=4", "run.tensorboard=false", f"run.out_dir={out}",
-            *extra]
+            "online.canary_max_new_tokens=8", "train.batch_size=4", "run.tensorboard=false", "rl.eval_prompts=4",
+            f"run.out_dir={out}", *extra]
 
 
 # ---- one RL step with a hot-swap ------------------------------------------------------------------------------
@@ -78,6 +79,9 @@ def test_one_rl_step_with_hot_swap(policy_dir, tmp_path, monkeypatch, mode):
     assert saved.rl.mode == mode and saved.online.mode == mode and saved.recipe == "eagle3_track"
     state = torch.load(tmp_path / "ckpt" / "step-1" / "state.pt", weights_only=False)
     assert state["step"] == 1 and state["tracker"]["version"] == 1
+    ev = json.loads((tmp_path / "eval.json").read_text())  # held-out accuracy before and after the run
+    assert ev["prompts"] == 4 and set(ev["before"]) == set(ev["after"]) == {"eval_sampled_acc", "eval_greedy_acc"}
+    assert state["eval_before"] == ev["before"]  # carried through a resume
 
 
 def test_inline_canary_judges_a_swap_on_the_next_rollouts(policy_dir, tmp_path):
@@ -446,6 +450,7 @@ def test_kill_and_resume(policy_dir, tmp_path):
     assert recs[step]["rollout_drafter_version"] == version  # the engine resumed at the checkpointed version
     assert [x["drafter_version"] for x in recs] == sorted(x["drafter_version"] for x in recs)
     assert (out / "report.png").is_file()
+    assert json.loads((out / "eval.json").read_text())["before"] == state["eval_before"] is not None
 
 
 # ---- bad input: one clear line, nothing written so far lost ---------------------------------------------------

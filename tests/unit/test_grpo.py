@@ -1,6 +1,6 @@
 """The embedded GRPO host on a tiny random policy: the engine's behaviour log-probs line up with the training
 forward (ratio 1 on fresh rollouts), the update is the policy gradient of the group-normalised advantages (sign,
-masks, offsets), and sequences with advantage 0 run without autograd."""
+masks, offsets), sequences with advantage 0 run without autograd, and the held-out evaluation is repeatable."""
 from __future__ import annotations
 
 import pytest
@@ -73,3 +73,10 @@ def test_update_is_the_policy_gradient_and_zero_advantage_rows_skip_autograd(set
     # 8 rows with an advantage: two micro-batches of 4 with autograd; the 8 without run under no_grad
     assert grad_rows == [(True, 4), (True, 4), (False, 4), (False, 4)]
 
+
+def test_evaluate_scores_fixed_held_out_problems(setup):
+    grpo, _ = setup
+    grpo.cfg.rl.eval_prompts = 8
+    first, again = grpo.evaluate(), grpo.evaluate()
+    assert first == again and set(first) == {"eval_sampled_acc", "eval_greedy_acc"}  # seeded: repeatable
+    assert all(0.0 <= v <= 1.0 for v in first.values())
