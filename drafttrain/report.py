@@ -100,8 +100,12 @@ def plot_run(records: list[dict], path: str | Path, title: str = "") -> Path:
     a.plot(steps, get("frozen_tf_mal"), "s-", label="frozen step-0 drafter (teacher-forced)")
     a.set(title="mean accepted length", xlabel="RL step")
     a.legend(fontsize=8)
-    ax[0][1].plot(steps, get("reward_mean"), "o-")
+    reward, w = get("reward_mean"), 8  # one step's prompts vary in difficulty: the running mean shows the trend
+    ax[0][1].plot(steps, reward, "o-", alpha=0.35, label="per step")
+    ax[0][1].plot(steps, [sum(reward[max(0, i - w + 1): i + 1]) / len(reward[max(0, i - w + 1): i + 1])
+                          for i in range(len(reward))], "-", lw=2, label=f"mean of the last {w} steps")
     ax[0][1].set(title="reward (exact match)", xlabel="RL step")
+    ax[0][1].legend(fontsize=8)
     ax[1][0].plot(steps, get("rollout_tokens_per_s"), "o-")
     ax[1][0].set(title="rollout tokens/s", xlabel="RL step")
     ax[1][1].plot(steps, get("drafter_train_s"), "o-", label="drafter train s")
