@@ -108,12 +108,9 @@ class Publisher:
                 return {}
             return self._judge(p["version"], p["weights"], p["expected"], float("nan"), str(error).splitlines()[0])
 
-    def _floor(self, expected_mal: float) -> float:
-        return 1.0 + self.cfg.canary_min_ratio * (expected_mal - 1.0)
-
     def _judge(self, v: int, weights: dict, expected_mal: float, mal: float, error: str | None = None) -> dict:
         """Keep v as the last good version, or roll every engine back to the last good weights."""
-        floor = self._floor(expected_mal)
+        floor = 1.0 + self.cfg.canary_min_ratio * (expected_mal - 1.0)
         rec = {"canary_mal": mal, "rolled_back": False}
         if mal >= floor:
             self.good_weights, self.good_version = weights, v
