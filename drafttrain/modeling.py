@@ -15,17 +15,43 @@ import torch.nn.functional as F
 
 
 def linear(x: torch.Tensor, w, b: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear for a weight tensor; a quantized linear (drafters/selfquant.py) is a callable holding its own bias."""
+    """F.linear for a weight tensor; a packed or quantized linear (PackedLinear, drafters/selfquant.py) is a
+    callable holding its own bias."""
     return F.linear(x, w, b) if isinstance(w, torch.Tensor) else w(x)
+
+
+ONEDNN = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+
+
+class PackedLinear:
+    """An fp32 linear whose weight also has a oneDNN-prepacked copy (the layout inductor uses on CPU).
+
+    On this CPU F.linear over M rows costs close to M times one row for the engine's small weights, so verifying
+    k+1 tokens cost ~2.5x a decode step; the packed GEMM costs about one row's time up to M~8 (ENVIRONMENT.md).
+    Measured in the engine's forward, it is also faster for one row and for small weights (the packed layout reads
+    better than F.linear's), so every fp32 linear is packed. `repack()` after the weight changed in place."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
+        self.weight, self.bias = weight, bias
+        self._packed = None
+        self.repack()
+
+    @classmethod
+    def wrap(cls, weight: torch.Tensor, bias: torch.Tensor | None = None):
+        """A PackedLinear where it pays and oneDNN is there; else the weight itself (F.linear via `linear`)."""
+        if ONEDNN and weight.dtype == torch.float32:
+            return cls(weight, bias)
+        return weight if bias is None else (lambda x: F.linear(x, weight, bias))
+
+    def repack(self) -> None:
+        self._packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), 8)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x, self._packed, self.bias, "none", [], "")
 
 
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     return F.rms_norm(x, (x.shape[-1],), w, eps)
-
-
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
 
 
 class Rope:
@@ -37,17 +63,29 @@ class Rope:
         emb = torch.cat((freqs, freqs), dim=-1)  # [L, D]
         self.cos, self.sin = emb.cos() * scaling, emb.sin() * scaling
         self.max_len = max_len
+        half = emb.shape[-1] // 2
+        # rotate_half(x) * sin == x.roll(D/2) * sin with the sign folded into the table's first half
+        self._sin_signed = torch.cat([-self.sin[:, :half], self.sin[:, half:]], -1)
 
     @staticmethod
     def from_theta(head_dim: int, theta: float, max_len: int) -> "Rope":
         inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
         return Rope(inv, max_len)
 
-    def apply(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-        """x [B, H, m, D], pos [B, m] absolute positions (padding past the table is clamped: never read)."""
+    def tables(self, pos: torch.Tensor, head_dim: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, signed sin at pos [B, m], shaped [B, 1, m, D] (head_dim=1: x [B, H, m, D]) or [B, m, 1, D]
+        (head_dim=2: x [B, m, H, D]). Padding past the table is clamped: never read."""
         pos = pos.clamp_max(self.max_len - 1)
-        cos, sin = self.cos[pos].unsqueeze(1), self.sin[pos].unsqueeze(1)  # [B, 1, m, D]
-        return x * cos + rotate_half(x) * sin
+        return self.cos[pos].unsqueeze(head_dim), self._sin_signed[pos].unsqueeze(head_dim)
+
+    @staticmethod
+    def rotate(x: torch.Tensor, tables: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        cos, sin = tables
+        return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, -1), sin)
+
+    def apply(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        """x [B, H, m, D], pos [B, m] absolute positions."""
+        return self.rotate(x, self.tables(pos))
 
 
 class KVCache:
@@ -60,10 +98,14 @@ class KVCache:
         self.max_len = max_len
 
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor,
-              valid: torch.Tensor | None = None) -> None:
+              valid: torch.Tensor | None = None, start: int | None = None) -> None:
         """k, v [B, Hkv, m, D] written at pos [B, m]; valid [B, m] (ragged rows) drops the padding entries,
-        which may lie past the cache's end."""
+        which may lie past the cache's end. `start`: every row writes positions start..start+m-1 (a slice)."""
         B, H, m, _ = k.shape
+        if start is not None and valid is None:
+            self.k[layer][:, :, start:start + m].copy_(k)
+            self.v[layer][:, :, start:start + m].copy_(v)
+            return
         if valid is None:
             bi = torch.arange(B).view(B, 1, 1)
             hi = torch.arange(H).view(1, H, 1)
@@ -80,16 +122,19 @@ class KVCache:
         self.v = [t.index_select(0, idx) for t in self.v]
 
 
-def step_mask(pos0: torch.Tensor, m: int, length: int) -> torch.Tensor:
-    """[B, 1, m, length] bool: query i of row b sees key j iff j <= pos0[b] + i."""
+def step_mask(pos0: torch.Tensor, m: int, length: int) -> torch.Tensor | None:
+    """Additive [B, 1, m, length] mask: query i of row b sees key j iff j <= pos0[b] + i. None where every key
+    is visible (one row, one query at its last position): SDPA is cheaper without a mask."""
+    if pos0.shape[0] == 1 and m == 1 and length == int(pos0[0]) + 1:
+        return None
     q = pos0.view(-1, 1, 1) + torch.arange(m).view(1, m, 1)  # [B, m, 1]
-    return (torch.arange(length).view(1, 1, length) <= q).unsqueeze(1)
+    see = (torch.arange(length).view(1, 1, length) <= q).unsqueeze(1)
+    return torch.zeros(see.shape).masked_fill_(~see, float("-inf"))
 
 
-def attend(q: torch.Tensor, cache: KVCache, layer: int, mask: torch.Tensor) -> torch.Tensor:
-    """q [B, H, m, D] against the first mask.shape[-1] cache positions -> [B, H, m, D]."""
-    L = mask.shape[-1]
-    k, v = cache.k[layer][:, :, :L], cache.v[layer][:, :, :L]
+def attend(q: torch.Tensor, cache: KVCache, layer: int, mask: torch.Tensor | None, length: int) -> torch.Tensor:
+    """q [B, H, m, D] against the first `length` cache positions -> [B, H, m, D]."""
+    k, v = cache.k[layer][:, :, :length], cache.v[layer][:, :, :length]
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=q.shape[1] != k.shape[1])
 
 
@@ -137,11 +182,20 @@ class LeanLlama:
                 snap[f"{i}.q_norm"], snap[f"{i}.k_norm"] = a.q_norm.weight, a.k_norm.weight
         if not self.weights:
             self.weights = {k: t.detach().float().clone().contiguous() for k, t in snap.items()}
-            self.packed = [{k.split(".", 1)[1]: t for k, t in self.weights.items() if k.startswith(f"{i}.")}
-                           for i in range(self.n_layers)]
+            w = self.weights
+            self.packed = []
+            for i in range(self.n_layers):
+                layer = {k.split(".", 1)[1]: t for k, t in w.items() if k.startswith(f"{i}.")}
+                for name in ("qkv", "gate_up", "o", "down"):
+                    layer[name] = PackedLinear.wrap(w[f"{i}.{name}"], w.get(f"{i}.{name}_b"))
+                self.packed.append(layer)
+            self.head = PackedLinear.wrap(w["lm_head"])
         else:
             for k, t in snap.items():
                 self.weights[k].copy_(t)
+            for lin in [self.head, *(v for layer in self.packed for v in layer.values())]:
+                if isinstance(lin, PackedLinear):
+                    lin.repack()
 
     def new_cache(self, batch: int, length: int) -> KVCache:
         return KVCache(self.n_layers, batch, self.n_kv, length, self.head_dim)
@@ -152,7 +206,9 @@ class LeanLlama:
         H, Hkv, D = self.n_heads, self.n_kv, self.head_dim
         pos = pos0.view(B, 1) + torch.arange(m).view(1, m)  # [B, m]
         length = int(pos0.max()) + m
-        mask = step_mask(pos0, m, length)  # [B, 1, m, length]
+        mask = step_mask(pos0, m, length)  # [B, 1, m, length] or None
+        start = length - m if B == 1 else None  # one row: its cache writes are a slice
+        rope = self.rope.tables(pos, head_dim=2)  # [B, m, 1, D]: shared by every layer, q and k
         x = F.embedding(tokens, self.weights["embed"])  # [B, m, hidden]
         aux = []
         for i, w in enumerate(self.packed):
@@ -160,20 +216,21 @@ class LeanLlama:
                 aux.append(x)
             h = rms_norm(x, w["ln1"], self.eps)
             qkv = linear(h, w["qkv"], w.get("qkv_b"))  # [B, m, (H + 2Hkv) D]
-            q, k, v = qkv.split([H * D, Hkv * D, Hkv * D], dim=-1)
-            q = q.view(B, m, H, D).transpose(1, 2)  # [B, H, m, D]
-            k = k.view(B, m, Hkv, D).transpose(1, 2)
-            v = v.view(B, m, Hkv, D).transpose(1, 2)
             if "q_norm" in w:
-                q, k = rms_norm(q, w["q_norm"], self.eps), rms_norm(k, w["k_norm"], self.eps)
-            q, k = self.rope.apply(q, pos), self.rope.apply(k, pos)
-            cache.write(i, k, v, pos)
-            o = attend(q, cache, i, mask).transpose(1, 2).reshape(B, m, H * D)
+                q, k, v = qkv.view(B, m, H + 2 * Hkv, D).split([H, Hkv, Hkv], dim=2)
+                q = Rope.rotate(rms_norm(q, w["q_norm"], self.eps), rope)
+                k = Rope.rotate(rms_norm(k, w["k_norm"], self.eps), rope)
+            else:  # q and k rotated in one pass
+                qk, v = qkv.view(B, m, H + 2 * Hkv, D).split([H + Hkv, Hkv], dim=2)
+                q, k = Rope.rotate(qk, rope).split([H, Hkv], dim=2)
+            q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, heads, m, D]
+            cache.write(i, k, v, pos, start=start)
+            o = attend(q, cache, i, mask, length).transpose(1, 2).reshape(B, m, H * D)
             x = x + linear(o, w["o"])
             h = rms_norm(x, w["ln2"], self.eps)
             g, u = linear(h, w["gate_up"]).chunk(2, dim=-1)
             x = x + linear(F.silu(g) * u, w["down"])
-        logits = linear(rms_norm(x, self.weights["norm"], self.eps), self.weights["lm_head"])  # [B, m, V]
+        logits = linear(rms_norm(x, self.weights["norm"], self.eps), self.head)  # [B, m, V]
         if aux_ids and len(aux) != len(aux_ids):
             raise ValueError(f"aux_layer_ids {list(aux_ids)} must be distinct layers in [0, {self.n_layers - 1}]")
         return logits, (torch.cat(aux, -1) if aux_ids else None)

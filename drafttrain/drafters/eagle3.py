@@ -19,7 +19,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from drafttrain.drafters.weights import check_tensors
-from drafttrain.modeling import KVCache, Rope, attend, rms_norm, step_mask
+from drafttrain.modeling import KVCache, PackedLinear, Rope, attend, linear, rms_norm, step_mask
 from drafttrain.spec import processed_probs
 
 
@@ -102,6 +102,7 @@ class Eagle3Drafter(nn.Module):
         self.register_buffer("d2t", torch.zeros(c.draft_vocab_size, dtype=torch.long))
         self.register_buffer("t2d", torch.ones(c.vocab_size, dtype=torch.bool))
         self.rope = Rope.from_theta(c.head_dim, c.rope_theta, c.max_position_embeddings)
+        self._fused: dict | None = None  # the engine's inference form (fuse_for_inference); training never sets it
 
     # norms are stored as bare parameters; expose the `.weight` names of the speculators layout
     def state_dict(self, *args, **kwargs):
@@ -126,6 +127,28 @@ class Eagle3Drafter(nn.Module):
     def draft_ids(self) -> torch.Tensor:
         return torch.arange(self.config.draft_vocab_size) + self.d2t  # [Vd] target ids
 
+    @torch.no_grad()
+    def fuse_for_inference(self, int8: bool) -> "Eagle3Drafter":
+        """The engine's runtime form (a copy that is never trained): q|k|v and gate|up fused into one matmul each,
+        every linear prepacked for oneDNN (fp32) or torch.ao dynamic int8 per channel (int8: 4-8x cheaper than
+        fp32 here, ENVIRONMENT.md; it only changes acceptance, never the output distribution)."""
+        from drafttrain.drafters.selfquant import AoInt8
+
+        L = self.midlayer
+        a, mlp = L.self_attn, L.mlp
+
+        def make(*ws):
+            ws = [w.detach().float() for w in ws]
+            return AoInt8(ws, None, 0) if int8 else PackedLinear.wrap(torch.cat(ws).contiguous())
+
+        self._fused = {"qkv": make(a.q_proj.weight, a.k_proj.weight, a.v_proj.weight), "o": make(a.o_proj.weight),
+                       "gate_up": make(mlp.gate_proj.weight, mlp.up_proj.weight), "down": make(mlp.down_proj.weight),
+                       "fc": make(self.fc.weight), "lm_head": make(self.lm_head.weight)}
+        return self
+
+    def _fc(self, aux):
+        return self.fc(aux) if self._fused is None else linear(aux, self._fused["fc"])
+
     # ---- the decoder layer -------------------------------------------------------------------------------
     def _qkv(self, emb, hidden, pos):
         """emb, hidden [B, m, H], pos [B, m] -> q [B, Hq, m, D], k, v [B, Hkv, m, D], residual [B, m, H]."""
@@ -133,19 +156,29 @@ class Eagle3Drafter(nn.Module):
         x = torch.cat([rms_norm(emb, L.input_layernorm, c.rms_norm_eps),
                        rms_norm(hidden, L.hidden_norm, c.rms_norm_eps)], -1)  # [B, m, 2H]
         B, m, _ = x.shape
-        a = L.self_attn
-        q = a.q_proj(x).view(B, m, c.num_attention_heads, c.head_dim).transpose(1, 2)
-        k = a.k_proj(x).view(B, m, c.num_key_value_heads, c.head_dim).transpose(1, 2)
-        v = a.v_proj(x).view(B, m, c.num_key_value_heads, c.head_dim).transpose(1, 2)
-        return self.rope.apply(q, pos), self.rope.apply(k, pos), v, hidden
+        Hq, Hkv, D = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+        if self._fused is None:
+            a = L.self_attn
+            qkv = torch.cat([a.q_proj(x), a.k_proj(x), a.v_proj(x)], -1)
+        else:
+            qkv = linear(x, self._fused["qkv"])
+        qk, v = qkv.view(B, m, Hq + 2 * Hkv, D).split([Hq + Hkv, Hkv], dim=2)
+        q, k = Rope.rotate(qk, self.rope.tables(pos, head_dim=2)).split([Hq, Hkv], dim=2)  # q and k in one pass
+        return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), hidden
 
     def _post(self, o, residual):
         """attention output o [B, Hq, m, D] -> (draft logits [B, m, Vd], pre-norm hidden [B, m, H])."""
-        c, L = self.config, self.midlayer
+        c, L, f = self.config, self.midlayer, self._fused
         B, _, m, _ = o.shape
-        h = L.self_attn.o_proj(o.transpose(1, 2).reshape(B, m, -1)) + residual
-        pre = L.mlp(rms_norm(h, L.post_attention_layernorm, c.rms_norm_eps)) + h
-        return self.lm_head(rms_norm(pre, self.norm, c.rms_norm_eps)), pre
+        o = o.transpose(1, 2).reshape(B, m, -1)
+        if f is None:
+            h = L.self_attn.o_proj(o) + residual
+            pre = L.mlp(rms_norm(h, L.post_attention_layernorm, c.rms_norm_eps)) + h
+            return self.lm_head(rms_norm(pre, self.norm, c.rms_norm_eps)), pre
+        h = linear(o, f["o"]) + residual
+        g, u = linear(rms_norm(h, L.post_attention_layernorm, c.rms_norm_eps), f["gate_up"]).chunk(2, dim=-1)
+        pre = linear(F.silu(g) * u, f["down"]) + h
+        return linear(rms_norm(pre, self.norm, c.rms_norm_eps), f["lm_head"]), pre
 
     # ---- training: training-time test ---------------------------------------------------------------------
     def ttt_logits(self, aux: torch.Tensor, next_ids: torch.Tensor, steps: int) -> list[torch.Tensor]:
@@ -218,7 +251,8 @@ class Eagle3Drafter(nn.Module):
         q, k, v, res = self._qkv(emb, hidden, pos)
         valid = None if n_valid is None else torch.arange(m).view(1, m) < n_valid.view(B, 1)
         st.cache.write(0, k, v, pos, valid)
-        o = attend(q, st.cache, 0, step_mask(pos0, m, min(int(pos0.max()) + m, st.cache.max_len)))
+        length = min(int(pos0.max()) + m, st.cache.max_len)
+        o = attend(q, st.cache, 0, step_mask(pos0, m, length), length)
         return self._post(o, res)
 
     def _to_target(self, draft_logits: torch.Tensor) -> torch.Tensor:
@@ -236,7 +270,7 @@ class Eagle3Drafter(nn.Module):
         Returns (draft tokens [B, k], draft probs [B, k, V] or None for one-hot greedy drafts)."""
         B = new_ids.shape[0]
         rows = torch.arange(B)
-        logits, pre = self._cached_step(st, self.embed_tokens(new_ids), self.fc(aux), start, n_new)
+        logits, pre = self._cached_step(st, self.embed_tokens(new_ids), self._fc(aux), start, n_new)
         last = n_new - 1
         lg, h = logits[rows, last], pre[rows, last]  # [B, Vd], [B, H]
         pos = start + n_new  # next chain position per row

@@ -396,6 +396,7 @@ class _QuantLlama(LeanLlama):
         self.inv_freq, self.rope_scaling = inv_freq, rope_scaling
         self.rope = Rope(inv_freq, self.max_len, rope_scaling)
         self.weights, self.packed = weights, packed
+        self.head = weights["lm_head"]
 
     def ensure_rope(self, length: int) -> None:
         """Padding positions of a ragged extension may pass the last real one; grow the tables (rare)."""

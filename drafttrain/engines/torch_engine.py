@@ -63,7 +63,9 @@ class TorchEngine:
 
     def _runtime(self, drafter):
         rt = copy.deepcopy(drafter).eval().requires_grad_(False)
-        if self.cfg.drafter_int8 and not getattr(drafter, "in_place_update", False):
+        if hasattr(rt, "fuse_for_inference"):
+            rt = rt.fuse_for_inference(int8=self.cfg.drafter_int8)
+        elif self.cfg.drafter_int8 and not getattr(drafter, "in_place_update", False):
             rt = quantize_int8(rt)  # a self-drafter is quantized already
         self._in_use[id(rt)] = threading.Lock()
         return rt

@@ -325,3 +325,26 @@ def test_small_draft_vocab_is_lossless():
 
     C.exact_distribution(make_engine, pol, d, SamplingParams(max_new_tokens=3, seed=8), n_rows=3000,
                          wrong=SamplingParams(temperature=0.7, max_new_tokens=3), k=2, drafter_int8=False)
+
+
+@pytest.mark.parametrize("int8", [False, True])
+def test_fused_inference_form_drafts_as_the_modules_do(drafter, int8):
+    """The engine's runtime form (q|k|v and gate|up fused, prepacked fp32 or int8 linears) proposes what the
+    training modules propose: the same draft distributions (fp32 to float tolerance; int8 close)."""
+    d = perturbed(drafter, seed=4)
+    f = copy.deepcopy(d).fuse_for_inference(int8=int8)
+    c = d.config
+    B, m, k = 3, 5, 4
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, c.vocab_size, (B, m), generator=g)
+    aux = torch.randn(B, m, len(c.aux_layer_ids) * c.hidden_size, generator=g)
+    n_new, start = torch.tensor([5, 2, 4]), torch.tensor([0, 3, 1])
+    params = SamplingParams(temperature=1.0)
+    out = [x.propose(x.new_state(B, 32), ids, aux, n_new, start, k, params, False, torch.Generator().manual_seed(1))
+           for x in (d, f)]
+    tol = 0.05 if int8 else 1e-4
+    torch.testing.assert_close(out[1][1][:, 0], out[0][1][:, 0], atol=tol, rtol=0)  # first draft: same input
+    if not int8:  # same tokens drawn, so every later position is comparable too
+        assert torch.equal(out[0][0], out[1][0])
+        torch.testing.assert_close(out[1][1], out[0][1], atol=1e-4, rtol=0)
+    assert f.state_dict().keys() == d.state_dict().keys()  # the fused form adds no tensors to the layout

@@ -315,3 +315,21 @@ def test_engine_copies_the_drafter(make_engine, policy, drafter):
         d2.fc.weight.add_(1.0)
     assert torch.equal(eng2.drafter.state_dict()["fc.weight"], served["fc.weight"])
     assert eng2.drafter_version == 0
+
+
+def test_packed_linear_matches_f_linear_and_repacks():
+    """The oneDNN-prepacked linear the lean forward uses equals F.linear at every row count (one row, a verify
+    pass, a batch), with a bias, and follows an in-place weight change once repacked."""
+    from drafttrain.modeling import PackedLinear, linear
+
+    g = torch.Generator().manual_seed(0)
+    w, b = torch.randn(96, 64, generator=g), torch.randn(96, generator=g)
+    lin = PackedLinear.wrap(w, b)
+    for shape in [(1, 1, 64), (1, 5, 64), (7, 3, 64), (64, 64)]:
+        x = torch.randn(*shape, generator=g)
+        torch.testing.assert_close(linear(x, lin), torch.nn.functional.linear(x, w, b), atol=1e-4, rtol=1e-4)
+    w.mul_(-2.0)
+    if isinstance(lin, PackedLinear):
+        lin.repack()
+    x = torch.randn(2, 5, 64, generator=g)
+    torch.testing.assert_close(linear(x, lin), torch.nn.functional.linear(x, w, b), atol=1e-4, rtol=1e-4)
