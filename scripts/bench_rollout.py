@@ -3,6 +3,7 @@ EAGLE-3 drafter, on the same task prompts, at several batch sizes. Prints a tabl
 
     python scripts/bench_rollout.py                      # batches 1,4,16,64
     python scripts/bench_rollout.py batches=[1] n_prompts=8 max_new_tokens=128
+    python scripts/bench_rollout.py overrides=[engine.k=5]   # recipe overrides
     python scripts/bench_rollout.py vllm=true            # + engine=vllm rows (AR vs SD on one vLLM engine at
                                                          #   vllm_batches), drafter swap and policy update latency
 
@@ -27,7 +28,7 @@ from drafttrain.policy import encode_prompt, load_policy, make_prompts
 from drafttrain.report import format_table, write_json
 from drafttrain.spec import SamplingParams
 
-DEFAULTS = dict(recipe="eagle3_track", batches=[1, 4, 16, 64], n_prompts=64, max_new_tokens=256, seed=1234,
+DEFAULTS = dict(recipe="eagle3_track", overrides=[], batches=[1, 4, 16, 64], n_prompts=64, max_new_tokens=256, seed=1234,
                 out="bench/rollout.json", hf=True, threads=2, vllm=False, vllm_batches=[1], vllm_swaps=10)
 
 
@@ -98,7 +99,7 @@ def vllm_bench(cfg, rc, policy, drafter, prompts, params, torch_ar: dict) -> tup
 
 def main(cfg) -> dict:
     torch.set_num_threads(cfg.threads)
-    rc = load_recipe(cfg.recipe)
+    rc = load_recipe(cfg.recipe, list(cfg.overrides))
     policy, tok = load_policy(str(resolve_path(rc.policy.path)))
     drafter = build_drafter(rc.drafter, policy)
     engine = build_engine(rc.engine, policy, drafter)

@@ -249,9 +249,12 @@ class Eagle3Drafter(nn.Module):
         B, m, _ = emb.shape
         pos = pos0.view(B, 1) + torch.arange(m).view(1, m)
         q, k, v, res = self._qkv(emb, hidden, pos)
+        if n_valid is not None and int(n_valid.min()) == m:
+            n_valid = None  # no padding (one row, or rows all extending by m)
         valid = None if n_valid is None else torch.arange(m).view(1, m) < n_valid.view(B, 1)
-        st.cache.write(0, k, v, pos, valid)
-        length = min(int(pos0.max()) + m, st.cache.max_len)
+        top = int(pos0.max())
+        st.cache.write(0, k, v, pos, valid, start=top if B == 1 else None)  # one row: a slice write
+        length = min(top + m, st.cache.max_len)
         o = attend(q, st.cache, 0, step_mask(pos0, m, length), length)
         return self._post(o, res)
 

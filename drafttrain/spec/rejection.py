@@ -40,19 +40,19 @@ def rejection_sample(
     num_accepted = accept.long().cumprod(-1).sum(-1)  # [B] length of the accepted prefix
 
     # residual at the stop position n: p_n - q_n (q_k := 0, so n == k gives the bonus distribution p_k)
-    q_ext = torch.cat([q_full, q_full.new_zeros(B, 1, V)], 1)  # [B, k+1, V]
     idx = num_accepted.view(B, 1, 1).expand(B, 1, V)
     p_n = target_probs.gather(1, idx).squeeze(1)  # [B, V]
-    resid = (p_n - q_ext.gather(1, idx).squeeze(1)).clamp_min(0)  # [B, V]
+    q_n = q_full.gather(1, idx.clamp_max(max(k - 1, 0))).squeeze(1) if k else p_n.new_zeros(B, V)
+    resid = (p_n - q_n * (num_accepted < k).unsqueeze(-1)).clamp_min(0)  # [B, V]
     mass = resid.sum(-1, keepdim=True)
     # mass == 0 only if p_n <= q_n everywhere, i.e. p_n == q_n, where rejection has probability 0: fall back to p_n
     resid = torch.where(mass > 0, resid / mass.clamp_min(1e-30), p_n)
-    last = torch.multinomial(resid, 1, generator=generator).squeeze(-1)  # [B]
+    last = torch.multinomial(resid, 1, generator=generator)  # [B, 1]
 
-    pos = torch.arange(k1, device=dev).expand(B, k1)  # [B, k+1]
+    # row b: its n accepted drafts, then `last`, then -1 padding
     n = num_accepted.unsqueeze(-1)
-    drafts_ext = torch.cat([draft_tokens.long(), draft_tokens.new_full((B, 1), -1).long()], 1)
-    tokens = torch.where(pos < n, drafts_ext, torch.where(pos == n, last.unsqueeze(-1), torch.full_like(pos, -1)))
+    tokens = torch.cat([draft_tokens.long(), last], 1).scatter_(1, n, last)
+    tokens.masked_fill_(torch.arange(k1, device=dev) > n, -1)
     return tokens, num_accepted
 
 
