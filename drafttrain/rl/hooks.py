@@ -57,7 +57,8 @@ class DraftTracker:
         self.latest: list[dict] = []  # the previous step's: the background update reads only these
         self.probe_prompts: list[list[int]] = []
         self.policy_version = 0
-        self._last_update_t = time.perf_counter()  # RL time is measured from here (construction: step 0's start)
+        self._last_update_t: float | None = None  # RL time is measured from here: set by the first rollout or
+        # capture (not construction: loading and engine set-up are not RL time), then after each update's work
         self.bank_s = 0.0  # sync mode: drafter time earned (budget_frac x RL time) minus drafter time spent
         self._step_cost_s: float | None = None  # moving average of one drafter step (for the bank)
         self._thread: threading.Thread | None = None
@@ -93,6 +94,7 @@ class DraftTracker:
         pass); with logits_to_keep=n only the last n positions can be targets."""
         if self._capture is not None:
             raise RuntimeError("start_capture: a capture is already running (call stop_capture first)")
+        self._mark_rl_start()
         if self.self_drafter:
             return None  # nothing to capture
         cap = HiddenCapture(policy, self.drafter.aux_layer_ids)
@@ -157,7 +159,7 @@ class DraftTracker:
             return self._idle()
         now = time.perf_counter()
         # the RL step's own time since the last update (its drafter work excluded) earns the sync budget
-        rl_s = now - self._last_update_t  # _last_update_t is set after the previous update's drafter work
+        rl_s = now - (self._last_update_t if self._last_update_t is not None else now)
         bg = self.cfg.online.mode == "async" if background is None else background
         if bg:
             self._thread = threading.Thread(target=self._update, args=(None,), daemon=True)
@@ -243,6 +245,7 @@ class DraftTracker:
     def generate(self, engine, prompts, params, speculative: bool = True):
         """engine.generate, with the inline canary watching: if it fails while a newly published drafter is on
         probation, roll back to the last good drafter and generate again. Returns (batch, canary verdict)."""
+        self._mark_rl_start()
         try:
             batch = engine.generate(prompts, params, speculative=speculative)
         except (RuntimeError, ValueError) as err:  # e.g. NaN draft probabilities from broken weights
@@ -251,6 +254,10 @@ class DraftTracker:
                 raise
             return engine.generate(prompts, params, speculative=speculative), verdict
         return batch, self.observe_rollout(batch)
+
+    def _mark_rl_start(self) -> None:
+        if self._last_update_t is None:
+            self._last_update_t = time.perf_counter()
 
     def _requantize(self, policy) -> dict:
         """Self-drafter: every engine requantizes the new policy weights into its standby drafter and swaps."""

@@ -353,6 +353,35 @@ def test_sync_training_is_held_to_its_time_bank(trained, monkeypatch):
     assert tracker.bank_s == pytest.approx(0.01)
 
 
+def test_time_bank_counts_rl_time_from_the_first_capture(trained, monkeypatch):
+    """Set-up before the first rollout or capture (loading, engine builds) is not RL time: 100 s of it must not
+    fill the bank. Only the 1 s from the first capture to the update earns (50 ms: 2 steps of 20 ms)."""
+    import types
+
+    from drafttrain.rl import hooks
+
+    clock = [0.0]
+    monkeypatch.setattr(hooks, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
+    real_capture = hooks.DraftTracker.start_capture
+
+    def late_capture(self, *a, **kw):
+        clock[0] += 100.0  # set-up time between construction and the first capture
+        return real_capture(self, *a, **kw)
+
+    monkeypatch.setattr(hooks.DraftTracker, "start_capture", late_capture)
+    engine = _engine(trained)
+    tracker, _ = _tracker_with_features(trained, engine, "online.budget_frac=0.05", "online.steps_per_update=50")
+    step = tracker.trainer.step
+
+    def slow_step(batch):
+        clock[0] += 0.02
+        return step(batch)
+
+    monkeypatch.setattr(tracker.trainer, "step", slow_step)
+    clock[0] += 1.0
+    assert tracker.on_policy_update(trained["policy"], 0)["drafter_steps"] == 2
+
+
 def test_nan_update_is_never_published(trained):
     engine = _engine(trained)
     tracker, logs = _tracker_with_features(trained, engine)
