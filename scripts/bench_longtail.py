@@ -7,12 +7,14 @@ Workload: a GRPO-style batch (prompts x G samples of the shipped task, long-tail
 batch starts large (SD loses: verify costs ~ linearly more tokens on this CPU) and shrinks to the long tail
 (SD wins). Modes, for each drafter (EAGLE-3 from checkpoints/eagle3, selfquant int8 and int4):
 AR | SD-always at fixed k | SD + toggle (fixed k) | SD + toggle + auto k | SD + toggle + ladder.
-Sweep: tokens/s at a constant active batch (no stop token, fixed length) for AR, SD-always and SD + toggle.
+Sweep: tokens/s at a constant active batch (no stop token, fixed length) for AR, SD-always and SD + toggle, the
+median of sweep_repeats interleaved runs each, and the share of decode steps the toggle ran SD in.
 Prints tables; writes bench/longtail.json and bench/longtail_trace.png (active batch, SD on/off and k per step).
 """
 from __future__ import annotations
 
 import copy
+import statistics
 from dataclasses import replace
 
 import torch
@@ -27,7 +29,7 @@ from drafttrain.spec import SamplingParams
 
 DEFAULTS = dict(recipe="eagle3_track", prompts=16, group=4, max_new_tokens=256, k=4, seed=4321,
                 drafters=["eagle3", "selfquant_int8", "selfquant_int4"], sweep_batches=[1, 2, 4, 8, 16, 32, 64],
-                sweep_tokens=64, out="bench/longtail.json", threads=2)
+                sweep_tokens=96, sweep_repeats=3, out="bench/longtail.json", threads=2)
 
 MODES = {  # name -> engine overrides (None = AR)
     "ar": None,
@@ -94,13 +96,20 @@ def main(cfg) -> dict:
     flat = SamplingParams(temperature=rc.sampling.temperature, max_new_tokens=cfg.sweep_tokens, seed=cfg.seed)
     for B in cfg.sweep_batches:
         batch = (prompts * (B // len(prompts) + 1))[:B]
-        row = {"batch": B}
+        row, tps, on = {"batch": B}, {name: [] for name in engines}, []
         for name, eng in engines.items():
             eng.generate(batch, replace(flat, max_new_tokens=16, seed=cfg.seed + 1),
                          speculative=name != "ar")  # warm-up at this batch
-            b = eng.generate(batch, flat, speculative=name != "ar")
-            row[f"{name}_tps"] = b.num_tokens / b.wall_s
+        for rep in range(cfg.sweep_repeats):  # interleaved, so a slow spell of the machine hits every engine
+            for name, eng in engines.items():
+                b = eng.generate(batch, replace(flat, seed=cfg.seed + 2 + rep), speculative=name != "ar")
+                tps[name].append(b.num_tokens / b.wall_s)
+                if name == "toggle":
+                    on += [t["on"] for t in b.trace]
+        for name in engines:
+            row[f"{name}_tps"] = statistics.median(tps[name])
         row["toggle_over_best"] = row["toggle_tps"] / max(row["ar_tps"], row["sd_tps"])
+        row["toggle_sd_steps_pct"] = 100 * sum(on) / max(len(on), 1)  # decode steps the toggle ran SD in
         sweep.append(row)
         print(format_table([row], list(row)))
 
