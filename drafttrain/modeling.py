@@ -39,7 +39,7 @@ class PackedLinear:
     @classmethod
     def wrap(cls, weight: torch.Tensor, bias: torch.Tensor | None = None):
         """A PackedLinear where it pays and oneDNN is there; else the weight itself (F.linear via `linear`)."""
-        if ONEDNN and weight.dtype == torch.float32:
+        if ONEDNN and weight.dtype == torch.float32 and weight.device.type == "cpu":
             return cls(weight, bias)
         return weight if bias is None else (lambda x: F.linear(x, weight, bias))
 
