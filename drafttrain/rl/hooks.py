@@ -9,8 +9,8 @@
 
 online.mode=sync trains between RL steps, within online.time_budget_s and a time bank: each RL step earns
 online.budget_frac x its own time (measured between on_policy_update calls, drafter work excluded), and drafter work
-(training steps, the acceptance estimate, publishing) spends it, so on average it adds at most budget_frac to the
-RL step time. An update with the bank in debt trains and publishes nothing. online.mode=async trains and publishes
+(capturing features in the loss forward, training steps, the acceptance estimate, publishing) spends it, so on
+average it adds at most budget_frac to the RL step time. An update with the bank in debt trains and publishes nothing. online.mode=async trains and publishes
 in a background thread (call wait() before reading its result; the next on_policy_update waits by itself).
 With online.canary=inline (the default) the loop hands each rollout batch to observe_rollout(batch): the first
 batch a new version generated is its canary (no extra generation).
@@ -59,6 +59,8 @@ class DraftTracker:
         self.policy_version = 0
         self._last_update_t: float | None = None  # RL time is measured from here: set by the first rollout or
         # capture (not construction: loading and engine set-up are not RL time), then after each update's work
+        self._capture_s = 0.0  # time spent in the capture hooks since the last update (drafter work inside RL time)
+        self._capture_last = 0.0  # that time, for the update now running
         self.bank_s = 0.0  # sync mode: drafter time earned (budget_frac x RL time) minus drafter time spent
         self._step_cost_s: float | None = None  # moving average of one drafter step (for the bank)
         self._thread: threading.Thread | None = None
@@ -106,6 +108,7 @@ class DraftTracker:
         def on_forward(module, args, kwargs, output):
             if grad_only and not torch.is_grad_enabled():
                 return
+            t0 = time.perf_counter()
             ids = kwargs.get("input_ids", args[0] if args else None)
             mask = kwargs.get("attention_mask")
             if mask is None:
@@ -126,6 +129,7 @@ class DraftTracker:
             with self._lock:
                 self.buffer.add(feats)
             self.pending.append(feats)
+            self._capture_s += time.perf_counter() - t0
 
         handles = [policy.register_forward_hook(on_forward, with_kwargs=True),
                    policy.model.register_forward_hook(on_backbone)]
@@ -152,6 +156,7 @@ class DraftTracker:
         """The policy just changed: train the drafter on buffered features and publish v+1 to every engine."""
         self.wait()
         self.latest, self.pending = self.pending, []
+        self._capture_last, self._capture_s = self._capture_s, 0.0
         self.policy_version = step + 1 if step is not None else self.policy_version + 1
         if self.self_drafter and self.cfg.online.track:
             return self._requantize(policy)
@@ -159,7 +164,7 @@ class DraftTracker:
             return self._idle()
         now = time.perf_counter()
         # the RL step's own time since the last update (its drafter work excluded) earns the sync budget
-        rl_s = now - (self._last_update_t if self._last_update_t is not None else now)
+        rl_s = now - (self._last_update_t if self._last_update_t is not None else now) - self._capture_last
         bg = self.cfg.online.mode == "async" if background is None else background
         if bg:
             self._thread = threading.Thread(target=self._update, args=(None,), daemon=True)
@@ -183,7 +188,7 @@ class DraftTracker:
         oc, t0 = self.cfg.online, time.perf_counter()
         bank = oc.budget_frac > 0 and rl_s is not None
         if bank:
-            self.bank_s = min(self.bank_s + oc.budget_frac * rl_s, oc.time_budget_s)
+            self.bank_s = min(self.bank_s + oc.budget_frac * rl_s, oc.time_budget_s) - self._capture_last
             if self.bank_s <= 0:
                 return self._idle()
         losses, skipped, groups = [], 0, []
@@ -223,7 +228,8 @@ class DraftTracker:
                         "drafter_steps": len(losses), "drafter_skipped_nonfinite": skipped,
                         "swap_s": pub.get("swap_s"), "canary_mal": pub.get("canary_mal"),
                         "expected_mal": est, "rolled_back": pub.get("rolled_back", False),
-                        "published": pub["published"], "drafter_version": self.version}
+                        "published": pub["published"], "drafter_version": self.version,
+                        "capture_s": self._capture_last}
         if bank:
             self.bank_s -= time.perf_counter() - t0
         self._result["budget_bank_s"] = self.bank_s if bank else None
@@ -234,6 +240,7 @@ class DraftTracker:
         self._result = {"drafter_train_s": 0.0, "publish_s": 0.0, "drafter_loss": None, "drafter_steps": 0,
                         "drafter_skipped_nonfinite": 0, "swap_s": None, "canary_mal": None, "expected_mal": None,
                         "rolled_back": False, "published": False, "drafter_version": self.version,
+                        "capture_s": self._capture_last,
                         "budget_bank_s": self.bank_s if self.cfg.online.budget_frac > 0 else None}
         return self._result
 
@@ -266,7 +273,7 @@ class DraftTracker:
         self._result = {"drafter_train_s": 0.0, "publish_s": time.perf_counter() - t0, "drafter_loss": None,
                         "drafter_steps": 0, "drafter_skipped_nonfinite": 0, "swap_s": pub.get("swap_s"),
                         "canary_mal": None, "expected_mal": None, "rolled_back": False,
-                        "published": pub["published"], "drafter_version": self.version}
+                        "published": pub["published"], "drafter_version": self.version, "capture_s": 0.0}
         return self._result
 
     # ---- measurement --------------------------------------------------------------------------------------

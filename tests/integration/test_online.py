@@ -382,6 +382,37 @@ def test_time_bank_counts_rl_time_from_the_first_capture(trained, monkeypatch):
     assert tracker.on_policy_update(trained["policy"], 0)["drafter_steps"] == 2
 
 
+def test_capture_time_is_charged_to_the_time_bank(trained, monkeypatch):
+    """Capturing features in the loss forward is online-training work inside the RL step: it does not earn budget
+    and the bank pays for it. 1 s of RL with 30 ms of capture earns 0.05 x 0.97 s, less 30 ms: 18.5 ms, one step."""
+    import types
+
+    from drafttrain.rl import hooks
+
+    clock = [0.0]
+    monkeypatch.setattr(hooks, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
+    real_features = hooks.build_features
+
+    def slow_features(*a, **kw):
+        clock[0] += 0.03
+        return real_features(*a, **kw)
+
+    monkeypatch.setattr(hooks, "build_features", slow_features)
+    engine = _engine(trained)
+    tracker, _ = _tracker_with_features(trained, engine, "online.budget_frac=0.05", "online.steps_per_update=50")
+    step = tracker.trainer.step
+
+    def slow_step(batch):
+        clock[0] += 0.02
+        return step(batch)
+
+    monkeypatch.setattr(tracker.trainer, "step", slow_step)
+    clock[0] += 0.97
+    out = tracker.on_policy_update(trained["policy"], 0)
+    assert out["capture_s"] == pytest.approx(0.03) and out["drafter_steps"] == 1
+    assert tracker.bank_s == pytest.approx(0.0485 - 0.03 - 0.02)
+
+
 def test_nan_update_is_never_published(trained):
     engine = _engine(trained)
     tracker, logs = _tracker_with_features(trained, engine)
