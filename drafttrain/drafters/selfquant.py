@@ -81,10 +81,11 @@ def unpack_int4(p: torch.Tensor) -> torch.Tensor:
 
 # ---- quantized linears: __call__(x [..., K]) -> [..., N]; requantize_/load_ write the storage in place ------------
 # requantize_(parts, b): parts are row blocks of the weight (q|k|v, gate|up) quantized straight into their rows of the
-# storage, _CHUNK rows at a time: no concatenated fp32 copy, only small temporaries (a large fresh allocation costs
-# more in page faults than the quantization itself here).
+# storage, a block of rows (about _CHUNK_ELEMS weights) at a time: no concatenated fp32 copy, only small temporaries (a
+# large fresh allocation costs more in page faults than the quantization itself here), and few blocks for small
+# weights (each block is a dozen tensor ops: per-op overhead dominated 128-row blocks of a 256-wide drafter).
 
-_CHUNK = 128
+_CHUNK_ELEMS = 1 << 18
 
 
 class _Linear:
@@ -93,8 +94,9 @@ class _Linear:
     def requantize_(self, parts: list[torch.Tensor], b: torch.Tensor | None = None) -> None:
         r0 = 0
         for w in parts:
-            for c in range(0, w.shape[0], _CHUNK):
-                blk = w[c:c + _CHUNK].float()
+            rows = max(1, _CHUNK_ELEMS // w.shape[1])
+            for c in range(0, w.shape[0], rows):
+                blk = w[c:c + rows].float()
                 self._rows_(blk, r0 + c, r0 + c + blk.shape[0])
             r0 += w.shape[0]
         if self.bias is not None:

@@ -61,8 +61,9 @@ class TorchEngine:
     def drafter(self):
         return self._active[0] if self._active else None
 
-    def _runtime(self, drafter):
-        rt = copy.deepcopy(drafter).eval().requires_grad_(False)
+    def _runtime(self, drafter, owned: bool = False):
+        """The inference copy of `drafter` (owned: a fresh copy already, used as is)."""
+        rt = (drafter if owned else copy.deepcopy(drafter)).eval().requires_grad_(False)
         if hasattr(rt, "fuse_for_inference"):
             rt = rt.fuse_for_inference(int8=self.cfg.drafter_int8)
         elif self.cfg.drafter_int8 and not getattr(drafter, "in_place_update", False):
@@ -76,7 +77,7 @@ class TorchEngine:
         if not getattr(self._template, "in_place_update", False):
             staged = copy.deepcopy(self._template)
             staged.load_state_dict(weights)  # validates names, shapes, finiteness: one-line error
-            return self._runtime(staged)
+            return self._runtime(staged, owned=True)
         if self._standby is None:
             self._standby = self._runtime(self._template)
         with self._in_use[id(self._standby)]:  # an in-flight step may still draft with the old active copy
