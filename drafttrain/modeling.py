@@ -96,6 +96,7 @@ class KVCache:
         self.k = [torch.zeros(shape, dtype=dtype) for _ in range(n_layers)]
         self.v = [torch.zeros(shape, dtype=dtype) for _ in range(n_layers)]
         self.max_len = max_len
+        self.used = 0  # positions [0, used) may hold entries; set by the forwards that write (high-water mark)
 
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor,
               valid: torch.Tensor | None = None, start: int | None = None) -> None:
@@ -118,8 +119,17 @@ class KVCache:
         self.v[layer][b, :, p] = v[b, :, j]
 
     def select_rows(self, idx: torch.Tensor) -> None:
-        self.k = [t.index_select(0, idx) for t in self.k]
-        self.v = [t.index_select(0, idx) for t in self.v]
+        """Keep rows idx. Only the positions written so far (`used`) are copied: a finished row costs a copy of
+        the live prefix, not of the whole max_len buffer (what the long tail of a batch would pay at each finish)."""
+        n = self.used if self.used else self.max_len
+
+        def take(t):
+            out = t.new_zeros((len(idx), *t.shape[1:]))  # finite past `used`: masked reads must not see NaN
+            out[:, :, :n] = t[idx, :, :n]
+            return out
+
+        self.k = [take(t) for t in self.k]
+        self.v = [take(t) for t in self.v]
 
 
 def step_mask(pos0: torch.Tensor, m: int, length: int) -> torch.Tensor | None:
@@ -208,6 +218,7 @@ class LeanLlama:
         length = int(pos0.max()) + m
         mask = step_mask(pos0, m, length)  # [B, 1, m, length] or None
         start = length - m if B == 1 else None  # one row: its cache writes are a slice
+        cache.used = max(cache.used, min(length, cache.max_len))
         rope = self.rope.tables(pos, head_dim=2)  # [B, m, 1, D]: shared by every layer, q and k
         x = F.embedding(tokens, self.weights["embed"])  # [B, m, hidden]
         aux = []

@@ -27,7 +27,7 @@ from drafttrain.policy import encode_prompt, load_policy, make_prompts
 from drafttrain.report import format_table, write_json
 from drafttrain.spec import SamplingParams
 
-DEFAULTS = dict(recipe="eagle3_track", prompts=16, group=4, max_new_tokens=256, k=4, seed=4321,
+DEFAULTS = dict(recipe="eagle3_track", prompts=16, group=4, max_new_tokens=256, k=5, seed=4321,
                 drafters=["eagle3", "selfquant_int8", "selfquant_int4"], sweep_batches=[1, 2, 4, 8, 16, 32, 64],
                 sweep_tokens=96, sweep_repeats=3, out="bench/longtail.json", threads=2)
 

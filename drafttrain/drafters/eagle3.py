@@ -255,6 +255,7 @@ class Eagle3Drafter(nn.Module):
         top = int(pos0.max())
         st.cache.write(0, k, v, pos, valid, start=top if B == 1 else None)  # one row: a slice write
         length = min(top + m, st.cache.max_len)
+        st.cache.used = max(st.cache.used, length)
         o = attend(q, st.cache, 0, step_mask(pos0, m, length), length)
         return self._post(o, res)
 

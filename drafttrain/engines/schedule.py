@@ -15,9 +15,11 @@ where SD could not pay even if every draft were accepted ((k+1) T_ar < threshold
 The calibrated T and D are bare forward times. A real decode step also samples, verifies, catches the drafter up on
 the accepted tokens and does the row bookkeeping, and SD pays more of that than AR. So the engine reports every
 step's wall time (observe_step) and the controller keeps, per mode (AR/SD) and power-of-two batch bucket, a moving
-average of the residual (measured - modelled ms), added to the model's step times in the prediction:
-    speed-up(B, k) = E[tokens | k] * (T(B, 1) + R_ar(B)) / (T(B, k+1) + k * D(B) + R_sd(B))
-A bucket with no observation borrows the nearest observed bucket's residual (0 before any).
+average of the ratio measured / modelled (clipped to [0.5, 3]: a stall is not a trend), which scales the model's
+step times in the prediction:
+    speed-up(B, k) = E[tokens | k] * T(B, 1) f_ar(B) / ((T(B, k+1) + k * D(B)) f_sd(B))
+A bucket with no observation borrows the nearest observed bucket's ratio (1 before any). Ratios, not ms: a ratio
+learnt at batch 64 transfers to batch 1 about right, an offset in ms (what a batch-64 step adds) does not.
 """
 from __future__ import annotations
 
@@ -115,33 +117,32 @@ class SpecController:
         self._probe_gap = probe_every
         self.trace: list[dict] = []
         self.step = 0
-        self.residual: dict[tuple[str, int], float] = {}  # (ar|sd, batch bucket) -> ms, moving average
+        self.factor: dict[tuple[str, int], float] = {}  # (ar|sd, batch bucket) -> measured/modelled, moving average
 
     def model_ms(self, batch: int, k: int) -> float:
         """The cost model's time of one decode step (k = 0: AR)."""
         c = self.cost
         return c.target(batch, 1) if k == 0 else c.target(batch, k + 1) + k * c.draft(batch)
 
-    def _residual(self, mode: str, batch: int) -> float:
-        have = [b for (m, b) in self.residual if m == mode]
+    def _factor(self, mode: str, batch: int) -> float:
+        have = [b for (m, b) in self.factor if m == mode]
         if not have:
-            return 0.0
+            return 1.0
         want = _bucket(batch)
-        return self.residual[(mode, min(have, key=lambda b: abs(b.bit_length() - want.bit_length())))]
+        return self.factor[(mode, min(have, key=lambda b: abs(b.bit_length() - want.bit_length())))]
 
     def observe_step(self, batch: int, k: int, ms: float, decay: float = 0.8) -> None:
         """A decode step of `batch` rows with k drafts (0: AR) took `ms` of wall time."""
         if self.cost is None:
             return
         key = ("sd" if k else "ar", _bucket(batch))
-        model = self.model_ms(batch, k)
-        r = min(ms - model, model)  # one step counts as at most twice its modelled time (a stall is not a trend)
-        self.residual[key] = r if key not in self.residual else decay * self.residual[key] + (1 - decay) * r
+        f = min(max(ms / max(self.model_ms(batch, k), 1e-9), 0.5), 3.0)
+        self.factor[key] = f if key not in self.factor else decay * self.factor[key] + (1 - decay) * f
 
     def speedup(self, batch: int, k: int) -> float:
-        t_ar = self.model_ms(batch, 0) + self._residual("ar", batch)
-        t_sd = self.model_ms(batch, k) + self._residual("sd", batch)
-        return self.acc.expected_tokens(k) * t_ar / max(t_sd, 1e-6)
+        t_ar = self.model_ms(batch, 0) * self._factor("ar", batch)
+        t_sd = self.model_ms(batch, k) * self._factor("sd", batch)
+        return self.acc.expected_tokens(k) * t_ar / max(t_sd, 1e-9)
 
     def decide(self, batch: int) -> int:
         """k for this decode step; 0 means an AR step."""

@@ -177,7 +177,7 @@ class TorchEngine:
         nxt = torch.cat([tokens[:, 1:], tokens.new_zeros(B, 1)], 1)
         nxt[rows, lens - 1] = out[:, 0]
         # the drafter's pending input: positions committed since it last ran (ragged: n_new[b] of them per row)
-        new_ids, n_new, start = nxt, lens.clone(), torch.zeros(B, dtype=torch.long)
+        pend = _Pending(nxt, aux, lens.clone(), torch.zeros(B, dtype=torch.long))
         pos = lens.clone()  # position of the last committed token, fed next
         resp: list[list[int]] = [[] for _ in range(B)]
         lps: list[list[float]] = [[] for _ in range(B)]
@@ -219,8 +219,8 @@ class TorchEngine:
                 cache.select_rows(keep)
                 if dstate is not None:
                     dstate.select_rows(keep)
-                pos, last, new_ids, n_new, start = (x[keep] for x in (pos, last, new_ids, n_new, start))
-                aux = aux[keep] if aux is not None else None
+                pos, last = pos[keep], last[keep]
+                pend.select_rows(keep)
 
             # one decode step: draft (maybe), verify, accept
             if active is not None and self._active is not None and self._active[1] != version:
@@ -229,11 +229,11 @@ class TorchEngine:
             versions.append(version)
             Bn = len(row_ids)
             k = max(0, min(ctl.decide(Bn), L - 1 - int(pos.max()))) if ctl is not None else 0
-            catch_up = int(n_new.max()) if k > 0 else 0  # pending positions the drafter extends its cache by
+            catch_up = pend.width() if k > 0 else 0  # pending positions the drafter extends its cache by
             if k > 0:
                 with self._in_use[id(drafter)]:
-                    d, q = drafter.propose(dstate, new_ids, aux, n_new, start, k, params, greedy_drafts, gen)
-                n_new = torch.zeros_like(n_new)  # consumed
+                    d, q = drafter.propose(dstate, *pend.view(), k, params, greedy_drafts, gen)
+                pend.consumed()
                 inp = torch.cat([last.view(Bn, 1), d], 1)  # [B, k+1]
             else:
                 d, q = torch.zeros(Bn, 0, dtype=torch.long), None
@@ -241,12 +241,13 @@ class TorchEngine:
             logits, aux_v = lean.forward(inp, pos, cache, aux_ids if k_max > 0 else ())
             out, n, lp = self._sample(logits, q, d, params, gen)
             if drafter is not None:  # AR steps (toggle off) accumulate; the next SD step catches up in one pass
-                new_ids, aux, n_new, start = _append_pending(new_ids, aux, n_new, start, out.clamp_min(0), aux_v,
-                                                             n + 1, pos)
+                pend.append(out.clamp_min(0), aux_v, n + 1, pos)
             pos = pos + n + 1
             last = out.gather(1, n.view(-1, 1)).squeeze(1)
             ends.append(time.perf_counter())
-            if ctl is not None and catch_up <= k_max + 1:  # not a one-off catch-up (prompt, or after AR steps)
+            # not a one-off catch-up (prompt, or after AR steps), nor a step that also dropped finished rows from
+            # every cache (a cost of the batch shrinking that AR and SD pay alike, in bursts)
+            if ctl is not None and catch_up <= k_max + 1 and not done:
                 ctl.observe_step(Bn, k, (ends[-1] - t_prev) * 1e3)
             t_prev = ends[-1]
 
@@ -268,26 +269,58 @@ class TorchEngine:
         return out, n, lp
 
 
-def _append_pending(p_ids, p_aux, p_n, p_start, ids, aux, n, start):
-    """Append each row's n[b] new (token, aux) pairs to its n_p[b] pending ones; rows with none pending restart
-    at `start`. ids [B, m], aux [B, m, X] or None. Returns (ids, aux, n, start) of the combined pending input."""
-    if int(p_n.max()) == 0:
-        return ids, aux, n, start
-    B, m = ids.shape
-    width = int((p_n + n).max())
-    cols = p_n.view(B, 1) + torch.arange(m).view(1, m)  # [B, m] destination columns
-    ok = torch.arange(m).view(1, m) < n.view(B, 1)
-    rows = torch.arange(B).view(B, 1).expand(B, m)
-    out_ids = ids.new_zeros(B, width)
-    w = min(width, p_ids.shape[1])
-    out_ids[:, :w] = p_ids[:, :w]
-    out_ids[rows[ok], cols[ok]] = ids[ok]
-    out_aux = None
-    if aux is not None:
-        out_aux = aux.new_zeros(B, width, aux.shape[-1])
-        out_aux[:, :w] = p_aux[:, :w]
-        out_aux[rows[ok], cols[ok]] = aux[ok]
-    return out_ids, out_aux, p_n + n, torch.where(p_n > 0, p_start, start)
+class _Pending:
+    """Verified positions the drafter has not consumed yet, per row: token ids [B, cap], aux states [B, cap, X] (or
+    None: a drafter without aux inputs), count n[B] and first position start[B]. Appends write the new entries in
+    place (growing the buffers by doubling, rarely), so a long run of AR steps (the toggle off) costs O(new entries)
+    per step, not a copy of everything pending."""
+
+    def __init__(self, ids: torch.Tensor, aux: torch.Tensor | None, n: torch.Tensor, start: torch.Tensor):
+        self.ids, self.aux, self.n, self.start = ids, aux, n, start
+        self._max = int(n.max())
+
+    def width(self) -> int:
+        return self._max
+
+    def view(self):
+        """(ids [B, w], aux [B, w, X] or None, n [B], start [B]) with w = the longest row's count."""
+        w = self._max
+        return self.ids[:, :w], None if self.aux is None else self.aux[:, :w], self.n, self.start
+
+    def consumed(self) -> None:
+        self.n = torch.zeros_like(self.n)
+        self._max = 0
+
+    def append(self, ids: torch.Tensor, aux: torch.Tensor | None, n: torch.Tensor, start: torch.Tensor) -> None:
+        """Each row's first n[b] of ids [B, m] (aux [B, m, X]); a row with none pending restarts at start[b]."""
+        B, m = ids.shape
+        need = int((self.n + n).max())
+        if need > self.ids.shape[1]:
+            self._grow(max(need, 2 * self.ids.shape[1]))
+        cols = self.n.view(B, 1) + torch.arange(m).view(1, m)  # [B, m] destination columns
+        ok = torch.arange(m).view(1, m) < n.view(B, 1)
+        rows = torch.arange(B).view(B, 1).expand(B, m)
+        self.ids[rows[ok], cols[ok]] = ids[ok]
+        if self.aux is not None:
+            self.aux[rows[ok], cols[ok]] = aux[ok]
+        self.start = torch.where(self.n > 0, self.start, start)
+        self.n = self.n + n
+        self._max = need
+
+    def _grow(self, cap: int) -> None:
+        B, w = self.ids.shape
+        ids = self.ids.new_zeros(B, cap)
+        ids[:, :w] = self.ids
+        self.ids = ids
+        if self.aux is not None:
+            aux = self.aux.new_zeros(B, cap, self.aux.shape[-1])
+            aux[:, :w] = self.aux
+            self.aux = aux
+
+    def select_rows(self, keep: torch.Tensor) -> None:
+        self.ids, self.n, self.start = self.ids[keep], self.n[keep], self.start[keep]
+        self.aux = None if self.aux is None else self.aux[keep]
+        self._max = int(self.n.max()) if len(keep) else 0
 
 
 @torch.no_grad()

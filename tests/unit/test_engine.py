@@ -333,3 +333,41 @@ def test_packed_linear_matches_f_linear_and_repacks():
         lin.repack()
     x = torch.randn(2, 5, 64, generator=g)
     torch.testing.assert_close(linear(x, lin), torch.nn.functional.linear(x, w, b), atol=1e-4, rtol=1e-4)
+
+
+def test_pending_drafter_input_appends_in_place():
+    """The drafter's pending input (positions verified while it did not run, e.g. AR steps with the toggle off):
+    ragged appends land after each row's own count, a consumed buffer restarts at the new start, and appends
+    within capacity write in place (a long AR stretch must not copy everything pending at every step)."""
+    from drafttrain.engines.torch_engine import _Pending
+
+    p = _Pending(torch.tensor([[1, 2, 0], [4, 0, 0]]), torch.arange(6.0).view(2, 3, 1), torch.tensor([2, 1]),
+                 torch.tensor([0, 0]))
+    p._grow(16)
+    ptr = p.ids.data_ptr(), p.aux.data_ptr()
+    p.append(torch.tensor([[7, 8], [9, 5]]), torch.tensor([[[10.0], [11.0]], [[12.0], [13.0]]]),
+             torch.tensor([1, 2]), torch.tensor([5, 6]))
+    ids, aux, n, start = p.view()
+    assert ids.tolist() == [[1, 2, 7], [4, 9, 5]] and n.tolist() == [3, 3] and start.tolist() == [0, 0]
+    assert aux[:, :, 0].tolist() == [[0.0, 1.0, 10.0], [3.0, 12.0, 13.0]]
+    assert (p.ids.data_ptr(), p.aux.data_ptr()) == ptr  # written in place
+    p.consumed()
+    p.append(torch.tensor([[3, 3], [6, 6]]), torch.zeros(2, 2, 1), torch.tensor([2, 1]), torch.tensor([9, 7]))
+    ids, _, n, start = p.view()
+    assert ids[0].tolist() == [3, 3] and ids[1, 0] == 6 and n.tolist() == [2, 1] and start.tolist() == [9, 7]
+    p.select_rows(torch.tensor([1]))
+    assert p.view()[0].tolist() == [[6]] and p.width() == 1
+
+
+def test_kv_cache_select_rows_keeps_the_written_prefix(policy):
+    """Dropping finished rows copies only the positions written so far; every entry a later step can read (those
+    below `used`) survives for the kept rows, in their new order."""
+    lean = LeanLlama(policy, 64)
+    cache = lean.new_cache(3, 64)
+    toks = torch.randint(0, lean.vocab_size, (3, 5), generator=torch.Generator().manual_seed(0))
+    lean.forward(toks, torch.tensor([0, 2, 4]), cache)
+    assert cache.used == 9
+    before = [t[:, :, :9].clone() for t in cache.k + cache.v]
+    cache.select_rows(torch.tensor([2, 0]))
+    for old, new in zip(before, cache.k + cache.v):
+        assert new.shape[0] == 2 and torch.equal(new[:, :, :9], old[[2, 0]])

@@ -46,22 +46,34 @@ def test_cost_model_interpolates_and_extrapolates():
 
 def test_measured_step_times_correct_the_cost_model():
     """The model says SD pays at batch 1 (1.0 ms AR vs 2.4 ms for a k=4 step); real SD steps take 4.5 ms, AR steps
-    1.2 ms. The residuals move the prediction below the threshold: the toggle turns SD off. A bucket without
-    observations (batch 16) borrows the nearest one's; a bucket with its own keeps it."""
+    1.2 ms. The measured/modelled ratios move the prediction below the threshold: the toggle turns SD off. A bucket
+    without observations (batch 16) borrows the nearest one's ratio; a bucket with its own keeps it."""
     ctl = SpecController(4, 4, toggle=True, cost=synthetic_cost(), acc=AcceptanceEstimate(4, prior=0.8))
     assert ctl.decide(1) == 4 and ctl.speedup(1, 4) > 1.3
     for _ in range(20):
         ctl.observe_step(1, 4, 4.5)
         ctl.observe_step(1, 0, 1.2)
-    assert ctl.residual[("sd", 1)] == pytest.approx(4.5 - ctl.model_ms(1, 4))
-    assert ctl.residual[("ar", 1)] == pytest.approx(0.2)
+    assert ctl.factor[("sd", 1)] == pytest.approx(4.5 / ctl.model_ms(1, 4))
+    assert ctl.factor[("ar", 1)] == pytest.approx(1.2)
     assert ctl.speedup(1, 4) == pytest.approx(AcceptanceEstimate(4, prior=0.8).expected_tokens(4) * 1.2 / 4.5)
     assert ctl.decide(1) == 0 and not ctl.trace[-1]["on"]
-    assert ctl._residual("sd", 16) == ctl.residual[("sd", 1)]  # borrowed
+    assert ctl._factor("sd", 16) == ctl.factor[("sd", 1)]  # borrowed
     ctl.observe_step(16, 4, ctl.model_ms(16, 4))  # measured exactly as modelled at 16
-    assert ctl._residual("sd", 16) == 0.0 and ctl._residual("sd", 31) == 0.0 and ctl._residual("sd", 2) > 0
-    ctl.observe_step(16, 4, 1000.0)  # a stall: counts as twice the modelled time, not 1 s
-    assert ctl._residual("sd", 16) == pytest.approx(0.2 * ctl.model_ms(16, 4))
+    assert ctl._factor("sd", 16) == 1.0 and ctl._factor("sd", 31) == 1.0 and ctl._factor("sd", 2) > 1
+    ctl.observe_step(16, 4, 1000.0)  # a stall: counts as three times the modelled time, not 1 s
+    assert ctl._factor("sd", 16) == pytest.approx(0.8 + 0.2 * 3.0)
+
+
+def test_step_time_ratios_transfer_across_batch_sizes():
+    """SD steps observed only at batch 64 (where a step takes 30 ms more than modelled: 2x its model) must not make
+    batch 1 look 10x faster or slower than it is: the borrowed correction is a ratio, so batch 1's predicted
+    speed-up is the model's own with both modes scaled alike."""
+    ctl = SpecController(4, 4, toggle=True, cost=synthetic_cost(), acc=AcceptanceEstimate(4, prior=0.8))
+    base = ctl.speedup(1, 4)
+    for _ in range(30):
+        ctl.observe_step(64, 4, 2 * ctl.model_ms(64, 4))
+        ctl.observe_step(64, 0, 2 * ctl.model_ms(64, 0))
+    assert ctl.speedup(1, 4) == pytest.approx(base)
 
 
 def test_toggle_follows_the_cost_model():
