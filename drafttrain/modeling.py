@@ -93,10 +93,20 @@ class KVCache:
 
     def __init__(self, n_layers: int, batch: int, n_kv: int, max_len: int, head_dim: int, dtype=torch.float32):
         shape = (batch, n_kv, max_len, head_dim)
-        self.k = [torch.zeros(shape, dtype=dtype) for _ in range(n_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype) for _ in range(n_layers)]
+        # uninitialized: zeroing B x L x layers up front cost more than a batch-64 prefill here; the forwards zero
+        # what they expose (expose) before any read, so masked reads never see NaN garbage (0 * NaN = NaN)
+        self.k = [torch.empty(shape, dtype=dtype) for _ in range(n_layers)]
+        self.v = [torch.empty(shape, dtype=dtype) for _ in range(n_layers)]
         self.max_len = max_len
-        self.used = 0  # positions [0, used) may hold entries; set by the forwards that write (high-water mark)
+        self.used = 0  # positions [0, used) are finite (zeroed or written): the high-water mark of expose
+
+    def expose(self, length: int) -> None:
+        """Positions [used, length) become readable: zero them once, before the step that first reads them."""
+        length = min(length, self.max_len)
+        if length > self.used:
+            for t in self.k + self.v:
+                t[:, :, self.used:length].zero_()
+            self.used = length
 
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor,
               valid: torch.Tensor | None = None, start: int | None = None) -> None:
@@ -119,14 +129,13 @@ class KVCache:
         self.v[layer][b, :, p] = v[b, :, j]
 
     def select_rows(self, idx: torch.Tensor) -> None:
-        """Keep rows idx. Only the positions written so far (`used`) are copied: a finished row costs a copy of
-        the live prefix, not of the whole max_len buffer (what the long tail of a batch would pay at each finish)."""
-        n = self.used if self.used else self.max_len
+        """Keep rows idx, compacted in place. Only the positions written so far (`used`) move: a finished row costs
+        a copy of the live prefix, not a new max_len buffer (what the long tail of a batch would pay at each finish)."""
+        n = self.used
 
-        def take(t):
-            out = t.new_zeros((len(idx), *t.shape[1:]))  # finite past `used`: masked reads must not see NaN
-            out[:, :, :n] = t[idx, :, :n]
-            return out
+        def take(t):  # compacted into the first rows of the same buffer: no allocation (entries past `used` stay
+            t[: len(idx), :, :n] = t[idx, :, :n]  # finite old values, which masked reads may touch)
+            return t[: len(idx)]
 
         self.k = [take(t) for t in self.k]
         self.v = [take(t) for t in self.v]
@@ -218,7 +227,7 @@ class LeanLlama:
         length = int(pos0.max()) + m
         mask = step_mask(pos0, m, length)  # [B, 1, m, length] or None
         start = length - m if B == 1 else None  # one row: its cache writes are a slice
-        cache.used = max(cache.used, min(length, cache.max_len))
+        cache.expose(length)
         rope = self.rope.tables(pos, head_dim=2)  # [B, m, 1, D]: shared by every layer, q and k
         x = F.embedding(tokens, self.weights["embed"])  # [B, m, hidden]
         aux = []

@@ -6,7 +6,9 @@
 Workload: a GRPO-style batch (prompts x G samples of the shipped task, long-tailed response lengths): the active
 batch starts large (SD loses: verify costs ~ linearly more tokens on this CPU) and shrinks to the long tail
 (SD wins). Modes, for each drafter (EAGLE-3 from checkpoints/eagle3, selfquant int8 and int4):
-AR | SD-always at fixed k | SD + toggle (fixed k) | SD + toggle + auto k | SD + toggle + ladder.
+AR | SD-always at fixed k | SD + toggle (fixed k) | SD + toggle + auto k | SD + toggle + ladder. Each engine is
+warmed up on the same workload with other seeds, then every engine runs it `repeats` times, interleaved; the median
+wall time counts (single runs of a ~0.7 s batch vary by 20% on this machine).
 Sweep: tokens/s at a constant active batch (no stop token, fixed length) for AR, SD-always and SD + toggle, the
 median of sweep_repeats interleaved runs each, and the share of decode steps the toggle ran SD in.
 Prints tables; writes bench/longtail.json and bench/longtail_trace.png (active batch, SD on/off and k per step).
@@ -29,7 +31,7 @@ from drafttrain.spec import SamplingParams
 
 DEFAULTS = dict(recipe="eagle3_track", prompts=16, group=4, max_new_tokens=256, k=5, seed=4321,
                 drafters=["eagle3", "selfquant_int8", "selfquant_int4"], sweep_batches=[1, 2, 4, 8, 16, 32, 64],
-                sweep_tokens=96, sweep_repeats=3, out="bench/longtail.json", threads=2)
+                repeats=5, sweep_tokens=96, sweep_repeats=3, out="bench/longtail.json", threads=2)
 
 MODES = {  # name -> engine overrides (None = AR)
     "ar": None,
@@ -64,24 +66,32 @@ def main(cfg) -> dict:
     params = SamplingParams(temperature=rc.sampling.temperature, max_new_tokens=cfg.max_new_tokens,
                             stop_token_ids=(tok.eos_token_id,), seed=cfg.seed)
     rows, traces, result = [], {}, {}
+    engines = {}  # (drafter name or "-", mode) -> (engine, speculative)
     for dname in cfg.drafters:
         drafter = make_drafter(dname, rc, policy)
         for mode, over in MODES.items():
-            if over is None and rows and any(r["mode"] == "ar" for r in rows):
+            if over is None and engines:
                 continue  # AR does not depend on the drafter
             over = dict(over or {})
             eng = engine_for(rc, policy, drafter if over else None, over.pop("k", cfg.k), **over)
             # warm-up: the same workload on other samples, as the previous RL step's rollouts would be (the
             # controller's acceptance estimates and measured step times carry over, as in a running job)
             eng.generate(prompts, replace(params, seed=cfg.seed + 1), speculative=over is not None)
-            b = eng.generate(prompts, params, speculative=over is not None)
-            lens = sorted(len(t) for t in b.tokens)
-            rows.append({"drafter": dname if over else "-", "mode": mode, "wall_s": b.wall_s,
-                         "tokens_per_s": b.num_tokens / b.wall_s, "mal": b.stats.mean_accepted_length,
-                         "sd_steps": sum(1 for t in b.trace if t["on"]), "steps": len(b.step_ends),
-                         "len_p50": lens[len(lens) // 2], "len_max": lens[-1]})
-            traces[(dname, mode)] = b.trace
-            print(format_table(rows[-1:], list(rows[-1])))
+            engines[(dname if over else "-", mode)] = (eng, over is not None)
+    walls, last = {key: [] for key in engines}, {}
+    for _ in range(cfg.repeats):  # interleaved: a slow spell of the machine hits every mode alike
+        for key, (eng, spec) in engines.items():
+            b = eng.generate(prompts, params, speculative=spec)
+            walls[key].append(b.wall_s)
+            last[key] = b
+    for (dname, mode), b in last.items():
+        wall = statistics.median(walls[(dname, mode)])
+        lens = sorted(len(t) for t in b.tokens)
+        rows.append({"drafter": dname, "mode": mode, "wall_s": wall, "wall_s_runs": walls[(dname, mode)],
+                     "tokens_per_s": b.num_tokens / wall, "mal": b.stats.mean_accepted_length,
+                     "sd_steps": sum(1 for t in b.trace if t["on"]), "steps": len(b.step_ends),
+                     "len_p50": lens[len(lens) // 2], "len_max": lens[-1]})
+        traces[(dname, mode)] = b.trace
     ar = next(r for r in rows if r["mode"] == "ar")
     for r in rows:
         r["vs_ar"] = ar["wall_s"] / r["wall_s"]

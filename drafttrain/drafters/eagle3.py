@@ -253,9 +253,9 @@ class Eagle3Drafter(nn.Module):
             n_valid = None  # no padding (one row, or rows all extending by m)
         valid = None if n_valid is None else torch.arange(m).view(1, m) < n_valid.view(B, 1)
         top = int(pos0.max())
-        st.cache.write(0, k, v, pos, valid, start=top if B == 1 else None)  # one row: a slice write
         length = min(top + m, st.cache.max_len)
-        st.cache.used = max(st.cache.used, length)
+        st.cache.expose(length)  # before the write: it zeroes what it newly exposes
+        st.cache.write(0, k, v, pos, valid, start=top if B == 1 else None)  # one row: a slice write
         o = attend(q, st.cache, 0, step_mask(pos0, m, length), length)
         return self._post(o, res)
 

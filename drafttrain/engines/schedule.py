@@ -10,7 +10,9 @@ calibrated on the live engine (CostModel.calibrate); a_j are moving averages of 
 decisions in a row). With the toggle on, SD runs only where the predicted speed-up is >= threshold, and keeps
 running until it drops below threshold - hysteresis; while off, a probe SD step keeps the acceptance estimates
 current: after probe_every AR steps, then twice as long after each probe that leaves SD off (up to 16x), and never
-where SD could not pay even if every draft were accepted ((k+1) T_ar < threshold * T_sd). The toggle never changes outputs: AR and SD are both exact.
+where SD could not pay even with a very good drafter (acceptance PROBE_ALPHA at every position: a probe's SD step
+also catches the drafter up on every position since it last ran, which at a large batch costs several AR steps).
+The toggle never changes outputs: AR and SD are both exact.
 
 The calibrated T and D are bare forward times. A real decode step also samples, verifies, catches the drafter up on
 the accepted tokens and does the row bookkeeping, and SD pays more of that than AR. So the engine reports every
@@ -25,6 +27,9 @@ from __future__ import annotations
 
 import bisect
 from dataclasses import dataclass, field
+
+
+PROBE_ALPHA = 0.9  # the per-position acceptance a probe must be able to pay at (shipped EAGLE-3: 0.83-0.92)
 
 
 @dataclass
@@ -161,8 +166,9 @@ class SpecController:
             if self.on:
                 self._probe_gap = self.probe_every
             elif self.probe_every > 0 and self._off_steps >= self._probe_gap:
-                # worth probing only if SD could pay with every draft accepted
-                probe = pred * (k + 1) / self.acc.expected_tokens(k) >= self.threshold
+                # worth probing only if SD could pay with a very good drafter
+                best = sum(PROBE_ALPHA ** i for i in range(k + 1))  # E[tokens | k] at PROBE_ALPHA per position
+                probe = pred * best / self.acc.expected_tokens(k) >= self.threshold
                 self._off_steps = 0
                 self._probe_gap = min(2 * self._probe_gap, 16 * self.probe_every)
         run = self.on or probe

@@ -366,7 +366,7 @@ def test_kv_cache_select_rows_keeps_the_written_prefix(policy):
     cache = lean.new_cache(3, 64)
     toks = torch.randint(0, lean.vocab_size, (3, 5), generator=torch.Generator().manual_seed(0))
     lean.forward(toks, torch.tensor([0, 2, 4]), cache)
-    assert cache.used == 9
+    assert cache.used == 9 and all(torch.isfinite(t[:, :, :9]).all() for t in cache.k + cache.v)
     before = [t[:, :, :9].clone() for t in cache.k + cache.v]
     cache.select_rows(torch.tensor([2, 0]))
     for old, new in zip(before, cache.k + cache.v):

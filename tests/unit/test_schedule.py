@@ -188,8 +188,8 @@ def test_ragged_catch_up_near_the_cache_end(policy, drafter):
 
 
 def test_probes_back_off_and_skip_where_sd_cannot_pay():
-    """While off: probe SD after 16 AR steps, then 32, 64, ... (up to 16x); never where even all-accepted drafts
-    would lose (batch 64 here: (k+1) T_ar < T_sd)."""
+    """While off: probe SD after 16 AR steps, then 32, 64, ... (up to 16x); never where even a very good drafter
+    (0.9 acceptance per position) would lose: batch 64 here, and batch 12, where only near-perfect drafts pay."""
     def probes(batch, acc, steps=16 * (1 + 2 + 4 + 8)):
         ctl = SpecController(4, 4, toggle=True, cost=synthetic_cost(), acc=AcceptanceEstimate(4, prior=acc),
                              probe_every=16)
@@ -198,3 +198,7 @@ def test_probes_back_off_and_skip_where_sd_cannot_pay():
 
     assert probes(1, acc=0.05) == [15, 15 + 32, 15 + 32 + 64, 15 + 32 + 64 + 128]  # low acceptance: off, probing
     assert probes(64, acc=0.05) == []  # cannot pay at any acceptance
+    ctl = SpecController(4, 4, toggle=True, cost=synthetic_cost(), acc=AcceptanceEstimate(4, prior=0.05))
+    ratio = ctl.model_ms(12, 0) / ctl.model_ms(12, 4)
+    assert 5 * ratio > 1.05 > sum(0.9 ** i for i in range(5)) * ratio  # pays only if nearly every draft is accepted
+    assert probes(12, acc=0.05) == []
