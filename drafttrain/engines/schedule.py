@@ -17,8 +17,8 @@ The toggle never changes outputs: AR and SD are both exact.
 The calibrated T and D are bare forward times. A real decode step also samples, verifies, catches the drafter up on
 the accepted tokens and does the row bookkeeping, and SD pays more of that than AR. So the engine reports every
 step's wall time (observe_step) and the controller keeps, per mode (AR/SD) and power-of-two batch bucket, a moving
-average of the ratio measured / modelled (clipped to [0.5, 3]: a stall is not a trend), which scales the model's
-step times in the prediction:
+average of the ratio measured / modelled (each observation clipped to [1/2, 2] x the current ratio: a stall is not
+a trend, while a persistent ratio of any size is reached in a few steps), which scales the model's step times:
     speed-up(B, k) = E[tokens | k] * T(B, 1) f_ar(B) / ((T(B, k+1) + k * D(B)) f_sd(B))
 A bucket with no observation borrows the nearest observed bucket's ratio (1 before any). Ratios, not ms: a ratio
 learnt at batch 64 transfers to batch 1 about right, an offset in ms (what a batch-64 step adds) does not.
@@ -141,8 +141,13 @@ class SpecController:
         if self.cost is None:
             return
         key = ("sd" if k else "ar", _bucket(batch))
-        f = min(max(ms / max(self.model_ms(batch, k), 1e-9), 0.5), 3.0)
-        self.factor[key] = f if key not in self.factor else decay * self.factor[key] + (1 - decay) * f
+        f = ms / max(self.model_ms(batch, k), 1e-9)
+        if key not in self.factor:
+            self.factor[key] = min(max(f, 0.25), 8.0)
+            return
+        cur = self.factor[key]  # one observation moves at most to [cur/2, 2 cur]: a stall is not a trend, but a
+        f = min(max(f, cur / 2), 2 * cur)  # persistent ratio of any size is reached in a few steps
+        self.factor[key] = decay * cur + (1 - decay) * f
 
     def speedup(self, batch: int, k: int) -> float:
         t_ar = self.model_ms(batch, 0) * self._factor("ar", batch)

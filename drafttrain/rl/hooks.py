@@ -63,6 +63,7 @@ class DraftTracker:
         self._capture_last = 0.0  # that time, for the update now running
         self.bank_s = 0.0  # sync mode: drafter time earned (budget_frac x RL time) minus drafter time spent
         self._step_cost_s: float | None = None  # moving average of one drafter step (for the bank)
+        self._fixed_cost_s: float | None = None  # moving average of an update's estimate + publish (for the bank)
         self._thread: threading.Thread | None = None
         self._result: dict = {}
         self._lock = threading.Lock()  # guards the drafter and the buffer against a background update
@@ -183,13 +184,17 @@ class DraftTracker:
 
     def _update(self, rl_s: float | None) -> dict:
         """Train up to online.steps_per_update steps, then publish. Sync mode (rl_s = the RL step's own time):
-        within time_budget_s, and while the time bank (budget_frac, see the module doc) is not in debt; a
-        step is taken while the bank covers one more (at least one when the bank is positive)."""
+        within time_budget_s and the time bank (budget_frac, see the module doc). An update starts only when the
+        bank covers one step plus the update's fixed work (acceptance estimate, publish; moving averages of what
+        they took), and takes another step while the bank still covers it: the bank does not go into debt beyond
+        the error of those averages (the first update, with nothing measured yet, takes one step)."""
         oc, t0 = self.cfg.online, time.perf_counter()
         bank = oc.budget_frac > 0 and rl_s is not None
+        fixed = self._fixed_cost_s or 0.0
         if bank:
             self.bank_s = min(self.bank_s + oc.budget_frac * rl_s, oc.time_budget_s) - self._capture_last
-            if self.bank_s <= 0:
+            need = min((self._step_cost_s or 0.0) + fixed, oc.time_budget_s)
+            if self.bank_s <= 0 or self.bank_s < need:
                 return self._idle()
         losses, skipped, groups = [], 0, []
         for _ in range(oc.steps_per_update):
@@ -204,8 +209,9 @@ class DraftTracker:
             losses.append(out["loss"])
             spent = time.perf_counter() - t0
             if rl_s is not None and (spent + self._step_cost_s > oc.time_budget_s
-                                     or bank and spent + self._step_cost_s > self.bank_s):
+                                     or bank and spent + self._step_cost_s + fixed > self.bank_s):
                 break
+        t_fixed = time.perf_counter()
         with self._lock:
             weights = {k: v.detach().clone() for k, v in self.drafter.state_dict().items()}
             est = teacher_forced_acceptance(self.drafter, _rows(self.latest, self.steps, oc.estimate_rows),
@@ -230,8 +236,11 @@ class DraftTracker:
                         "expected_mal": est, "rolled_back": pub.get("rolled_back", False),
                         "published": pub["published"], "drafter_version": self.version,
                         "capture_s": self._capture_last}
+        t_end = time.perf_counter()
+        f = t_end - t_fixed
+        self._fixed_cost_s = f if self._fixed_cost_s is None else 0.8 * self._fixed_cost_s + 0.2 * f
         if bank:
-            self.bank_s -= time.perf_counter() - t0
+            self.bank_s -= t_end - t0
         self._result["budget_bank_s"] = self.bank_s if bank else None
         return self._result
 

@@ -60,8 +60,11 @@ def test_measured_step_times_correct_the_cost_model():
     assert ctl._factor("sd", 16) == ctl.factor[("sd", 1)]  # borrowed
     ctl.observe_step(16, 4, ctl.model_ms(16, 4))  # measured exactly as modelled at 16
     assert ctl._factor("sd", 16) == 1.0 and ctl._factor("sd", 31) == 1.0 and ctl._factor("sd", 2) > 1
-    ctl.observe_step(16, 4, 1000.0)  # a stall: counts as three times the modelled time, not 1 s
-    assert ctl._factor("sd", 16) == pytest.approx(0.8 + 0.2 * 3.0)
+    ctl.observe_step(16, 4, 1000.0)  # a stall: counts as twice the current ratio, not 1 s
+    assert ctl._factor("sd", 16) == pytest.approx(0.8 + 0.2 * 2.0)
+    for _ in range(40):  # a persistent 6x (a drafter far slower than calibrated) is learnt, not capped
+        ctl.observe_step(16, 4, 6 * ctl.model_ms(16, 4))
+    assert ctl._factor("sd", 16) == pytest.approx(6.0, rel=0.02)
 
 
 def test_step_time_ratios_transfer_across_batch_sizes():
