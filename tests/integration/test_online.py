@@ -325,18 +325,21 @@ def _tracker_with_features(trained, engine, *extra):
     return tracker, logs
 
 
-def test_sync_training_is_held_to_its_time_bank(trained, monkeypatch):
-    """online.budget_frac=0.05: each RL second earns 50 ms of drafter work. On a fake clock where only drafter steps
-    take time (20 ms each), the steps per update follow the bank exactly: an update starts only when the bank
-    covers a step, so the bank never goes into debt."""
+def _fake_clock(monkeypatch):
+    """hooks.time.perf_counter replaced by a clock that only moves when a test (or a patched cost) moves it."""
     import types
 
     from drafttrain.rl import hooks
 
     clock = [0.0]
     monkeypatch.setattr(hooks, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
-    engine = _engine(trained)
-    tracker, _ = _tracker_with_features(trained, engine, "online.budget_frac=0.05", "online.steps_per_update=50")
+    return clock
+
+
+def _banked_tracker(trained, monkeypatch, clock):
+    """A tracker with budget_frac=0.05 whose drafter steps take 20 ms of the fake clock each."""
+    tracker, _ = _tracker_with_features(trained, _engine(trained), "online.budget_frac=0.05",
+                                        "online.steps_per_update=50")
     step = tracker.trainer.step
 
     def slow_step(batch):
@@ -344,6 +347,15 @@ def test_sync_training_is_held_to_its_time_bank(trained, monkeypatch):
         return step(batch)
 
     monkeypatch.setattr(tracker.trainer, "step", slow_step)
+    return tracker
+
+
+def test_sync_training_is_held_to_its_time_bank(trained, monkeypatch):
+    """online.budget_frac=0.05: each RL second earns 50 ms of drafter work. On a fake clock where only drafter steps
+    take time (20 ms each), the steps per update follow the bank exactly: an update starts only when the bank
+    covers a step, so the bank never goes into debt."""
+    clock = _fake_clock(monkeypatch)
+    tracker = _banked_tracker(trained, monkeypatch, clock)
     tracker._last_update_t = 0.0
     taken = []
     for rl_s in (1.0, 0.0, 0.0, 10.0):  # RL time before each update
@@ -359,12 +371,9 @@ def test_sync_training_is_held_to_its_time_bank(trained, monkeypatch):
 def test_time_bank_counts_rl_time_from_the_first_capture(trained, monkeypatch):
     """Set-up before the first rollout or capture (loading, engine builds) is not RL time: 100 s of it must not
     fill the bank. Only the 1 s from the first capture to the update earns (50 ms: 2 steps of 20 ms)."""
-    import types
-
     from drafttrain.rl import hooks
 
-    clock = [0.0]
-    monkeypatch.setattr(hooks, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
+    clock = _fake_clock(monkeypatch)
     real_capture = hooks.DraftTracker.start_capture
 
     def late_capture(self, *a, **kw):
@@ -372,15 +381,7 @@ def test_time_bank_counts_rl_time_from_the_first_capture(trained, monkeypatch):
         return real_capture(self, *a, **kw)
 
     monkeypatch.setattr(hooks.DraftTracker, "start_capture", late_capture)
-    engine = _engine(trained)
-    tracker, _ = _tracker_with_features(trained, engine, "online.budget_frac=0.05", "online.steps_per_update=50")
-    step = tracker.trainer.step
-
-    def slow_step(batch):
-        clock[0] += 0.02
-        return step(batch)
-
-    monkeypatch.setattr(tracker.trainer, "step", slow_step)
+    tracker = _banked_tracker(trained, monkeypatch, clock)
     clock[0] += 1.0
     assert tracker.on_policy_update(trained["policy"], 0)["drafter_steps"] == 2
 
@@ -388,12 +389,9 @@ def test_time_bank_counts_rl_time_from_the_first_capture(trained, monkeypatch):
 def test_capture_time_is_charged_to_the_time_bank(trained, monkeypatch):
     """Capturing features in the loss forward is online-training work inside the RL step: it does not earn budget
     and the bank pays for it. 1 s of RL with 30 ms of capture earns 0.05 x 0.97 s, less 30 ms: 18.5 ms, one step."""
-    import types
-
     from drafttrain.rl import hooks
 
-    clock = [0.0]
-    monkeypatch.setattr(hooks, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
+    clock = _fake_clock(monkeypatch)
     real_features = hooks.build_features
 
     def slow_features(*a, **kw):
@@ -401,15 +399,7 @@ def test_capture_time_is_charged_to_the_time_bank(trained, monkeypatch):
         return real_features(*a, **kw)
 
     monkeypatch.setattr(hooks, "build_features", slow_features)
-    engine = _engine(trained)
-    tracker, _ = _tracker_with_features(trained, engine, "online.budget_frac=0.05", "online.steps_per_update=50")
-    step = tracker.trainer.step
-
-    def slow_step(batch):
-        clock[0] += 0.02
-        return step(batch)
-
-    monkeypatch.setattr(tracker.trainer, "step", slow_step)
+    tracker = _banked_tracker(trained, monkeypatch, clock)
     clock[0] += 0.97
     out = tracker.on_policy_update(trained["policy"], 0)
     assert out["capture_s"] == pytest.approx(0.03) and out["drafter_steps"] == 1
