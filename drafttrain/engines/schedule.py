@@ -9,7 +9,9 @@ calibrated on the live engine (CostModel.calibrate); a_j are moving averages of 
 1..k_max), or "ladder" (the EfficientRollout anchor: step up the ladder when (L-1)/k >= up, down when <= down, two
 decisions in a row). With the toggle on, SD runs only where the predicted speed-up is >= threshold, and keeps
 running until it drops below threshold - hysteresis; while off, a probe SD step keeps the acceptance estimates
-current: after probe_every AR steps, then twice as long after each probe that leaves SD off (up to 16x), and never
+current: after probe_every AR steps, then twice as long after each probe that leaves SD off (up to 16x) unless the
+prediction sits near the threshold (>= PROBE_NEAR x threshold: acceptance that dips there, e.g. in a stretch of
+odd text, tends to come back, and the toggle must notice soon), and never
 where SD could not pay even with a very good drafter (acceptance PROBE_ALPHA at every position: a probe's SD step
 also catches the drafter up on every position since it last ran, which at a large batch costs several AR steps).
 The toggle never changes outputs: AR and SD are both exact.
@@ -30,6 +32,7 @@ from dataclasses import dataclass, field
 
 
 PROBE_ALPHA = 0.9  # the per-position acceptance a probe must be able to pay at (shipped EAGLE-3: 0.83-0.92)
+PROBE_NEAR = 0.9  # predicted speed-up >= this x threshold: probe every probe_every steps, without backing off
 
 
 @dataclass
@@ -175,7 +178,10 @@ class SpecController:
                 best = sum(PROBE_ALPHA ** i for i in range(k + 1))  # E[tokens | k] at PROBE_ALPHA per position
                 probe = pred * best / self.acc.expected_tokens(k) >= self.threshold
                 self._off_steps = 0
-                self._probe_gap = min(2 * self._probe_gap, 16 * self.probe_every)
+                # near the threshold a probe is worth repeating soon (acceptance drifts back across it); far
+                # below it (a poor drafter, a large batch) back off
+                near = pred >= PROBE_NEAR * self.threshold
+                self._probe_gap = self.probe_every if near else min(2 * self._probe_gap, 16 * self.probe_every)
         run = self.on or probe
         self.trace.append({"step": self.step, "batch": batch, "on": run, "k": k if run else 0,
                            "predicted_speedup": pred, "probe": probe})

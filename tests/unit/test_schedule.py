@@ -205,3 +205,15 @@ def test_probes_back_off_and_skip_where_sd_cannot_pay():
     ratio = ctl.model_ms(12, 0) / ctl.model_ms(12, 4)
     assert 5 * ratio > 1.05 > sum(0.9 ** i for i in range(5)) * ratio  # pays only if nearly every draft is accepted
     assert probes(12, acc=0.05) == []
+
+
+def test_probes_repeat_without_backoff_near_the_threshold():
+    """Acceptance that puts the prediction just under the threshold (SD off, but barely): probes every 16 steps,
+    no backoff, so the toggle notices soon when acceptance comes back."""
+    acc = next(a / 100 for a in range(5, 100) if SpecController(
+        4, 4, toggle=True, cost=synthetic_cost(), acc=AcceptanceEstimate(4, prior=a / 100)).speedup(1, 4) >= 0.95)
+    ctl = SpecController(4, 4, toggle=True, cost=synthetic_cost(), acc=AcceptanceEstimate(4, prior=acc),
+                         probe_every=16)
+    assert 0.95 <= ctl.speedup(1, 4) < 1.05  # off, near the threshold
+    ks = [ctl.decide(1) for _ in range(16 * 6)]
+    assert [i for i, k in enumerate(ks) if k > 0] == [15, 31, 47, 63, 79, 95]
