@@ -33,7 +33,6 @@ class PackedLinear:
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
         self.weight, self.bias = weight, bias
-        self._packed = None
         self.repack()
 
     @classmethod
@@ -82,10 +81,6 @@ class Rope:
     def rotate(x: torch.Tensor, tables: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         cos, sin = tables
         return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, -1), sin)
-
-    def apply(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-        """x [B, H, m, D], pos [B, m] absolute positions."""
-        return self.rotate(x, self.tables(pos))
 
 
 class KVCache:

@@ -57,6 +57,16 @@ def engine_for(rc, policy, drafter, k, **over):
     return build_engine(ec, policy, drafter)
 
 
+def interleaved(engines: dict, prompts, params, repeats: int) -> dict:
+    """engines: key -> (engine, speculative). Every engine runs `prompts` once per repeat (params(rep)), the
+    engines taking turns, so a slow spell of the machine hits them all alike. Returns key -> [RolloutBatch]."""
+    runs = {key: [] for key in engines}
+    for rep in range(repeats):
+        for key, (eng, spec) in engines.items():
+            runs[key].append(eng.generate(prompts, params(rep), speculative=spec))
+    return runs
+
+
 def main(cfg) -> dict:
     torch.set_num_threads(cfg.threads)
     rc = load_recipe(cfg.recipe)
@@ -78,16 +88,11 @@ def main(cfg) -> dict:
             # controller's acceptance estimates and measured step times carry over, as in a running job)
             eng.generate(prompts, replace(params, seed=cfg.seed + 1), speculative=over is not None)
             engines[(dname if over else "-", mode)] = (eng, over is not None)
-    walls, last = {key: [] for key in engines}, {}
-    for _ in range(cfg.repeats):  # interleaved: a slow spell of the machine hits every mode alike
-        for key, (eng, spec) in engines.items():
-            b = eng.generate(prompts, params, speculative=spec)
-            walls[key].append(b.wall_s)
-            last[key] = b
-    for (dname, mode), b in last.items():
-        wall = statistics.median(walls[(dname, mode)])
+    for (dname, mode), runs in interleaved(engines, prompts, lambda rep: params, cfg.repeats).items():
+        b, walls = runs[-1], [r.wall_s for r in runs]
+        wall = statistics.median(walls)
         lens = sorted(len(t) for t in b.tokens)
-        rows.append({"drafter": dname, "mode": mode, "wall_s": wall, "wall_s_runs": walls[(dname, mode)],
+        rows.append({"drafter": dname, "mode": mode, "wall_s": wall, "wall_s_runs": walls,
                      "tokens_per_s": b.num_tokens / wall, "mal": b.stats.mean_accepted_length,
                      "sd_steps": sum(1 for t in b.trace if t["on"]), "steps": len(b.step_ends),
                      "len_p50": lens[len(lens) // 2], "len_max": lens[-1]})
@@ -101,23 +106,16 @@ def main(cfg) -> dict:
     # sweep: constant active batch, fixed length, best drafter
     sweep = []
     drafter = make_drafter(best["drafter"], rc, policy)
-    engines = {"ar": engine_for(rc, policy, None, cfg.k), "sd": engine_for(rc, policy, drafter, cfg.k),
-               "toggle": engine_for(rc, policy, drafter, cfg.k, toggle=True)}
+    engines = {"ar": (engine_for(rc, policy, None, cfg.k), False), "sd": (engine_for(rc, policy, drafter, cfg.k), True),
+               "toggle": (engine_for(rc, policy, drafter, cfg.k, toggle=True), True)}
     flat = SamplingParams(temperature=rc.sampling.temperature, max_new_tokens=cfg.sweep_tokens, seed=cfg.seed)
     for B in cfg.sweep_batches:
         batch = (prompts * (B // len(prompts) + 1))[:B]
-        row, tps, on = {"batch": B}, {name: [] for name in engines}, []
-        for name, eng in engines.items():
-            eng.generate(batch, replace(flat, max_new_tokens=16, seed=cfg.seed + 1),
-                         speculative=name != "ar")  # warm-up at this batch
-        for rep in range(cfg.sweep_repeats):  # interleaved, so a slow spell of the machine hits every engine
-            for name, eng in engines.items():
-                b = eng.generate(batch, replace(flat, seed=cfg.seed + 2 + rep), speculative=name != "ar")
-                tps[name].append(b.num_tokens / b.wall_s)
-                if name == "toggle":
-                    on += [t["on"] for t in b.trace]
-        for name in engines:
-            row[f"{name}_tps"] = statistics.median(tps[name])
+        interleaved(engines, batch, lambda rep: replace(flat, max_new_tokens=16, seed=cfg.seed + 1), 1)  # warm-up
+        runs = interleaved(engines, batch, lambda rep: replace(flat, seed=cfg.seed + 2 + rep), cfg.sweep_repeats)
+        row = {"batch": B, **{f"{name}_tps": statistics.median(b.num_tokens / b.wall_s for b in runs[name])
+                              for name in engines}}
+        on = [t["on"] for b in runs["toggle"] for t in b.trace]
         row["toggle_over_best"] = row["toggle_tps"] / max(row["ar_tps"], row["sd_tps"])
         row["toggle_sd_steps_pct"] = 100 * sum(on) / max(len(on), 1)  # decode steps the toggle ran SD in
         sweep.append(row)

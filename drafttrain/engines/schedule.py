@@ -11,9 +11,9 @@ decisions in a row). With the toggle on, SD runs only where the predicted speed-
 running until it drops below threshold - hysteresis; while off, a probe SD step keeps the acceptance estimates
 current: after probe_every AR steps, then twice as long after each probe that leaves SD off (up to 16x) unless the
 prediction sits near the threshold (>= PROBE_NEAR x threshold: acceptance that dips there, e.g. in a stretch of
-odd text, tends to come back, and the toggle must notice soon), and never
-where SD could not pay even with a very good drafter (acceptance PROBE_ALPHA at every position: a probe's SD step
-also catches the drafter up on every position since it last ran, which at a large batch costs several AR steps).
+odd text, tends to come back, and the toggle must notice soon), and never where SD could not pay even with a
+very good drafter (acceptance PROBE_ALPHA at every position: a probe's SD step also catches the drafter up on
+every position since it last ran, which at a large batch costs several AR steps).
 The toggle never changes outputs: AR and SD are both exact.
 
 The calibrated T and D are bare forward times. A real decode step also samples, verifies, catches the drafter up on

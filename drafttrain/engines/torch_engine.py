@@ -294,25 +294,19 @@ class _Pending:
     def append(self, ids: torch.Tensor, aux: torch.Tensor | None, n: torch.Tensor, start: torch.Tensor) -> None:
         """Each row's first n[b] of ids [B, m] (aux [B, m, X]); a row with none pending restarts at start[b]."""
         B, m = ids.shape
-        need = self._max + m
+        need = self._max + m if m == 1 else int((self.n + n).max())
         if need > self.ids.shape[1]:
             self._grow(max(need, 2 * self.ids.shape[1]))
         if m == 1:  # an AR step: one entry per row, at each row's count
-            rows = torch.arange(B)
-            self.ids[rows, self.n] = ids[:, 0]
-            if self.aux is not None:
-                self.aux[rows, self.n] = aux[:, 0]
-            self.start = torch.where(self.n > 0, self.start, start)
-            self.n = self.n + 1
-            self._max = need
-            return
-        need = int((self.n + n).max())
-        cols = self.n.view(B, 1) + torch.arange(m).view(1, m)  # [B, m] destination columns
-        ok = torch.arange(m).view(1, m) < n.view(B, 1)
-        rows = torch.arange(B).view(B, 1).expand(B, m)
-        self.ids[rows[ok], cols[ok]] = ids[ok]
+            rows, cols, src_ids, src_aux = torch.arange(B), self.n, ids[:, 0], None if aux is None else aux[:, 0]
+        else:
+            cols = self.n.view(B, 1) + torch.arange(m).view(1, m)  # [B, m] destination columns
+            ok = torch.arange(m).view(1, m) < n.view(B, 1)
+            rows, cols = torch.arange(B).view(B, 1).expand(B, m)[ok], cols[ok]
+            src_ids, src_aux = ids[ok], None if aux is None else aux[ok]
+        self.ids[rows, cols] = src_ids
         if self.aux is not None:
-            self.aux[rows[ok], cols[ok]] = aux[ok]
+            self.aux[rows, cols] = src_aux
         self.start = torch.where(self.n > 0, self.start, start)
         self.n = self.n + n
         self._max = need
