@@ -56,6 +56,14 @@ def build_drafter(cfg, policy):
 
         d = load_drafter(resolve_path(cfg.path), target_num_layers=policy.config.num_hidden_layers)
         check_compatible(d, policy)
+        # the checkpoint fixes its shape: a recipe asking for another one is an error, not silently overridden
+        have = {"aux_layer_ids": list(d.aux_layer_ids), "draft_vocab_size": d.config.draft_vocab_size,
+                "intermediate_size": d.config.intermediate_size}
+        for key, got in have.items():
+            want = getattr(cfg, key, None)
+            if want is not None and (list(want) if key == "aux_layer_ids" else want) != got:
+                raise ValueError(f"drafter.{key}: {want} differs from the checkpoint {cfg.path}'s {got} (set it to "
+                                 f"null to use the checkpoint's, or drafter.path=null for a fresh drafter)")
         return d
     return DRAFTERS[cfg.kind](cfg, policy)
 

@@ -247,6 +247,19 @@ def test_build_drafter_from_path(tmp_path, policy, drafter):
 
 # ---- mismatches fail clearly ------------------------------------------------------------------------------------
 
+@pytest.mark.parametrize("key,value", [("aux_layer_ids", [0, 1, 2]), ("draft_vocab_size", 16),
+                                       ("intermediate_size", 64)])
+def test_recipe_shape_that_contradicts_the_checkpoint_fails(tmp_path, policy, drafter, key, value):
+    """drafter.path set and a drafter shape key the checkpoint does not have: a one-line error naming the key (it
+    used to be ignored silently, the checkpoint's shape winning); the checkpoint's own value is accepted."""
+    save_drafter(drafter, tmp_path / "ok")
+    with pytest.raises(ValueError, match=f"drafter.{key}") as e:
+        build_drafter(drafter_cfg(path=str(tmp_path / "ok"), **{key: value}), policy)
+    assert "\n" not in str(e.value)
+    same = list(drafter.aux_layer_ids) if key == "aux_layer_ids" else getattr(drafter.config, key)
+    build_drafter(drafter_cfg(path=str(tmp_path / "ok"), **{key: same}), policy)
+
+
 def test_policy_drafter_mismatch(tmp_path, drafter):
     save_drafter(drafter, tmp_path / "d")
     cases = [
