@@ -83,18 +83,29 @@ class CostModel:
 
 
 class AcceptanceEstimate:
-    """Per-position conditional acceptance, exponential moving averages of the engine's own observations."""
+    """Per-position conditional acceptance, exponential moving averages of the engine's own observations. Each row
+    that reached a position is one observation (weight decay per row, so ~1/(1-decay) rows of memory): a batch-64
+    step counts 64 times what a batch-1 step of the long tail does, and the estimate is the per-token acceptance the
+    throughput depends on, not one skewed by the few odd rows that run longest."""
 
-    def __init__(self, k_max: int, prior: float = 0.7, decay: float = 0.9):
+    def __init__(self, k_max: int, prior: float = 0.7, decay: float = 0.98):
         self.a = [prior] * k_max
         self.decay = decay
 
     def observe(self, num_accepted: list[int], k: int) -> None:
+        deepest, w_deep = None, 0.0  # the deepest position this step measured, and that measurement's weight
         for i in range(k):
             reached = sum(1 for n in num_accepted if n >= i)
             if reached:
                 rate = sum(1 for n in num_accepted if n > i) / reached
-                self.a[i] = self.decay * self.a[i] + (1 - self.decay) * rate
+                keep = self.decay ** reached
+                self.a[i] = keep * self.a[i] + (1 - keep) * rate
+                deepest, w_deep = i, keep
+        # positions past k go unmeasured while k stays below them: they follow the deepest measured one, so that a
+        # small k chosen early (on the prior) does not keep the estimates of longer drafts stuck at the prior
+        if deepest is not None:
+            for i in range(k, len(self.a)):
+                self.a[i] = w_deep * self.a[i] + (1 - w_deep) * self.a[deepest]
 
     def set(self, rates: list[float]) -> None:
         for i, r in enumerate(rates[: len(self.a)]):

@@ -217,3 +217,17 @@ def test_probes_repeat_without_backoff_near_the_threshold():
     assert 0.95 <= ctl.speedup(1, 4) < 1.05  # off, near the threshold
     ks = [ctl.decide(1) for _ in range(16 * 6)]
     assert [i for i, k in enumerate(ks) if k > 0] == [15, 31, 47, 63, 79, 95]
+
+
+def test_auto_k_grows_past_the_k_it_measures():
+    # auto k started small (a pessimistic prior) must still learn that longer drafts pay: positions past the drafted
+    # k follow the deepest measured one (before, they stayed at the prior and k stayed small for good)
+    acc = AcceptanceEstimate(8, prior=0.3)
+    ctl = SpecController("auto", 8, toggle=False, cost=synthetic_cost(verify_slope=0.1, draft=0.05), acc=acc)
+    k0 = ctl.decide(1)
+    assert k0 <= 2
+    k = k0
+    for _ in range(100):  # every drafted token accepted, at whatever k auto picks
+        acc.observe([k] * 4, k)
+        k = ctl.decide(1)
+    assert k >= 6
