@@ -53,6 +53,19 @@ def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     return F.rms_norm(x, (x.shape[-1],), w, eps)
 
 
+def rms_unit(x: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+    """rms_norm without its weight, up to a constant: rms_norm(x, w, eps) == rms_unit(x, c) * (w * sqrt(H)) with
+    c = sqrt(H eps) (a 0-d tensor): x / sqrt(||x||^2 + H eps) in 3 ops, against F.rms_norm's ~8 (2-3x slower at
+    decode sizes on this CPU). The inference forms fold w * sqrt(H) into the columns of the linear that follows."""
+    return x / torch.hypot(torch.linalg.vector_norm(x, dim=-1, keepdim=True), c)
+
+
+def fold_norm(weight: torch.Tensor, norm_w: torch.Tensor) -> torch.Tensor:
+    """A linear's weight [N, H] with the rms_norm weight feeding it folded in: linear(rms_unit(x, c), result) ==
+    linear(rms_norm(x, norm_w, eps), weight)."""
+    return weight * (norm_w * norm_w.shape[-1] ** 0.5)
+
+
 class Rope:
     """cos/sin tables [max_len, D] from an inv_freq vector (HF's, so any rope scaling it applied carries over)."""
 
@@ -169,6 +182,7 @@ class LeanLlama:
         self.hidden = cfg.hidden_size
         self.vocab_size = cfg.vocab_size
         self.eps = cfg.rms_norm_eps
+        self._unit_c = torch.tensor((cfg.hidden_size * cfg.rms_norm_eps) ** 0.5)  # rms_unit's constant
         max_pos = getattr(cfg, "max_position_embeddings", max_len)
         self.max_len = min(max_len, max_pos)
         rot = model.model.rotary_emb
@@ -183,13 +197,15 @@ class LeanLlama:
         """Snapshot the policy's current weights into the engine's own buffers (packed q|k|v and gate|up).
         In place after the first call: no reallocation, and training the policy never touches a decode step."""
         m = self.model
-        snap = {"embed": m.model.embed_tokens.weight, "norm": m.model.norm.weight, "lm_head": m.lm_head.weight}
+        # the rms_norm weights are folded into the linears they feed (fold_norm); forward normalizes with rms_unit
+        snap = {"embed": m.model.embed_tokens.weight, "lm_head": fold_norm(m.lm_head.weight, m.model.norm.weight)}
         for i, layer in enumerate(self.layers):
             a, mlp = layer.self_attn, layer.mlp
-            snap[f"{i}.qkv"] = torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight])
-            snap[f"{i}.gate_up"] = torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight])
+            snap[f"{i}.qkv"] = fold_norm(torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]),
+                                         layer.input_layernorm.weight)
+            snap[f"{i}.gate_up"] = fold_norm(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]),
+                                             layer.post_attention_layernorm.weight)
             snap[f"{i}.o"], snap[f"{i}.down"] = a.o_proj.weight, mlp.down_proj.weight
-            snap[f"{i}.ln1"], snap[f"{i}.ln2"] = layer.input_layernorm.weight, layer.post_attention_layernorm.weight
             if a.q_proj.bias is not None:
                 snap[f"{i}.qkv_b"] = torch.cat([a.q_proj.bias, a.k_proj.bias, a.v_proj.bias])
             if getattr(a, "q_norm", None) is not None:
@@ -211,6 +227,10 @@ class LeanLlama:
                 if isinstance(lin, PackedLinear):
                     lin.repack()
 
+    def _norm(self, x: torch.Tensor, w: dict, name: str) -> torch.Tensor:
+        """The rms_norm `name` (ln1, ln2, norm) before a linear: its weight is folded into that linear."""
+        return rms_unit(x, self._unit_c)
+
     def new_cache(self, batch: int, length: int) -> KVCache:
         return KVCache(self.n_layers, batch, self.n_kv, length, self.head_dim)
 
@@ -229,8 +249,7 @@ class LeanLlama:
         for i, w in enumerate(self.packed):
             if i in aux_ids:
                 aux.append(x)
-            h = rms_norm(x, w["ln1"], self.eps)
-            qkv = linear(h, w["qkv"], w.get("qkv_b"))  # [B, m, (H + 2Hkv) D]
+            qkv = linear(self._norm(x, w, "ln1"), w["qkv"], w.get("qkv_b"))  # [B, m, (H + 2Hkv) D]
             if "q_norm" in w:
                 q, k, v = qkv.view(B, m, H + 2 * Hkv, D).split([H, Hkv, Hkv], dim=2)
                 q = Rope.rotate(rms_norm(q, w["q_norm"], self.eps), rope)
@@ -242,10 +261,9 @@ class LeanLlama:
             cache.write(i, k, v, pos, start=start)
             o = attend(q, cache, i, mask, length).transpose(1, 2).reshape(B, m, H * D)
             x = x + linear(o, w["o"])
-            h = rms_norm(x, w["ln2"], self.eps)
-            g, u = linear(h, w["gate_up"]).chunk(2, dim=-1)
+            g, u = linear(self._norm(x, w, "ln2"), w["gate_up"]).chunk(2, dim=-1)
             x = x + linear(F.silu(g) * u, w["down"])
-        logits = linear(rms_norm(x, self.weights["norm"], self.eps), self.head)  # [B, m, V]
+        logits = linear(self._norm(x, self.weights, "norm"), self.head)  # [B, m, V]
         if aux_ids and len(aux) != len(aux_ids):
             raise ValueError(f"aux_layer_ids {list(aux_ids)} must be distinct layers in [0, {self.n_layers - 1}]")
         return logits, (torch.cat(aux, -1) if aux_ids else None)

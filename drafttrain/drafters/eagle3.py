@@ -19,8 +19,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from drafttrain.drafters.weights import check_tensors
-from drafttrain.modeling import KVCache, PackedLinear, Rope, attend, linear, rms_norm, step_mask
-from drafttrain.spec import processed_probs
+from drafttrain.modeling import KVCache, PackedLinear, Rope, attend, fold_norm, linear, rms_norm, rms_unit, step_mask
+from drafttrain.spec import processed_probs, sample
 
 
 @dataclass
@@ -131,30 +131,49 @@ class Eagle3Drafter(nn.Module):
     def fuse_for_inference(self, int8: bool) -> "Eagle3Drafter":
         """The engine's runtime form (a copy that is never trained): q|k|v and gate|up fused into one matmul each,
         every linear prepacked for oneDNN (fp32) or torch.ao dynamic int8 per channel (int8: 4-8x cheaper than
-        fp32 here, ENVIRONMENT.md; it only changes acceptance, never the output distribution)."""
+        fp32 here, ENVIRONMENT.md; it only changes acceptance, never the output distribution).
+        RMS norms are folded away: the embedding table is stored already normed (input_layernorm), and every other
+        norm's weight is folded into the columns of the linear it feeds (modeling.fold_norm), which then sees
+        rms_unit(x): 3 ops against F.rms_norm's ~8 at these sizes, where the norms were a third of the step."""
         from drafttrain.drafters.selfquant import AoInt8
 
-        L = self.midlayer
+        c, L = self.config, self.midlayer
         a, mlp = L.self_attn, L.mlp
+        H = c.hidden_size
 
-        def make(*ws):
-            ws = [w.detach().float() for w in ws]
+        def make(*ws, norm=None, cols=slice(None)):
+            ws = [w.detach().float().clone() for w in ws]
+            if norm is not None:
+                for w in ws:
+                    w[:, cols] = fold_norm(w[:, cols], norm.detach().float())
             return AoInt8(ws, None, 0) if int8 else PackedLinear.wrap(torch.cat(ws).contiguous())
 
-        self._fused = {"qkv": make(a.q_proj.weight, a.k_proj.weight, a.v_proj.weight), "o": make(a.o_proj.weight),
-                       "gate_up": make(mlp.gate_proj.weight, mlp.up_proj.weight), "down": make(mlp.down_proj.weight),
-                       "fc": make(self.fc.weight), "lm_head": make(self.lm_head.weight)}
+        self._fused = {"c": torch.tensor((H * c.rms_norm_eps) ** 0.5),  # rms_unit's constant
+                       "emb": rms_norm(self.embed_tokens.weight.float(), L.input_layernorm, c.rms_norm_eps),
+                       "qkv": make(a.q_proj.weight, a.k_proj.weight, a.v_proj.weight, norm=L.hidden_norm,
+                                   cols=slice(H, 2 * H)),
+                       "o": make(a.o_proj.weight),
+                       "gate_up": make(mlp.gate_proj.weight, mlp.up_proj.weight, norm=L.post_attention_layernorm),
+                       "down": make(mlp.down_proj.weight), "fc": make(self.fc.weight),
+                       "lm_head": make(self.lm_head.weight, norm=self.norm)}
         return self
 
     def _fc(self, aux):
         return self.fc(aux) if self._fused is None else linear(aux, self._fused["fc"])
 
+    def _embed(self, ids):
+        """Token embeddings as _qkv takes them: raw (training form) or already normed (inference form)."""
+        return self.embed_tokens(ids) if self._fused is None else F.embedding(ids, self._fused["emb"])
+
     # ---- the decoder layer -------------------------------------------------------------------------------
     def _qkv(self, emb, hidden, pos):
         """emb, hidden [B, m, H], pos [B, m] -> q [B, Hq, m, D], k, v [B, Hkv, m, D], residual [B, m, H]."""
         c, L = self.config, self.midlayer
-        x = torch.cat([rms_norm(emb, L.input_layernorm, c.rms_norm_eps),
-                       rms_norm(hidden, L.hidden_norm, c.rms_norm_eps)], -1)  # [B, m, 2H]
+        if self._fused is None:
+            x = torch.cat([rms_norm(emb, L.input_layernorm, c.rms_norm_eps),
+                           rms_norm(hidden, L.hidden_norm, c.rms_norm_eps)], -1)  # [B, m, 2H]
+        else:  # emb is normed already (_embed); hidden_norm's weight is in the qkv columns
+            x = torch.cat([emb, rms_unit(hidden, self._fused["c"])], -1)
         B, m, _ = x.shape
         Hq, Hkv, D = c.num_attention_heads, c.num_key_value_heads, c.head_dim
         if self._fused is None:
@@ -176,9 +195,9 @@ class Eagle3Drafter(nn.Module):
             pre = L.mlp(rms_norm(h, L.post_attention_layernorm, c.rms_norm_eps)) + h
             return self.lm_head(rms_norm(pre, self.norm, c.rms_norm_eps)), pre
         h = linear(o, f["o"]) + residual
-        g, u = linear(rms_norm(h, L.post_attention_layernorm, c.rms_norm_eps), f["gate_up"]).chunk(2, dim=-1)
+        g, u = linear(rms_unit(h, f["c"]), f["gate_up"]).chunk(2, dim=-1)  # norm weights folded (fuse_for_inference)
         pre = linear(F.silu(g) * u, f["down"]) + h
-        return linear(rms_norm(pre, self.norm, c.rms_norm_eps), f["lm_head"]), pre
+        return linear(rms_unit(pre, f["c"]), f["lm_head"]), pre
 
     # ---- training: training-time test ---------------------------------------------------------------------
     def ttt_logits(self, aux: torch.Tensor, next_ids: torch.Tensor, steps: int) -> list[torch.Tensor]:
@@ -274,18 +293,18 @@ class Eagle3Drafter(nn.Module):
         Returns (draft tokens [B, k], draft probs [B, k, V] or None for one-hot greedy drafts)."""
         B = new_ids.shape[0]
         rows = torch.arange(B)
-        logits, pre = self._cached_step(st, self.embed_tokens(new_ids), self._fc(aux), start, n_new)
+        logits, pre = self._cached_step(st, self._embed(new_ids), self._fc(aux), start, n_new)
         last = n_new - 1
         lg, h = logits[rows, last], pre[rows, last]  # [B, Vd], [B, H]
         pos = start + n_new  # next chain position per row
         toks, qs = [], []
         for i in range(k):
             q = processed_probs(self._to_target(lg), params)  # [B, V]
-            d = q.argmax(-1) if greedy_drafts else torch.multinomial(q, 1, generator=generator).squeeze(-1)
+            d = q.argmax(-1) if greedy_drafts else sample(q, generator)
             toks.append(d)
             qs.append(q)
             if i + 1 < k:
-                lg, h = self._cached_step(st, self.embed_tokens(d).unsqueeze(1), h.unsqueeze(1), pos + i)
+                lg, h = self._cached_step(st, self._embed(d).unsqueeze(1), h.unsqueeze(1), pos + i)
                 lg, h = lg[:, 0], h[:, 0]
         draft = torch.stack(toks, 1)
         return draft, (None if greedy_drafts else torch.stack(qs, 1))

@@ -41,8 +41,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from drafttrain.drafters.weights import check_finite, check_tensors
-from drafttrain.modeling import KVCache, LeanLlama, Rope
-from drafttrain.spec import processed_probs
+from drafttrain.modeling import KVCache, LeanLlama, Rope, rms_norm
+from drafttrain.spec import processed_probs, sample
 
 QUANTS = ("int8", "int4")
 BACKENDS = ("ao", "bnb", "ref")
@@ -400,6 +400,9 @@ class _QuantLlama(LeanLlama):
         self.weights, self.packed = weights, packed
         self.head = weights["lm_head"]
 
+    def _norm(self, x, w, name):
+        return rms_norm(x, w[name], self.eps)  # quantized linears: the norm weights stay separate (requantize)
+
     def ensure_rope(self, length: int) -> None:
         """Padding positions of a ragged extension may pass the last real one; grow the tables (rare)."""
         if length > self.rope.max_len:
@@ -522,7 +525,7 @@ class SelfQuantDrafter(nn.Module):
         toks, qs = [], []
         for i in range(k):
             q = processed_probs(lg, params)  # [B, V]
-            d = q.argmax(-1) if greedy_drafts else torch.multinomial(q, 1, generator=generator).squeeze(-1)
+            d = q.argmax(-1) if greedy_drafts else sample(q, generator)
             toks.append(d)
             qs.append(q)
             if i + 1 < k:

@@ -22,7 +22,7 @@ import torch
 from drafttrain.engines.base import RolloutBatch, StaleVersionError
 from drafttrain.engines.schedule import CostModel, SpecController
 from drafttrain.modeling import LeanLlama
-from drafttrain.spec import SamplingParams, SpecStats, processed_probs, rejection_sample
+from drafttrain.spec import SamplingParams, SpecStats, processed_probs, rejection_sample, sample
 
 
 def quantize_int8(module: torch.nn.Module) -> torch.nn.Module:
@@ -262,7 +262,7 @@ class TorchEngine:
             raise FloatingPointError("generate: the policy produced NaN/inf logits (check the policy weights)")
         p = processed_probs(logits, params)  # [B, k+1, V]
         if d.shape[1] == 0:  # an AR step: plain sampling (what rejection_sample does at k = 0, with fewer ops)
-            out = torch.multinomial(p[:, 0], 1, generator=gen)
+            out = sample(p[:, 0], gen).unsqueeze(-1)
             return out, out.new_zeros(out.shape[0]), p[:, 0].gather(-1, out).log()
         out, n = rejection_sample(p, q, d, gen)
         lp = p.gather(-1, out.clamp_min(0).unsqueeze(-1)).squeeze(-1).log()  # [B, k+1]

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import torch
 
+from drafttrain.spec.sampling import sample
+
 
 def rejection_sample(
     target_probs: torch.Tensor,  # [B, k+1, V]
@@ -46,8 +48,7 @@ def rejection_sample(
     resid = (p_n - q_n * (num_accepted < k).unsqueeze(-1)).clamp_min(0)  # [B, V]
     mass = resid.sum(-1, keepdim=True)
     # mass == 0 only if p_n <= q_n everywhere, i.e. p_n == q_n, where rejection has probability 0: fall back to p_n
-    resid = torch.where(mass > 0, resid / mass.clamp_min(1e-30), p_n)
-    last = torch.multinomial(resid, 1, generator=generator)  # [B, 1]
+    last = sample(torch.where(mass > 0, resid, p_n), generator).unsqueeze(-1)  # [B, 1]; sample needs no normalizing
 
     # row b: its n accepted drafts, then `last`, then -1 padding
     n = num_accepted.unsqueeze(-1)

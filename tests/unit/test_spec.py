@@ -14,7 +14,7 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from drafttrain.spec import SamplingParams, SpecStats, expected_acceptance, processed_probs, rejection_sample
+from drafttrain.spec import SamplingParams, SpecStats, expected_acceptance, processed_probs, rejection_sample, sample
 
 ALPHA = 1e-3  # "matches" means the chi-square p-value is above this
 N = 200_000
@@ -108,6 +108,18 @@ def test_emitted_tokens_follow_target(name):
         rows = na >= i
         assert rows.sum() > 1000, "too few rows reach this position for a meaningful test"
         assert chi2_pvalue(tokens[rows, i], p[i]) > ALPHA, f"position {i}"
+
+
+def test_sample_follows_the_weights():
+    # the exponential race every engine and drafter draws with: exact for unnormalized weights, never a zero weight
+    g = torch.Generator().manual_seed(7)
+    w = torch.tensor([0.0, 3.0, 1.0, 0.0, 0.5, 2.0, 0.01, 0.0])  # sums to 6.51, not 1
+    draws = sample(w.expand(N, -1), g)
+    assert draws.shape == (N,)
+    assert chi2_pvalue(draws, w / w.sum()) > ALPHA
+    wrong = w.clone()
+    wrong[4] = 0.55  # power: a distribution 10% off on one token is rejected on the same draws
+    assert chi2_pvalue(draws, wrong / wrong.sum()) < ALPHA
 
 
 def test_stop_token_follows_residual_or_bonus():
