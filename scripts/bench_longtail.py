@@ -9,8 +9,11 @@ batch starts large (SD loses: verify costs ~ linearly more tokens on this CPU) a
 AR | SD-always at fixed k | SD + toggle (fixed k) | SD + toggle + auto k | SD + toggle + ladder. Each engine is
 warmed up on the same workload with other seeds, then every engine runs it `repeats` times, interleaved; the median
 wall time counts (single runs of a ~0.7 s batch vary by 20% on this machine).
-Sweep: tokens/s at a constant active batch (no stop token, fixed length) for AR, SD-always and SD + toggle, the
-median of sweep_repeats interleaved runs each, and the share of decode steps the toggle ran SD in.
+Sweep: tokens/s at an active batch B for AR, SD-always and SD + toggle: real rollouts of the workload's prompts
+(stop token on), counting the decode steps with at least 3/4 of B rows still active, over max(1, sweep_rows // B)
+batches per repeat; the median of sweep_repeats interleaved repeats, and the share of those steps the toggle ran
+SD in. (Until 2026-11-30 the sweep ran without a stop token at a constant batch: past its end of text the policy
+writes junk that no drafter predicts, mean accepted length ~2 against ~4.3, which misstated SD at every batch.)
 Prints tables; writes bench/longtail.json and bench/longtail_trace.png (active batch, SD on/off and k per step).
 """
 from __future__ import annotations
@@ -31,7 +34,7 @@ from drafttrain.spec import SamplingParams
 
 DEFAULTS = dict(recipe="eagle3_track", prompts=16, group=4, max_new_tokens=256, k=5, seed=4321,
                 drafters=["eagle3", "selfquant_int8", "selfquant_int4"], sweep_batches=[1, 2, 4, 8, 16, 32, 64],
-                repeats=5, sweep_tokens=96, sweep_repeats=3, out="bench/longtail.json", threads=2)
+                repeats=5, sweep_tokens=256, sweep_rows=16, sweep_repeats=3, out="bench/longtail.json", threads=2)
 
 MODES = {  # name -> engine overrides (None = AR)
     "ar": None,
@@ -103,19 +106,33 @@ def main(cfg) -> dict:
     best = min((r for r in rows if r["mode"] == "sd_toggle_auto"), key=lambda r: r["wall_s"])
     ladder = next(r for r in rows if r["mode"] == "sd_toggle_ladder" and r["drafter"] == best["drafter"])
 
-    # sweep: constant active batch, fixed length, best drafter
+    # sweep: throughput at an active batch, best drafter. Real rollouts (stop token on: past its end of text the
+    # policy writes junk no drafter predicts, which would misstate SD), so the batch shrinks as rows finish:
+    # each B counts only the decode steps with at least 3/4 of B rows active (step_batch/step_tokens), over
+    # max(1, sweep_rows // B) batches of B distinct prompts per repeat
     sweep = []
     drafter = make_drafter(best["drafter"], rc, policy)
     engines = {"ar": (engine_for(rc, policy, None, cfg.k), False), "sd": (engine_for(rc, policy, drafter, cfg.k), True),
                "toggle": (engine_for(rc, policy, drafter, cfg.k, toggle=True), True)}
-    flat = SamplingParams(temperature=rc.sampling.temperature, max_new_tokens=cfg.sweep_tokens, seed=cfg.seed)
+    sp = replace(params, max_new_tokens=cfg.sweep_tokens)
     for B in cfg.sweep_batches:
-        batch = (prompts * (B // len(prompts) + 1))[:B]
-        interleaved(engines, batch, lambda rep: replace(flat, max_new_tokens=16, seed=cfg.seed + 1), 1)  # warm-up
-        runs = interleaved(engines, batch, lambda rep: replace(flat, seed=cfg.seed + 2 + rep), cfg.sweep_repeats)
-        row = {"batch": B, **{f"{name}_tps": statistics.median(b.num_tokens / b.wall_s for b in runs[name])
-                              for name in engines}}
-        on = [t["on"] for b in runs["toggle"] for t in b.trace]
+        chunks = [(prompts * (B // len(prompts) + 1))[i * B:(i + 1) * B] for i in range(max(1, cfg.sweep_rows // B))]
+        interleaved(engines, chunks[0], lambda rep: replace(sp, max_new_tokens=16, seed=cfg.seed + 1), 1)  # warm-up
+        tps = {name: [] for name in engines}
+        on = []
+        for rep in range(cfg.sweep_repeats):
+            tot = {name: [0, 0.0] for name in engines}
+            for c, chunk in enumerate(chunks):
+                runs = interleaved(engines, chunk, lambda r: replace(sp, seed=cfg.seed + 2 + 97 * rep + c), 1)
+                for name, (b,) in runs.items():
+                    n, t = at_batch(b, B)
+                    tot[name][0] += n
+                    tot[name][1] += t
+                    if name == "toggle":
+                        on += [tr["on"] for tr, nb in zip(b.trace, b.step_batch) if 4 * nb >= 3 * B]
+            for name, (n, t) in tot.items():
+                tps[name].append(n / max(t, 1e-9))
+        row = {"batch": B, **{f"{name}_tps": statistics.median(v) for name, v in tps.items()}}
         row["toggle_over_best"] = row["toggle_tps"] / max(row["ar_tps"], row["sd_tps"])
         row["toggle_sd_steps_pct"] = 100 * sum(on) / max(len(on), 1)  # decode steps the toggle ran SD in
         sweep.append(row)
@@ -132,6 +149,17 @@ def main(cfg) -> dict:
     png = plot_trace(result["trace"], str(cfg.out).replace(".json", "_trace.png"))
     print(f"wrote {write_json(result, cfg.out)} and {png}")
     return result
+
+
+def at_batch(b, B: int) -> tuple[int, float]:
+    """(tokens, seconds) of rollout b's decode steps that ran at least 3/4 of B rows: a step's time is from the end
+    of the one before (the first step, which follows the prefill, is left out)."""
+    n = t = 0
+    for i in range(1, len(b.step_ends)):
+        if 4 * b.step_batch[i] >= 3 * B:
+            n += b.step_tokens[i]
+            t += b.step_ends[i] - b.step_ends[i - 1]
+    return n, t
 
 
 def plot_trace(trace: list[dict], path: str) -> str:

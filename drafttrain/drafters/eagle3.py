@@ -263,8 +263,10 @@ class Eagle3Drafter(nn.Module):
         return Eagle3State(KVCache(1, batch, c.num_key_value_heads, max_len, c.head_dim))
 
     def _cached_step(self, st, emb, hidden, pos0, n_valid=None):
-        """m positions per row at pos0[B].. (the first n_valid[b] real); returns (draft logits [B, m, Vd],
-        pre-norm hidden [B, m, H])."""
+        """m positions per row at pos0[B].. (the first n_valid[b] real, default all) enter the cache; returns (draft
+        logits [B, Vd], pre-norm hidden [B, H]) at each row's last real position only. The catch-up positions'
+        keys and values depend on their inputs alone (the policy's aux states), so no earlier position's output is
+        needed: attention, MLP and head run for one query per row (a prompt catch-up: one instead of P)."""
         B, m, _ = emb.shape
         pos = pos0.view(B, 1) + torch.arange(m).view(1, m)
         q, k, v, res = self._qkv(emb, hidden, pos)
@@ -275,8 +277,15 @@ class Eagle3Drafter(nn.Module):
         length = min(top + m, st.cache.max_len)
         st.cache.expose(length)  # before the write: it zeroes what it newly exposes
         st.cache.write(0, k, v, pos, valid, start=top if B == 1 else None)  # one row: a slice write
-        o = attend(q, st.cache, 0, step_mask(pos0, m, length), length)
-        return self._post(o, res)
+        if m > 1:  # the last real query of each row
+            last = (n_valid - 1) if n_valid is not None else torch.full((B,), m - 1)
+            rows = torch.arange(B)
+            q = q[rows, :, last].unsqueeze(2)  # [B, Hq, 1, D]
+            res = res[rows, last].unsqueeze(1)  # [B, 1, H]
+            pos0 = pos0 + last
+        o = attend(q, st.cache, 0, step_mask(pos0, 1, length), length)
+        logits, pre = self._post(o, res)
+        return logits[:, 0], pre[:, 0]
 
     def _to_target(self, draft_logits: torch.Tensor) -> torch.Tensor:
         """[B, Vd] -> [B, V] with -inf outside the draft vocabulary."""
@@ -292,10 +301,7 @@ class Eagle3Drafter(nn.Module):
         token_{t+1}, aux [B, m, A*H] at positions start[b] + j), then chain-draft k tokens.
         Returns (draft tokens [B, k], draft probs [B, k, V] or None for one-hot greedy drafts)."""
         B = new_ids.shape[0]
-        rows = torch.arange(B)
-        logits, pre = self._cached_step(st, self._embed(new_ids), self._fc(aux), start, n_new)
-        last = n_new - 1
-        lg, h = logits[rows, last], pre[rows, last]  # [B, Vd], [B, H]
+        lg, h = self._cached_step(st, self._embed(new_ids), self._fc(aux), start, n_new)  # [B, Vd], [B, H]
         pos = start + n_new  # next chain position per row
         toks, qs = [], []
         for i in range(k):
@@ -305,7 +311,6 @@ class Eagle3Drafter(nn.Module):
             qs.append(q)
             if i + 1 < k:
                 lg, h = self._cached_step(st, self._embed(d).unsqueeze(1), h.unsqueeze(1), pos + i)
-                lg, h = lg[:, 0], h[:, 0]
         draft = torch.stack(toks, 1)
         return draft, (None if greedy_drafts else torch.stack(qs, 1))
 

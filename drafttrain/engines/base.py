@@ -24,6 +24,8 @@ class RolloutBatch:
     drafter_versions: list[int] = field(default_factory=list)  # version used at each decode step
     step_ends: list[float] = field(default_factory=list)  # time.perf_counter() at the end of each decode step
     trace: list[dict] = field(default_factory=list)  # SD schedule per decode step: batch, on, k, predicted speed-up
+    step_batch: list[int] = field(default_factory=list)  # active rows in each decode step (embedded engine)
+    step_tokens: list[int] = field(default_factory=list)  # response tokens each decode step emitted (embedded engine)
 
     @property
     def num_tokens(self) -> int:

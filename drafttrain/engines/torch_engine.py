@@ -184,7 +184,7 @@ class TorchEngine:
         reasons = ["length"] * B
         row_ids = list(range(B))  # original index of each active row
         lens_l = lens.tolist()
-        stats, versions, ends = SpecStats(), [], []
+        stats, versions, ends, step_batch, step_tokens = SpecStats(), [], [], [], []
         last = out[:, 0]
         k = 0
         t_prev = time.perf_counter()
@@ -211,6 +211,7 @@ class TorchEngine:
                     done.append(j)
             if versions:  # `out` came from a verify step (not the prefill): count only what the rows kept
                 stats.update(n, k, torch.tensor(emitted))
+                step_tokens.append(sum(emitted))
             if done:
                 keep = torch.tensor([j for j in range(len(row_ids)) if j not in set(done)], dtype=torch.long)
                 row_ids = [row_ids[j] for j in keep.tolist()]
@@ -228,6 +229,7 @@ class TorchEngine:
                 drafter, version = active
             versions.append(version)
             Bn = len(row_ids)
+            step_batch.append(Bn)
             k = max(0, min(ctl.decide(Bn), L - 1 - int(pos.max()))) if ctl is not None else 0
             catch_up = pend.width() if k > 0 else 0  # pending positions the drafter extends its cache by
             if k > 0:
@@ -253,7 +255,7 @@ class TorchEngine:
 
         return RolloutBatch(resp, lps, stats, self.drafter_version if not versions else versions[0], reasons,
                             time.perf_counter() - t_start, versions, ends,
-                            ctl.trace[trace0:] if ctl is not None else [])
+                            ctl.trace[trace0:] if ctl is not None else [], step_batch, step_tokens)
 
     @staticmethod
     def _sample(logits, q, d, params, gen):

@@ -106,14 +106,12 @@ def test_ttt_logits_match_chain_drafting(drafter):
         outs = d.ttt_logits(aux, next_ids, steps)
         for t in range(T):
             st = d.new_state(B, T + steps)
-            lg, pre = d._cached_step(st, d.embed_tokens(next_ids[:, : t + 1]), d.fc(aux[:, : t + 1]),
-                                     torch.zeros(B, dtype=torch.long))
-            torch.testing.assert_close(lg[:, t], outs[0][:, t], atol=1e-5, rtol=1e-5)
-            h = pre[:, t]
+            lg, h = d._cached_step(st, d.embed_tokens(next_ids[:, : t + 1]), d.fc(aux[:, : t + 1]),
+                                   torch.zeros(B, dtype=torch.long))  # outputs at the last position, t
+            torch.testing.assert_close(lg, outs[0][:, t], atol=1e-5, rtol=1e-5)
             for i in range(1, steps):
                 lg, h = d._cached_step(st, d.embed_tokens(next_ids[:, t + i]).unsqueeze(1), h.unsqueeze(1),
                                        torch.full((B,), t + i))
-                lg, h = lg[:, 0], h[:, 0]
                 torch.testing.assert_close(lg, outs[i][:, t], atol=1e-5, rtol=1e-5)
 
 
@@ -361,3 +359,34 @@ def test_fused_inference_form_drafts_as_the_modules_do(drafter, int8):
         assert torch.equal(out[0][0], out[1][0])
         torch.testing.assert_close(out[1][1], out[0][1], atol=1e-4, rtol=0)
     assert f.state_dict().keys() == d.state_dict().keys()  # the fused form adds no tensors to the layout
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_ragged_catch_up_drafts_as_each_row_alone(drafter, fused):
+    """A batched propose whose rows catch up on different numbers of new positions (padded to the longest, only the
+    last real position's output used) drafts what each row drafts on its own, unpadded."""
+    d = perturbed(drafter, seed=11)
+    if fused:
+        d = d.fuse_for_inference(int8=False)
+    c = d.config
+    B, m, k = 3, 6, 4
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(0, c.vocab_size, (B, m), generator=g)
+    aux = torch.randn(B, m, len(c.aux_layer_ids) * c.hidden_size, generator=g)
+    n_new, start = torch.tensor([6, 2, 4]), torch.tensor([0, 5, 2])
+    params = SamplingParams(temperature=1.0)
+    with torch.no_grad():
+        # earlier positions of each row, so the catch-up attends over a real prefix
+        pre_ids = torch.randint(0, c.vocab_size, (B, 5), generator=g)
+        pre_aux = torch.randn(B, 5, aux.shape[-1], generator=g)
+        st = d.new_state(B, 32)
+        d.propose(st, pre_ids, pre_aux, start.clamp_min(1), torch.zeros(B, dtype=torch.long), 1, params, True)
+        toks, q = d.propose(st, ids, aux, n_new, start, k, params, True)
+        for b in range(B):
+            st1 = d.new_state(1, 32)
+            s = int(start[b].clamp_min(1))
+            d.propose(st1, pre_ids[b:b + 1, :s], pre_aux[b:b + 1, :s], torch.tensor([s]), torch.zeros(1, dtype=torch.long),
+                      1, params, True)
+            n = int(n_new[b])
+            t1, _ = d.propose(st1, ids[b:b + 1, :n], aux[b:b + 1, :n], n_new[b:b + 1], start[b:b + 1], k, params, True)
+            assert torch.equal(t1[0], toks[b]), b
