@@ -41,7 +41,8 @@ def processed_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tenso
     logits = logits.float()
     if params.greedy:
         return torch.zeros_like(logits).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
-    logits = logits / params.temperature
+    if params.temperature != 1.0:
+        logits = logits / params.temperature
     V = logits.shape[-1]
     if 0 < params.top_k < V:
         kth = logits.topk(params.top_k, dim=-1).values[..., -1:]  # [..., 1] smallest kept logit
