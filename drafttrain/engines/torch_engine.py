@@ -210,7 +210,7 @@ class TorchEngine:
                 if reasons[b] == "stop" or len(resp[b]) >= params.max_new_tokens or lens_l[b] + len(resp[b]) >= L:
                     done.append(j)
             if versions:  # `out` came from a verify step (not the prefill): count only what the rows kept
-                stats.update(n, k, torch.tensor(emitted))
+                stats.update(n_l, k, emitted)
                 step_tokens.append(sum(emitted))
             if done:
                 keep = torch.tensor([j for j in range(len(row_ids)) if j not in set(done)], dtype=torch.long)

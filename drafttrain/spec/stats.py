@@ -25,29 +25,28 @@ class SpecStats:
     accepted_per_position: list = field(default_factory=list)  # count of rows accepting draft i
     reached_per_position: list = field(default_factory=list)  # count of rows whose drafts 0..i-1 were accepted
 
-    def update(self, num_accepted: torch.Tensor, k: int, emitted: torch.Tensor | None = None) -> None:
-        """num_accepted[B] from one verify step that drafted k tokens per row; emitted[B]: the tokens each row
-        kept (num_accepted + 1 unless a stop token or the length limit cut the row; None = no cut)."""
-        na = num_accepted.detach().cpu().long()
-        B = na.numel()
-        em = na + 1 if emitted is None else torch.as_tensor(emitted).detach().cpu().long()
-        cut = em <= na  # the response ended inside the accepted drafts
+    def update(self, num_accepted, k: int, emitted=None) -> None:
+        """num_accepted[B] (tensor or list) from one verify step that drafted k tokens per row; emitted[B]: the
+        tokens each row kept (num_accepted + 1 unless a stop token or the length limit cut the row; None = no cut).
+        Plain Python over the rows: a handful of small tensor ops per decode step cost more than the loop."""
+        na = num_accepted.tolist() if isinstance(num_accepted, torch.Tensor) else list(num_accepted)
+        em = [n + 1 for n in na] if emitted is None else (
+            emitted.tolist() if isinstance(emitted, torch.Tensor) else list(emitted))
         self.target_forwards += 1
-        self.verify_rows += B
-        self.emitted += int(em.sum())
+        self.verify_rows += len(na)
+        self.emitted += sum(em)
         if k == 0:
             return
-        inside = torch.where(cut, em, torch.full_like(em, k)).clamp_max(k)  # drafts before the cut
-        self.drafted += int(inside.sum())
-        self.accepted += int(torch.minimum(na, inside).sum())
         self._grow(k)
-        pos = torch.arange(k)
-        kept = pos < inside.unsqueeze(1)  # [B, k]
-        acc = ((na.unsqueeze(1) > pos) & kept).sum(0).tolist()  # rows that accepted draft i
-        reach = ((na.unsqueeze(1) >= pos) & kept).sum(0).tolist()  # rows that got to try draft i
-        for i in range(k):
-            self.accepted_per_position[i] += acc[i]
-            self.reached_per_position[i] += reach[i]
+        acc_pp, reach_pp = self.accepted_per_position, self.reached_per_position
+        for n, e in zip(na, em):
+            inside = min(e if e <= n else k, k)  # drafts before the cut (the response ended inside the drafts)
+            self.drafted += inside
+            self.accepted += min(n, inside)
+            for i in range(min(n + 1, inside)):  # rows that got to try draft i, and those that accepted it
+                reach_pp[i] += 1
+                if i < n:
+                    acc_pp[i] += 1
 
     def _grow(self, k: int) -> None:
         while len(self.accepted_per_position) < k:
