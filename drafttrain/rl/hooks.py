@@ -63,7 +63,9 @@ class DraftTracker:
         self._capture_s = 0.0  # time spent in the capture hooks since the last update (drafter work inside RL time)
         self._capture_last = 0.0  # that time, for the update now running
         self.bank_s = 0.0  # sync mode: drafter time earned (budget_frac x RL time) minus drafter time spent
-        self._step_cost_s: float | None = None  # moving average of one drafter step (for the bank)
+        # moving average of a drafter step's seconds per padded token (rows x longest record): a step's cost follows
+        # its batch's lengths, which vary several-fold between the length-grouped batches (for the bank)
+        self._tok_cost_s: float | None = None
         self._fixed_cost_s: float | None = None  # moving average of an update's estimate + publish (for the bank)
         self._thread: threading.Thread | None = None
         self._result: dict = {}
@@ -186,31 +188,46 @@ class DraftTracker:
     def _update(self, rl_s: float | None) -> dict:
         """Train up to online.steps_per_update steps, then publish. Sync mode (rl_s = the RL step's own time):
         within time_budget_s and the time bank (budget_frac, see the module doc). An update starts only when the
-        bank covers one step plus the update's fixed work (acceptance estimate, publish; moving averages of what
-        they took), and takes another step while the bank still covers it: the bank does not go into debt beyond
-        the error of those averages (the first update, with nothing measured yet, takes one step)."""
+        bank covers its first batch's step plus the update's fixed work (acceptance estimate, publish: a moving
+        average of what it took), and takes another step while the bank still covers the next batch's: a step is
+        predicted as its batch's padded tokens x a moving average of seconds per token, since batches of long
+        rollouts cost several times those of short ones. The bank does not go into debt beyond the error of those
+        predictions (the first update, with nothing measured yet, takes one step)."""
         oc, t0 = self.cfg.online, time.perf_counter()
         bank = oc.budget_frac > 0 and rl_s is not None
         fixed = self._fixed_cost_s or 0.0
+        groups: list[list[dict]] = []
+
+        def refill(left: int) -> None:  # length-grouped batches (less padding), collated only when used
+            if not groups and left > 0:
+                with self._lock:
+                    groups.extend(self.buffer.sample_groups(self.cfg.train.batch_size, left))
+
+        refill(oc.steps_per_update)
+
+        def cost(group) -> float:  # the predicted seconds of a step on this group (0 before any was measured)
+            return (self._tok_cost_s or 0.0) * _padded_tokens(group)
+
         if bank:
             self.bank_s = min(self.bank_s + oc.budget_frac * rl_s, oc.time_budget_s) - self._capture_last
-            need = min((self._step_cost_s or 0.0) + fixed, oc.time_budget_s)
+            need = min(cost(groups[-1]) + fixed, oc.time_budget_s)
             if self.bank_s <= 0 or self.bank_s < need:
                 return self._idle()
-        losses, skipped, groups = [], 0, []
-        for _ in range(oc.steps_per_update):
+        losses, skipped = [], 0
+        while groups and len(losses) < oc.steps_per_update:
+            group = groups.pop()
             ts = time.perf_counter()
             with self._lock:  # per step, so captures and measurements wait at most one drafter step
-                if not groups:  # length-grouped batches (less padding), collated only when used
-                    groups = self.buffer.sample_groups(self.cfg.train.batch_size, oc.steps_per_update - len(losses))
-                out = self.trainer.step(collate(groups.pop(), self.buffer.steps))
+                out = self.trainer.step(collate(group, self.buffer.steps))
             dt = time.perf_counter() - ts
-            self._step_cost_s = dt if self._step_cost_s is None else 0.8 * self._step_cost_s + 0.2 * dt
+            per_tok = dt / _padded_tokens(group)
+            self._tok_cost_s = per_tok if self._tok_cost_s is None else 0.8 * self._tok_cost_s + 0.2 * per_tok
             skipped += out["nonfinite"]
             losses.append(out["loss"])
             spent = time.perf_counter() - t0
-            if rl_s is not None and (spent + self._step_cost_s > oc.time_budget_s
-                                     or bank and spent + self._step_cost_s + fixed > self.bank_s):
+            refill(oc.steps_per_update - len(losses))
+            nxt = cost(groups[-1]) if groups else 0.0
+            if rl_s is not None and (spent + nxt > oc.time_budget_s or bank and spent + nxt + fixed > self.bank_s):
                 break
         t_fixed = time.perf_counter()
         with self._lock:
@@ -329,6 +346,11 @@ def _response_start(given, labels, B: int, T: int) -> torch.Tensor:
         return torch.zeros(B, dtype=torch.long)
     scored = labels != -100  # [B, T]
     return torch.where(scored.any(1), scored.long().argmax(1), torch.full((B,), T)).long()
+
+
+def _padded_tokens(group: list[dict]) -> int:
+    """Positions a collated batch of these records computes: rows x the longest record."""
+    return len(group) * max(r["aux"].shape[0] for r in group)
 
 
 def _rows(features: list[dict], steps: int, max_rows: int = 64) -> dict:

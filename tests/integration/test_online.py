@@ -138,7 +138,8 @@ def test_swap_mid_generation_never_mixes_versions(policy_dir, monkeypatch):
         for m in rt.modules():
             m.register_forward_hook(lambda *a, v=v: log.append(("call", v)))
         for name, lin in (rt._fused or {}).items():  # the fused inference linears are plain callables
-            rt._fused[name] = lambda x, lin=lin, v=v: (log.append(("call", v)), lin(x))[1]
+            if not isinstance(lin, torch.Tensor):  # (the normed embedding table and rms_unit's constant are not)
+                rt._fused[name] = lambda x, lin=lin, v=v: (log.append(("call", v)), lin(x))[1]
         propose = rt.propose
 
         def recording_propose(*a, **kw):
@@ -366,6 +367,44 @@ def test_sync_training_is_held_to_its_time_bank(trained, monkeypatch):
     # 50 ms: 2 steps (10 ms left); 10 ms covers no step: nothing (no debt), twice; 510 ms: 25 steps (10 ms left)
     assert taken == [2, 0, 0, 25]
     assert tracker.bank_s == pytest.approx(0.01)
+
+
+def test_time_bank_predicts_each_step_from_its_batch_lengths(trained, monkeypatch):
+    """A drafter step costs in proportion to its batch's padded tokens: batches of long rollouts cost several times
+    those of short ones. The bank predicts each step from its batch (seconds per token, a moving average), so an
+    update never starts a step it cannot pay for and the bank never goes into debt; a per-step average let a long
+    batch after short ones overspend it."""
+    clock = _fake_clock(monkeypatch)
+    tracker, _ = _tracker_with_features(trained, _engine(trained), "online.budget_frac=0.05",
+                                        "online.steps_per_update=50", "train.batch_size=1")
+    rec = tracker.buffer.records[0]
+    s, X, V = tracker.buffer.steps, rec["aux"].shape[1], rec["target_probs"].shape[1]
+    g = torch.Generator().manual_seed(0)
+
+    def record(L):
+        return {"aux": torch.randn(L, X, generator=g), "next_ids": torch.randint(0, V, (L + s - 1,), generator=g),
+                "target_probs": torch.softmax(torch.randn(L + s, V, generator=g), -1),
+                "valid": torch.ones(L + s, dtype=torch.bool)}
+
+    tracker.buffer.records.clear()
+    for L in (4, 4, 4, 40, 4, 4, 4, 40):
+        tracker.buffer.records.append(record(L))
+    step = tracker.trainer.step
+
+    def step_by_tokens(batch):  # 0.5 ms per padded position
+        clock[0] += 0.0005 * batch["aux"].shape[0] * batch["aux"].shape[1]
+        return step(batch)
+
+    monkeypatch.setattr(tracker.trainer, "step", step_by_tokens)
+    tracker._last_update_t = 0.0
+    banks, steps = [], 0
+    for i in range(16):
+        clock[0] += 0.2  # each RL step earns 10 ms: five short steps, half a long one
+        out = tracker.on_policy_update(trained["policy"], i)
+        steps += out["drafter_steps"]
+        banks.append(tracker.bank_s)
+    assert steps >= 16
+    assert min(banks[1:]) >= -1e-9, banks  # the first update, with nothing measured yet, may overspend
 
 
 def test_time_bank_counts_rl_time_from_the_first_capture(trained, monkeypatch):
