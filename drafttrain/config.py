@@ -73,6 +73,9 @@ class TrainConfig:
     lr: float = 1e-3
     weight_decay: float = 0.0
     batch_size: int = 16  # sequences per drafter step
+    # share of each batch's positions the loss is taken at (random, per step): every position still feeds the
+    # attention's keys, while attention, MLP, head and the deeper TTT steps run for those queries only
+    query_frac: float = 1.0
     max_grad_norm: float = 1.0
     seed: int = 0
 

@@ -200,13 +200,18 @@ class Eagle3Drafter(nn.Module):
         return linear(rms_unit(pre, f["c"]), f["lm_head"]), pre
 
     # ---- training: training-time test ---------------------------------------------------------------------
-    def ttt_logits(self, aux: torch.Tensor, next_ids: torch.Tensor, steps: int) -> list[torch.Tensor]:
+    def ttt_logits(self, aux: torch.Tensor, next_ids: torch.Tensor, steps: int,
+                   queries: torch.Tensor | None = None) -> list[torch.Tensor]:
         """aux [B, T, A*H] policy aux states at positions t; next_ids [B, T+steps-1] with next_ids[:, t] =
         token_{t+1}. Returns `steps` draft-logit tensors [B, T, Vd]; step i at position t predicts token_{t+2+i}.
 
         Step i >= 1 feeds token_{t+1+i} with the drafter's own hidden from step i-1 at t, exactly as chain
         drafting does at position t+i. Its query sees the step-0 keys at positions <= t (the policy-derived
-        cache) plus, diagonally, its own chain's keys from steps 1..i (SpecForge's TTT attention)."""
+        cache) plus, diagonally, its own chain's keys from steps 1..i (SpecForge's TTT attention).
+
+        queries [S] (ascending positions, shared by the rows): logits at those positions only, [B, S, Vd], equal to
+        the full result there. Every position still gives its step-0 key and value; the attention, the MLP, the head
+        and every later step run for the S queries alone (cheaper training steps over more rollouts)."""
         c = self.config
         B, T, _ = aux.shape
         pos = torch.arange(T).expand(B, T)
@@ -214,19 +219,27 @@ class Eagle3Drafter(nn.Module):
         scale = 1.0 / math.sqrt(c.head_dim)
         rep = c.num_attention_heads // c.num_key_value_heads
         causal = torch.ones(T, T, dtype=torch.bool).tril()
+        if queries is not None:
+            causal = causal[queries]  # [S, T]
         ks, vs, outs = [], [], []
         for i in range(steps):
-            emb = self.embed_tokens(next_ids[:, i:i + T])  # token_{t+1+i}
-            q, k, v, res = self._qkv(emb, hidden, pos + i)
-            k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)  # [B, Hq, T, D]
+            if i == 0:
+                q, k, v, res = self._qkv(self.embed_tokens(next_ids[:, :T]), hidden, pos)  # token_{t+1}
+                if queries is not None:
+                    q, res = q[:, :, queries], res[:, queries]
+                    pos = pos[:, queries]
+            else:
+                tok = next_ids[:, i:i + T] if queries is None else next_ids[:, queries + i]  # token_{t+1+i}
+                q, k, v, res = self._qkv(self.embed_tokens(tok), hidden, pos + i)
+            k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)  # [B, Hq, T (step 0) or S, D]
             if i == 0:
                 k0, v0 = k, v
             else:
                 ks.append(k)
                 vs.append(v)
-            s0 = (q @ k0.transpose(-1, -2)) * scale  # [B, Hq, T, T]
+            s0 = (q @ k0.transpose(-1, -2)) * scale  # [B, Hq, S, T]
             s0 = s0.masked_fill(~causal, float("-inf"))
-            diag = [((q * kj).sum(-1) * scale).unsqueeze(-1) for kj in ks]  # each [B, Hq, T, 1]
+            diag = [((q * kj).sum(-1) * scale).unsqueeze(-1) for kj in ks]  # each [B, Hq, S, 1]
             p = torch.cat([s0, *diag], -1).softmax(-1)
             o = p[..., :T] @ v0
             for j, vj in enumerate(vs):
@@ -235,22 +248,28 @@ class Eagle3Drafter(nn.Module):
             outs.append(logits)
         return outs
 
-    def ttt_loss(self, aux, next_ids, target_probs, valid, steps: int, decay: float):
+    def ttt_loss(self, aux, next_ids, target_probs, valid, steps: int, decay: float, query_frac: float = 1.0,
+                 generator: torch.Generator | None = None):
         """Soft cross-entropy against the policy's distribution, unrolled `steps` steps, step i weighted decay**i.
 
         aux [B, T, A*H]; next_ids [B, T+steps-1]; target_probs [B, T+steps, V]: the policy's next-token
         distribution at each position, so step i at t is scored against target_probs[:, t+1+i];
         valid [B, T+steps] bool: positions whose target distribution is real (not padding, not past the end).
+        query_frac < 1: the loss over a random subset of that share of the positions (ttt_logits' queries).
         Returns (loss, per-step accuracy list) where accuracy = draft argmax == policy argmax."""
         T = aux.shape[1]
         ids = self.draft_ids()
-        logits = self.ttt_logits(aux, next_ids, steps)
+        S = torch.arange(T)
+        if query_frac < 1.0:
+            n = max(1, math.ceil(query_frac * T))
+            S = torch.randperm(T, generator=generator)[:n].sort().values
+        logits = self.ttt_logits(aux, next_ids, steps, None if query_frac >= 1.0 else S)
         total, accs, wsum = 0.0, [], 0.0
         for i, lg in enumerate(logits):
-            tp = target_probs[:, 1 + i:1 + i + T].float()[..., ids]  # [B, T, Vd] policy mass on draft vocab
+            tp = target_probs[:, 1 + i + S].float()[..., ids]  # [B, S, Vd] policy mass on draft vocab
             tp = tp / tp.sum(-1, keepdim=True).clamp_min(1e-8)
-            m = valid[:, 1 + i:1 + i + T].float()  # [B, T]
-            ce = -(tp * lg.log_softmax(-1)).sum(-1)  # [B, T]
+            m = valid[:, 1 + i + S].float()  # [B, S]
+            ce = -(tp * lg.log_softmax(-1)).sum(-1)  # [B, S]
             denom = m.sum().clamp_min(1.0)
             total = total + (decay ** i) * (ce * m).sum() / denom
             wsum += decay ** i

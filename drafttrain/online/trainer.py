@@ -23,12 +23,16 @@ from accelerate import Accelerator
 class _TTTLoss(nn.Module):
     """Routes the loss through forward() so a DDP wrapper sees the call and syncs the gradients."""
 
-    def __init__(self, drafter: nn.Module, steps: int, decay: float):
+    def __init__(self, drafter: nn.Module, steps: int, decay: float, query_frac: float = 1.0, seed: int = 0):
         super().__init__()
-        self.drafter, self.steps, self.decay = drafter, steps, decay
+        self.drafter, self.steps, self.decay, self.query_frac = drafter, steps, decay, query_frac
+        self.gen = torch.Generator().manual_seed(seed)
 
     def forward(self, aux, next_ids, target_probs, valid):
-        return self.drafter.ttt_loss(aux, next_ids, target_probs, valid, self.steps, self.decay)
+        if self.query_frac >= 1.0:
+            return self.drafter.ttt_loss(aux, next_ids, target_probs, valid, self.steps, self.decay)
+        return self.drafter.ttt_loss(aux, next_ids, target_probs, valid, self.steps, self.decay,
+                                     query_frac=self.query_frac, generator=self.gen)
 
 
 class DrafterTrainer:
@@ -39,7 +43,11 @@ class DrafterTrainer:
         drafter.train()
         params = [p for p in drafter.parameters() if p.requires_grad]  # embed_tokens is frozen
         opt = torch.optim.AdamW(params, lr=cfg_train.lr, weight_decay=cfg_train.weight_decay)
-        self.model, self.opt = self.acc.prepare(_TTTLoss(drafter, self.steps, self.decay), opt)
+        qf = float(getattr(cfg_train, "query_frac", 1.0))
+        if not 0.0 < qf <= 1.0:
+            raise ValueError(f"train.query_frac must be in (0, 1], got {qf}")
+        self.model, self.opt = self.acc.prepare(
+            _TTTLoss(drafter, self.steps, self.decay, qf, int(getattr(cfg_train, "seed", 0))), opt)
         self.params = params
         self.step_count = 0
 

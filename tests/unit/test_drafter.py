@@ -390,3 +390,26 @@ def test_ragged_catch_up_drafts_as_each_row_alone(drafter, fused):
             n = int(n_new[b])
             t1, _ = d.propose(st1, ids[b:b + 1, :n], aux[b:b + 1, :n], n_new[b:b + 1], start[b:b + 1], k, params, True)
             assert torch.equal(t1[0], toks[b]), b
+
+
+def test_ttt_queries_equal_the_full_result_there(drafter):
+    """ttt_logits at a subset of query positions (cheaper online steps) is the full result at those positions, for
+    every TTT step; ttt_loss with query_frac < 1 trains (finite, with gradients into every trained tensor)."""
+    d = perturbed(drafter, seed=12)
+    c = d.config
+    B, T, steps = 2, 9, 3
+    g = torch.Generator().manual_seed(4)
+    aux = torch.randn(B, T, len(c.aux_layer_ids) * c.hidden_size, generator=g)
+    next_ids = torch.randint(0, c.vocab_size, (B, T + steps - 1), generator=g)
+    S = torch.tensor([0, 3, 4, 8])
+    with torch.no_grad():
+        full = d.ttt_logits(aux, next_ids, steps)
+        sub = d.ttt_logits(aux, next_ids, steps, S)
+    for f, s in zip(full, sub):
+        torch.testing.assert_close(s, f[:, S], atol=1e-5, rtol=1e-5)
+    probs = torch.softmax(torch.randn(B, T + steps, c.vocab_size, generator=g), -1)
+    valid = torch.ones(B, T + steps, dtype=torch.bool)
+    loss, accs = d.ttt_loss(aux, next_ids, probs, valid, steps, 0.8, query_frac=0.4, generator=g)
+    loss.backward()
+    assert torch.isfinite(loss) and len(accs) == steps
+    assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in d.parameters() if p.requires_grad)
