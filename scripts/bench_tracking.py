@@ -75,7 +75,9 @@ def train_oracle(base, feats, rc, steps):
     buf = FeatureBuffer(1 << 30, dtype=torch.float32)
     for f in feats:
         buf.add(f)
-    tr = DrafterTrainer(oracle, rc.train, rc.drafter, buffer=buf)
+    tc = copy.deepcopy(rc.train)
+    tc.query_frac = 1.0  # the upper bound trains on every position, whatever the recipe's online steps do
+    tr = DrafterTrainer(oracle, tc, rc.drafter, buffer=buf)
     for _ in range(steps):
         tr.step(buf.sample(rc.train.batch_size))
     return oracle.eval()
