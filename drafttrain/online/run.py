@@ -109,11 +109,12 @@ def main(cfg) -> list[dict]:
                initial=start, total=cfg.rl.steps)
     for step in bar:
         rec, ro = grpo.run_step(step, ro, last=step == cfg.rl.steps - 1)
-        if logger:
-            logger.log(rec)
-            bar.set_postfix(reward=f"{rec['reward_mean']:.2f}", mal=f"{rec['live_mal']:.2f}",
-                            frozen=f"{rec.get('frozen_tf_mal') or 0:.2f}", v=tracker.version)
-        ckpt.save(step + 1, grpo, tracker, cfg.recipe, before)
+        with tracker.outside_rl_step():  # logging and checkpoints earn the drafter's time bank nothing
+            if logger:
+                logger.log(rec)
+                bar.set_postfix(reward=f"{rec['reward_mean']:.2f}", mal=f"{rec['live_mal']:.2f}",
+                                frozen=f"{rec.get('frozen_tf_mal') or 0:.2f}", v=tracker.version)
+            ckpt.save(step + 1, grpo, tracker, cfg.recipe, before)
     if logger is None:
         return []
     logger.close()

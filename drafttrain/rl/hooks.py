@@ -179,6 +179,17 @@ class DraftTracker:
         self._last_update_t = time.perf_counter()
         return out
 
+    @contextlib.contextmanager
+    def outside_rl_step(self):
+        """Host work between RL steps that is not RL time (checkpoint saves, logging): the time inside earns the
+        sync time bank nothing, so drafter work stays a share of the RL steps themselves."""
+        t = time.perf_counter()
+        try:
+            yield
+        finally:
+            if self._last_update_t is not None:
+                self._last_update_t += time.perf_counter() - t
+
     def wait(self) -> dict:
         if self._thread is not None:
             self._thread.join()

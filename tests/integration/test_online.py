@@ -407,6 +407,19 @@ def test_time_bank_predicts_each_step_from_its_batch_lengths(trained, monkeypatc
     assert min(banks[1:]) >= -1e-9, banks  # the first update, with nothing measured yet, may overspend
 
 
+def test_host_work_outside_rl_steps_earns_no_budget(trained, monkeypatch):
+    """Checkpoint saves and logging between RL steps (tracker.outside_rl_step) are not RL time: 1 s of RL plus 10 s
+    of saving earns 50 ms (2 steps of 20 ms), not 550 ms."""
+    clock = _fake_clock(monkeypatch)
+    tracker = _banked_tracker(trained, monkeypatch, clock)
+    tracker._last_update_t = 0.0
+    clock[0] += 0.5
+    with tracker.outside_rl_step():
+        clock[0] += 10.0
+    clock[0] += 0.5
+    assert tracker.on_policy_update(trained["policy"], 0)["drafter_steps"] == 2
+
+
 def test_time_bank_counts_rl_time_from_the_first_capture(trained, monkeypatch):
     """Set-up before the first rollout or capture (loading, engine builds) is not RL time: 100 s of it must not
     fill the bank. Only the 1 s from the first capture to the update earns (50 ms: 2 steps of 20 ms)."""
