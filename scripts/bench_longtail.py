@@ -10,8 +10,9 @@ AR | SD-always at fixed k | SD + toggle (fixed k) | SD + toggle + auto k | SD + 
 warmed up on the same workload with other seeds, then every engine runs it `repeats` times, interleaved; the median
 wall time counts (single runs of a ~0.7 s batch vary by 20% on this machine).
 Sweep: tokens/s at an active batch B for AR, SD-always and SD + toggle: real rollouts of the workload's prompts
-(stop token on), counting the decode steps with at least 3/4 of B rows still active, over max(1, sweep_rows // B)
-batches per repeat; the median of sweep_repeats interleaved repeats, and the share of those steps the toggle ran
+(stop token on), counting the decode steps with at least 3/4 of B rows still active, over
+max(sweep_min_batches, sweep_rows // B) batches per repeat (a batch of 64 keeps 3/4 of its rows for only ~2 SD
+steps: one batch per repeat measured noise); the median of sweep_repeats interleaved repeats, and the share of those steps the toggle ran
 SD in. (Until 2026-11-30 the sweep ran without a stop token at a constant batch: past its end of text the policy
 writes junk that no drafter predicts, mean accepted length ~2 against ~4.3, which misstated SD at every batch.)
 Prints tables; writes bench/longtail.json and bench/longtail_trace.png (active batch, SD on/off and k per step).
@@ -34,7 +35,8 @@ from drafttrain.spec import SamplingParams
 
 DEFAULTS = dict(recipe="eagle3_track", prompts=16, group=4, max_new_tokens=256, k=5, seed=4321,
                 drafters=["eagle3", "selfquant_int8", "selfquant_int4"], sweep_batches=[1, 2, 4, 8, 16, 32, 64],
-                repeats=5, sweep_tokens=256, sweep_rows=16, sweep_repeats=3, out="bench/longtail.json", threads=2)
+                repeats=7, sweep_tokens=256, sweep_rows=16, sweep_min_batches=4, sweep_repeats=5,
+                out="bench/longtail.json", threads=2)
 
 MODES = {  # name -> engine overrides (None = AR)
     "ar": None,
@@ -112,14 +114,16 @@ def main(cfg) -> dict:
     # sweep: throughput at an active batch, best drafter. Real rollouts (stop token on: past its end of text the
     # policy writes junk no drafter predicts, which would misstate SD), so the batch shrinks as rows finish:
     # each B counts only the decode steps with at least 3/4 of B rows active (step_batch/step_tokens), over
-    # max(1, sweep_rows // B) batches of B distinct prompts per repeat
+    # max(sweep_min_batches, sweep_rows // B) batches of B prompts per repeat
     sweep = []
     drafter = make_drafter(best["drafter"], rc, policy)
     engines = {"ar": (engine_for(rc, policy, None, cfg.k), False), "sd": (engine_for(rc, policy, drafter, cfg.k), True),
                "toggle": (engine_for(rc, policy, drafter, cfg.k, toggle=True), True)}
     sp = replace(params, max_new_tokens=cfg.sweep_tokens)
     for B in cfg.sweep_batches:
-        chunks = [(prompts * (B // len(prompts) + 1))[i * B:(i + 1) * B] for i in range(max(1, cfg.sweep_rows // B))]
+        n_chunks = max(cfg.sweep_min_batches, cfg.sweep_rows // B)
+        pool = prompts * ((n_chunks * B) // len(prompts) + 1)
+        chunks = [pool[i * B:(i + 1) * B] for i in range(n_chunks)]
         interleaved(engines, chunks[0], lambda rep: replace(sp, max_new_tokens=16, seed=cfg.seed + 1), 1)  # warm-up
         tps = {name: [] for name in engines}
         on = []

@@ -198,12 +198,13 @@ class DraftTracker:
 
     def _update(self, rl_s: float | None) -> dict:
         """Train up to online.steps_per_update steps, then publish. Sync mode (rl_s = the RL step's own time):
-        within time_budget_s and the time bank (budget_frac, see the module doc). An update starts only when the
-        bank covers its first batch's step plus the update's fixed work (acceptance estimate, publish: a moving
-        average of what it took), and takes another step while the bank still covers the next batch's: a step is
-        predicted as its batch's padded tokens x a moving average of seconds per token, since batches of long
-        rollouts cost several times those of short ones. The bank does not go into debt beyond the error of those
-        predictions (the first update, with nothing measured yet, takes one step)."""
+        within time_budget_s and the time bank (budget_frac, see the module doc). A step is predicted as its batch's
+        padded tokens x a moving average of seconds per token (batches of long rollouts cost several times those of
+        short ones), with a margin. Each step trains on as many records of its length-grouped batch as the bank
+        still covers after the update's fixed work (acceptance estimate, publish: a moving average of what it
+        took); the update ends when not one record fits. So the bank does not go into debt beyond the error of
+        those predictions, and a long batch is cut to what is paid for rather than skipped (the first update, with
+        nothing measured yet, takes one whole batch)."""
         oc, t0 = self.cfg.online, time.perf_counter()
         bank = oc.budget_frac > 0 and rl_s is not None
         fixed = self._fixed_cost_s or 0.0
@@ -216,19 +217,34 @@ class DraftTracker:
 
         refill(oc.steps_per_update)
 
-        def cost(group) -> float:  # the predicted seconds of a step on this group (0 before any was measured)
-            return (self._tok_cost_s or 0.0) * _padded_tokens(group)
-
         fixed *= BANK_MARGIN  # predictions with a margin: the bank pays for what they miss
+
+        def fit(group: list[dict], budget: float | None) -> list[dict] | None:
+            """The most records of `group` (ascending lengths: a prefix) whose predicted step fits `budget`
+            (None: all); None if not even one does. Nothing measured yet: the whole group."""
+            if budget is None or self._tok_cost_s is None:
+                return group
+            per_row = BANK_MARGIN * self._tok_cost_s
+            n = 0
+            while n < len(group) and per_row * (n + 1) * group[n]["aux"].shape[0] <= budget:
+                n += 1
+            return group[:n] if n else None
+
+        def budget(spent: float) -> float | None:  # what the next step may cost (sync mode)
+            if rl_s is None:
+                return None
+            left = oc.time_budget_s - spent
+            return min(left, self.bank_s - spent - fixed) if bank else left
 
         if bank:
             self.bank_s = min(self.bank_s + oc.budget_frac * rl_s, oc.time_budget_s) - self._capture_last
-            need = min(BANK_MARGIN * cost(groups[-1]) + fixed, oc.time_budget_s)
-            if self.bank_s <= 0 or self.bank_s < need:
+            if self.bank_s <= 0 or fit(groups[-1], budget(0.0)) is None:
                 return self._idle()
         losses, skipped = [], 0
         while groups and len(losses) < oc.steps_per_update:
-            group = groups.pop()
+            group = fit(groups.pop(), budget(time.perf_counter() - t0))
+            if group is None:  # not one record of it fits what is left
+                break
             ts = time.perf_counter()
             with self._lock:  # per step, so captures and measurements wait at most one drafter step
                 out = self.trainer.step(collate(group, self.buffer.steps))
@@ -237,11 +253,7 @@ class DraftTracker:
             self._tok_cost_s = per_tok if self._tok_cost_s is None else 0.8 * self._tok_cost_s + 0.2 * per_tok
             skipped += out["nonfinite"]
             losses.append(out["loss"])
-            spent = time.perf_counter() - t0
             refill(oc.steps_per_update - len(losses))
-            nxt = BANK_MARGIN * cost(groups[-1]) if groups else 0.0
-            if rl_s is not None and (spent + nxt > oc.time_budget_s or bank and spent + nxt + fixed > self.bank_s):
-                break
         t_fixed = time.perf_counter()
         with self._lock:
             weights = {k: v.detach().clone() for k, v in self.drafter.state_dict().items()}

@@ -338,13 +338,14 @@ def _fake_clock(monkeypatch):
 
 
 def _banked_tracker(trained, monkeypatch, clock):
-    """A tracker with budget_frac=0.05 whose drafter steps take 20 ms of the fake clock each."""
+    """A tracker with budget_frac=0.05 whose drafter steps take 5 ms of the fake clock per record (20 ms for a
+    whole batch of 4 equal-length records)."""
     tracker, _ = _tracker_with_features(trained, _engine(trained), "online.budget_frac=0.05",
                                         "online.steps_per_update=50")
     step = tracker.trainer.step
 
     def slow_step(batch):
-        clock[0] += 0.02
+        clock[0] += 0.005 * batch["aux"].shape[0]
         return step(batch)
 
     monkeypatch.setattr(tracker.trainer, "step", slow_step)
@@ -353,8 +354,8 @@ def _banked_tracker(trained, monkeypatch, clock):
 
 def test_sync_training_is_held_to_its_time_bank(trained, monkeypatch):
     """online.budget_frac=0.05: each RL second earns 50 ms of drafter work. On a fake clock where only drafter steps
-    take time (20 ms each), the steps per update follow the bank exactly: an update starts only when the bank
-    covers a step, so the bank never goes into debt."""
+    take time (5 ms a record, 20 ms a batch), the steps per update follow the bank: whole batches while the bank
+    covers one (with the 1.25 margin: 25 ms), then as many records as it covers, never going into debt."""
     clock = _fake_clock(monkeypatch)
     tracker = _banked_tracker(trained, monkeypatch, clock)
     tracker._last_update_t = 0.0
@@ -364,9 +365,10 @@ def test_sync_training_is_held_to_its_time_bank(trained, monkeypatch):
         out = tracker.on_policy_update(trained["policy"], len(taken))
         taken.append(out["drafter_steps"])
         assert out["published"] == (out["drafter_steps"] > 0)
-    # 50 ms: 2 steps (10 ms left); 10 ms covers no step: nothing (no debt), twice; 510 ms: 25 steps (10 ms left)
-    assert taken == [2, 0, 0, 25]
-    assert tracker.bank_s == pytest.approx(0.01)
+    # 50 ms: 2 whole batches, then 1 record (6.25 ms predicted) of the third, 5 ms left; 5 ms covers no record:
+    # nothing (no debt), twice; 505 ms: 25 whole batches, 5 ms left
+    assert taken == [3, 0, 0, 25]
+    assert tracker.bank_s == pytest.approx(0.005)
 
 
 def test_time_bank_predicts_each_step_from_its_batch_lengths(trained, monkeypatch):
@@ -409,7 +411,7 @@ def test_time_bank_predicts_each_step_from_its_batch_lengths(trained, monkeypatc
 
 def test_host_work_outside_rl_steps_earns_no_budget(trained, monkeypatch):
     """Checkpoint saves and logging between RL steps (tracker.outside_rl_step) are not RL time: 1 s of RL plus 10 s
-    of saving earns 50 ms (2 steps of 20 ms), not 550 ms."""
+    of saving earns 50 ms (2 batches and 1 record), not 550 ms (27 steps)."""
     clock = _fake_clock(monkeypatch)
     tracker = _banked_tracker(trained, monkeypatch, clock)
     tracker._last_update_t = 0.0
@@ -417,12 +419,12 @@ def test_host_work_outside_rl_steps_earns_no_budget(trained, monkeypatch):
     with tracker.outside_rl_step():
         clock[0] += 10.0
     clock[0] += 0.5
-    assert tracker.on_policy_update(trained["policy"], 0)["drafter_steps"] == 2
+    assert tracker.on_policy_update(trained["policy"], 0)["drafter_steps"] == 3
 
 
 def test_time_bank_counts_rl_time_from_the_first_capture(trained, monkeypatch):
     """Set-up before the first rollout or capture (loading, engine builds) is not RL time: 100 s of it must not
-    fill the bank. Only the 1 s from the first capture to the update earns (50 ms: 2 steps of 20 ms)."""
+    fill the bank. Only the 1 s from the first capture to the update earns (50 ms: 2 batches and 1 record)."""
     from drafttrain.rl import hooks
 
     clock = _fake_clock(monkeypatch)
@@ -435,7 +437,7 @@ def test_time_bank_counts_rl_time_from_the_first_capture(trained, monkeypatch):
     monkeypatch.setattr(hooks.DraftTracker, "start_capture", late_capture)
     tracker = _banked_tracker(trained, monkeypatch, clock)
     clock[0] += 1.0
-    assert tracker.on_policy_update(trained["policy"], 0)["drafter_steps"] == 2
+    assert tracker.on_policy_update(trained["policy"], 0)["drafter_steps"] == 3
 
 
 def test_capture_time_is_charged_to_the_time_bank(trained, monkeypatch):
