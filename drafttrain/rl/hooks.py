@@ -351,12 +351,15 @@ class DraftTracker:
         self.wait()
         return {"frozen": self.frozen.state_dict(), "version": self.publisher.version,
                 "good_weights": self.publisher.good_weights, "good_version": self.publisher.good_version,
-                "policy_version": self.policy_version, "bank_s": self.bank_s}
+                "policy_version": self.policy_version, "bank_s": self.bank_s,
+                # the bank's cost predictions: a resumed run that forgot them would overspend its first update
+                "tok_cost_s": self._tok_cost_s, "fixed_cost_s": self._fixed_cost_s}
 
     def load_state_dict(self, state: dict) -> None:
         self.frozen.load_state_dict(state["frozen"])
         self.policy_version = state["policy_version"]
         self.bank_s = state.get("bank_s", 0.0)
+        self._tok_cost_s, self._fixed_cost_s = state.get("tok_cost_s"), state.get("fixed_cost_s")
         self.publisher.good_weights, self.publisher.good_version = state["good_weights"], state["good_version"]
         if state["version"] > 0:  # engines serve the last good weights; the drafter may hold newer, rejected ones
             self.publisher._load_all({k: v.detach().clone() for k, v in state["good_weights"].items()},

@@ -422,6 +422,25 @@ def test_host_work_outside_rl_steps_earns_no_budget(trained, monkeypatch):
     assert tracker.on_policy_update(trained["policy"], 0)["drafter_steps"] == 3
 
 
+def test_resumed_tracker_keeps_the_banks_cost_predictions(trained, monkeypatch):
+    """A resumed run restores the bank and its cost predictions: without them its first update trains whole batches
+    unpredicted and overspends (bench_tracking resumes at each checkpoint; it overspent 0.19 s there)."""
+    clock = _fake_clock(monkeypatch)
+    tracker = _banked_tracker(trained, monkeypatch, clock)
+    tracker._last_update_t = 0.0
+    clock[0] += 1.0
+    tracker.on_policy_update(trained["policy"], 0)
+    state = tracker.state_dict()
+    fresh = _banked_tracker(trained, monkeypatch, clock)
+    fresh.load_state_dict(state)
+    assert fresh._tok_cost_s == pytest.approx(tracker._tok_cost_s) and fresh._tok_cost_s is not None
+    assert fresh.bank_s == pytest.approx(tracker.bank_s)
+    fresh._last_update_t = clock[0]
+    clock[0] += 0.1  # earns 5 ms: with the 5 ms kept, one record (6.25 ms predicted); unpredicted, a whole batch
+    assert fresh.on_policy_update(trained["policy"], 1)["drafter_steps"] == 1
+    assert fresh.bank_s == pytest.approx(0.005)  # a whole batch (20 ms) would have put it 10 ms in debt
+
+
 def test_time_bank_counts_rl_time_from_the_first_capture(trained, monkeypatch):
     """Set-up before the first rollout or capture (loading, engine builds) is not RL time: 100 s of it must not
     fill the bank. Only the 1 s from the first capture to the update earns (50 ms: 2 batches and 1 record)."""
