@@ -241,7 +241,8 @@ class DraftTracker:
             if self.bank_s <= 0 or fit(groups[-1], budget(0.0)) is None:
                 return self._idle()
         losses, skipped = [], 0
-        while groups and len(losses) < oc.steps_per_update:
+        unmeasured = self._tok_cost_s is None or self._fixed_cost_s is None  # the bank's first update: one batch
+        while groups and len(losses) < oc.steps_per_update and not (unmeasured and bank and losses):
             group = fit(groups.pop(), budget(time.perf_counter() - t0))
             if group is None:  # not one record of it fits what is left
                 break

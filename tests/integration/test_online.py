@@ -354,8 +354,9 @@ def _banked_tracker(trained, monkeypatch, clock):
 
 def test_sync_training_is_held_to_its_time_bank(trained, monkeypatch):
     """online.budget_frac=0.05: each RL second earns 50 ms of drafter work. On a fake clock where only drafter steps
-    take time (5 ms a record, 20 ms a batch), the steps per update follow the bank: whole batches while the bank
-    covers one (with the 1.25 margin: 25 ms), then as many records as it covers, never going into debt."""
+    take time (5 ms a record, 20 ms a batch), the steps per update follow the bank: after a first update of one
+    batch (nothing measured yet), whole batches while the bank covers one (with the 1.25 margin: 25 ms), then as
+    many records as it covers, never going into debt."""
     clock = _fake_clock(monkeypatch)
     tracker = _banked_tracker(trained, monkeypatch, clock)
     tracker._last_update_t = 0.0
@@ -365,9 +366,9 @@ def test_sync_training_is_held_to_its_time_bank(trained, monkeypatch):
         out = tracker.on_policy_update(trained["policy"], len(taken))
         taken.append(out["drafter_steps"])
         assert out["published"] == (out["drafter_steps"] > 0)
-    # 50 ms: 2 whole batches, then 1 record (6.25 ms predicted) of the third, 5 ms left; 5 ms covers no record:
-    # nothing (no debt), twice; 505 ms: 25 whole batches, 5 ms left
-    assert taken == [3, 0, 0, 25]
+    # 50 ms: the first update (nothing measured yet) takes one batch, 30 ms left; then 1 batch (25 ms predicted)
+    # and 1 record (6.25 ms), 5 ms left; 5 ms covers no record: nothing (no debt); 505 ms: 25 batches, 5 ms left
+    assert taken == [1, 2, 0, 25]
     assert tracker.bank_s == pytest.approx(0.005)
 
 
@@ -411,7 +412,7 @@ def test_time_bank_predicts_each_step_from_its_batch_lengths(trained, monkeypatc
 
 def test_host_work_outside_rl_steps_earns_no_budget(trained, monkeypatch):
     """Checkpoint saves and logging between RL steps (tracker.outside_rl_step) are not RL time: 1 s of RL plus 10 s
-    of saving earns 50 ms (2 batches and 1 record), not 550 ms (27 steps)."""
+    of saving earns 50 ms, not 550 ms."""
     clock = _fake_clock(monkeypatch)
     tracker = _banked_tracker(trained, monkeypatch, clock)
     tracker._last_update_t = 0.0
@@ -419,7 +420,8 @@ def test_host_work_outside_rl_steps_earns_no_budget(trained, monkeypatch):
     with tracker.outside_rl_step():
         clock[0] += 10.0
     clock[0] += 0.5
-    assert tracker.on_policy_update(trained["policy"], 0)["drafter_steps"] == 3
+    tracker.on_policy_update(trained["policy"], 0)  # the first update: one batch (20 ms)
+    assert tracker.bank_s == pytest.approx(0.03)
 
 
 def test_resumed_tracker_keeps_the_banks_cost_predictions(trained, monkeypatch):
@@ -436,14 +438,15 @@ def test_resumed_tracker_keeps_the_banks_cost_predictions(trained, monkeypatch):
     assert fresh._tok_cost_s == pytest.approx(tracker._tok_cost_s) and fresh._tok_cost_s is not None
     assert fresh.bank_s == pytest.approx(tracker.bank_s)
     fresh._last_update_t = clock[0]
-    clock[0] += 0.1  # earns 5 ms: with the 5 ms kept, one record (6.25 ms predicted); unpredicted, a whole batch
-    assert fresh.on_policy_update(trained["policy"], 1)["drafter_steps"] == 1
-    assert fresh.bank_s == pytest.approx(0.005)  # a whole batch (20 ms) would have put it 10 ms in debt
+    clock[0] += 0.1  # earns 5 ms: with the 30 ms kept, one batch (25 ms predicted) and two records (12.5 ms)
+    assert fresh.on_policy_update(trained["policy"], 1)["drafter_steps"] == 2
+    assert fresh.bank_s == pytest.approx(0.005)
 
 
 def test_time_bank_counts_rl_time_from_the_first_capture(trained, monkeypatch):
     """Set-up before the first rollout or capture (loading, engine builds) is not RL time: 100 s of it must not
-    fill the bank. Only the 1 s from the first capture to the update earns (50 ms: 2 batches and 1 record)."""
+    fill the bank. Only the 1 s from the first capture to the update earns: 50 ms, of which the first update (one
+    batch, nothing measured yet) spends 20 ms."""
     from drafttrain.rl import hooks
 
     clock = _fake_clock(monkeypatch)
@@ -456,7 +459,8 @@ def test_time_bank_counts_rl_time_from_the_first_capture(trained, monkeypatch):
     monkeypatch.setattr(hooks.DraftTracker, "start_capture", late_capture)
     tracker = _banked_tracker(trained, monkeypatch, clock)
     clock[0] += 1.0
-    assert tracker.on_policy_update(trained["policy"], 0)["drafter_steps"] == 3
+    assert tracker.on_policy_update(trained["policy"], 0)["drafter_steps"] == 1
+    assert tracker.bank_s == pytest.approx(0.03)  # 100 s earning 5 s would have left ~4.98 s
 
 
 def test_capture_time_is_charged_to_the_time_bank(trained, monkeypatch):
