@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import shutil
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -104,11 +105,15 @@ def main(cfg) -> list[dict]:
     before = state.get("eval_before") if state else None  # the step-0 policy's, carried through resumes
     if logger and cfg.rl.eval_prompts and state is None:
         before = grpo.evaluate()
+    t_ro = time.perf_counter()
     ro = grpo.rollout(start) if start < cfg.rl.steps else None
+    first_rollout_s = time.perf_counter() - t_ro  # each later rollout is timed inside the step before it
     bar = tqdm(range(start, cfg.rl.steps), desc=f"{cfg.recipe}", disable=not acc.is_main_process,
                initial=start, total=cfg.rl.steps)
     for step in bar:
         rec, ro = grpo.run_step(step, ro, last=step == cfg.rl.steps - 1)
+        if step == start:  # the RL loop's wall time is the sum of rl_step_s: the first step's rollout belongs to it
+            rec["rl_step_s"] += first_rollout_s
         with tracker.outside_rl_step():  # logging and checkpoints earn the drafter's time bank nothing
             if logger:
                 logger.log(rec)

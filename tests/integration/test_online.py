@@ -84,6 +84,28 @@ def test_one_rl_step_with_hot_swap(policy_dir, tmp_path, monkeypatch, mode):
     assert state["eval_before"] == ev["before"]  # carried through a resume
 
 
+def test_rl_step_time_includes_the_steps_own_rollout(policy_dir, tmp_path, monkeypatch):
+    """rl_step_s adds up to the RL loop's wall time: a step's rollouts are generated inside the step before it,
+    except the first step's, which the loop makes before it starts; that one counts in the first step (it did not,
+    so online overhead against the RL step read ~0.2 points high)."""
+    from drafttrain.online import run
+    from drafttrain.rl.grpo import GRPO
+
+    took = {}
+    real = GRPO.rollout
+
+    def timed(self, step):
+        t = time.perf_counter()
+        out = real(self, step)
+        took[step] = time.perf_counter() - t
+        return out
+
+    monkeypatch.setattr(GRPO, "rollout", timed)
+    (rec,) = run.main(load_recipe("eagle3_track", overrides(policy_dir, tmp_path, "rl.eval_prompts=0")))
+    assert 0 in took and rec["rl_step_s"] >= took[0]
+    assert rec["rl_step_s"] - took[0] >= rec["drafter_train_s"]  # the rest is the step's own training
+
+
 def test_inline_canary_judges_a_swap_on_the_next_rollouts(policy_dir, tmp_path):
     """online.canary=inline (the default): no probe generation; step 1's rollouts, the first the v1 drafter
     generated, are its canary, and the verdict lands in step 0's record."""
