@@ -259,16 +259,17 @@ class Eagle3Drafter(nn.Module):
         Returns (loss, per-step accuracy list) where accuracy = draft argmax == policy argmax."""
         T = aux.shape[1]
         ids = self.draft_ids()
-        S = torch.arange(T)
+        S = None  # every position
         if query_frac < 1.0:
             n = max(1, math.ceil(query_frac * T))
             S = torch.randperm(T, generator=generator)[:n].sort().values
-        logits = self.ttt_logits(aux, next_ids, steps, None if query_frac >= 1.0 else S)
+        logits = self.ttt_logits(aux, next_ids, steps, S)
         total, accs, wsum = 0.0, [], 0.0
         for i, lg in enumerate(logits):
-            tp = target_probs[:, 1 + i + S].float()[..., ids]  # [B, S, Vd] policy mass on draft vocab
+            at = slice(1 + i, 1 + i + T) if S is None else 1 + i + S  # the positions step i is scored at
+            tp = target_probs[:, at].float()[..., ids]  # [B, S, Vd] policy mass on draft vocab
             tp = tp / tp.sum(-1, keepdim=True).clamp_min(1e-8)
-            m = valid[:, 1 + i + S].float()  # [B, S]
+            m = valid[:, at].float()  # [B, S]
             ce = -(tp * lg.log_softmax(-1)).sum(-1)  # [B, S]
             denom = m.sum().clamp_min(1.0)
             total = total + (decay ** i) * (ce * m).sum() / denom

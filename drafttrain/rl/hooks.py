@@ -10,8 +10,8 @@
 online.mode=sync trains between RL steps, within online.time_budget_s and a time bank: each RL step earns
 online.budget_frac x its own time (measured between on_policy_update calls, drafter work excluded), and drafter work
 (capturing features in the loss forward, training steps, the acceptance estimate, publishing) spends it, so on
-average it adds at most budget_frac to the RL step time. An update the bank cannot pay for (one step plus the
-estimate and publish) trains and publishes nothing. online.mode=async trains and publishes in a background thread
+average it adds at most budget_frac to the RL step time. An update the bank cannot pay for (one record's step
+plus the estimate and publish) trains and publishes nothing. online.mode=async trains and publishes in a background thread
 (call wait() before reading its result; the next on_policy_update waits by itself).
 With online.canary=inline (the default) the loop hands each rollout batch to observe_rollout(batch): the first
 batch a new version generated is its canary (no extra generation).
@@ -207,7 +207,7 @@ class DraftTracker:
         nothing measured yet, takes one whole batch)."""
         oc, t0 = self.cfg.online, time.perf_counter()
         bank = oc.budget_frac > 0 and rl_s is not None
-        fixed = self._fixed_cost_s or 0.0
+        fixed = BANK_MARGIN * (self._fixed_cost_s or 0.0)  # predictions with a margin: the bank pays what they miss
         groups: list[list[dict]] = []
 
         def refill(left: int) -> None:  # length-grouped batches (less padding), collated only when used
@@ -216,8 +216,6 @@ class DraftTracker:
                     groups.extend(self.buffer.sample_groups(self.cfg.train.batch_size, left))
 
         refill(oc.steps_per_update)
-
-        fixed *= BANK_MARGIN  # predictions with a margin: the bank pays for what they miss
 
         def fit(group: list[dict], budget: float | None) -> list[dict] | None:
             """The most records of `group` (ascending lengths: a prefix) whose predicted step fits `budget`

@@ -141,6 +141,12 @@ def test_ttt_loss_alignment(drafter):
 
 # ---- export / load ------------------------------------------------------------------------------------------------
 
+def new_positions(c, B: int, m: int, g: torch.Generator):
+    """Random propose inputs for a drafter config: token ids [B, m] and policy aux states [B, m, A*H]."""
+    return (torch.randint(0, c.vocab_size, (B, m), generator=g),
+            torch.randn(B, m, len(c.aux_layer_ids) * c.hidden_size, generator=g))
+
+
 def perturbed(drafter, seed=0):
     """A copy with every tensor (norms and the vocab map included) moved off its init, so a round trip that drops
     or renames any of them is caught."""
@@ -347,8 +353,7 @@ def test_fused_inference_form_drafts_as_the_modules_do(drafter, int8):
     c = d.config
     B, m, k = 3, 5, 4
     g = torch.Generator().manual_seed(0)
-    ids = torch.randint(0, c.vocab_size, (B, m), generator=g)
-    aux = torch.randn(B, m, len(c.aux_layer_ids) * c.hidden_size, generator=g)
+    ids, aux = new_positions(c, B, m, g)
     n_new, start = torch.tensor([5, 2, 4]), torch.tensor([0, 3, 1])
     params = SamplingParams(temperature=1.0)
     out = [x.propose(x.new_state(B, 32), ids, aux, n_new, start, k, params, False, torch.Generator().manual_seed(1))
@@ -371,14 +376,12 @@ def test_ragged_catch_up_drafts_as_each_row_alone(drafter, fused):
     c = d.config
     B, m, k = 3, 6, 4
     g = torch.Generator().manual_seed(3)
-    ids = torch.randint(0, c.vocab_size, (B, m), generator=g)
-    aux = torch.randn(B, m, len(c.aux_layer_ids) * c.hidden_size, generator=g)
+    ids, aux = new_positions(c, B, m, g)
     n_new, start = torch.tensor([6, 2, 4]), torch.tensor([0, 5, 2])
     params = SamplingParams(temperature=1.0)
     with torch.no_grad():
         # earlier positions of each row, so the catch-up attends over a real prefix
-        pre_ids = torch.randint(0, c.vocab_size, (B, 5), generator=g)
-        pre_aux = torch.randn(B, 5, aux.shape[-1], generator=g)
+        pre_ids, pre_aux = new_positions(c, B, 5, g)
         st = d.new_state(B, 32)
         d.propose(st, pre_ids, pre_aux, start.clamp_min(1), torch.zeros(B, dtype=torch.long), 1, params, True)
         toks, q = d.propose(st, ids, aux, n_new, start, k, params, True)
