@@ -78,19 +78,22 @@ class Rope:
         self.cos, self.sin = emb.cos() * scaling, emb.sin() * scaling
         self.max_len = max_len
         half = emb.shape[-1] // 2
-        # rotate_half(x) * sin == x.roll(D/2) * sin with the sign folded into the table's first half
-        self._sin_signed = torch.cat([-self.sin[:, :half], self.sin[:, half:]], -1)
+        # rotate_half(x) * sin == x.roll(D/2) * sin with the sign folded into the table's first half; cos and the
+        # signed sin stacked [L, 2, D]: one gather per step reads both
+        self._cs = torch.stack([self.cos, torch.cat([-self.sin[:, :half], self.sin[:, half:]], -1)], 1)
 
     @staticmethod
     def from_theta(head_dim: int, theta: float, max_len: int) -> "Rope":
         inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
         return Rope(inv, max_len)
 
-    def tables(self, pos: torch.Tensor, head_dim: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, signed sin at pos [B, m], shaped [B, 1, m, D] (head_dim=1: x [B, H, m, D]) or [B, m, 1, D]
-        (head_dim=2: x [B, m, H, D]). Padding past the table is clamped: never read."""
-        pos = pos.clamp_max(self.max_len - 1)
-        return self.cos[pos].unsqueeze(head_dim), self._sin_signed[pos].unsqueeze(head_dim)
+    def tables(self, pos: torch.Tensor, top: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, signed sin at pos [B, m], shaped [B, m, 1, D] (for x [B, m, H, D]). Padding past the table is
+        clamped (never read); `top` (an upper bound of pos, if the caller has one) skips the clamp when in range."""
+        if top is None or top >= self.max_len:
+            pos = pos.clamp_max(self.max_len - 1)
+        cs = self._cs[pos]  # [B, m, 2, D]
+        return cs[:, :, :1], cs[:, :, 1:]
 
     @staticmethod
     def rotate(x: torch.Tensor, tables: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
@@ -151,10 +154,11 @@ class KVCache:
         self.v = [take(t) for t in self.v]
 
 
-def step_mask(pos0: torch.Tensor, m: int, length: int) -> torch.Tensor | None:
+def step_mask(pos0: torch.Tensor, m: int, length: int, pos0_int: int | None = None) -> torch.Tensor | None:
     """Additive [B, 1, m, length] mask: query i of row b sees key j iff j <= pos0[b] + i. None where every key
-    is visible (one row, one query at its last position): SDPA is cheaper without a mask."""
-    if pos0.shape[0] == 1 and m == 1 and length == int(pos0[0]) + 1:
+    is visible (one row, one query at its last position): SDPA is cheaper without a mask. pos0_int: pos0[0] as
+    an int, where the caller has it (one row)."""
+    if pos0.shape[0] == 1 and m == 1 and length == (int(pos0[0]) if pos0_int is None else pos0_int) + 1:
         return None
     q = pos0.view(-1, 1, 1) + torch.arange(m).view(1, m, 1)  # [B, m, 1]
     see = (torch.arange(length).view(1, 1, length) <= q).unsqueeze(1)
@@ -240,12 +244,12 @@ class LeanLlama:
     def forward(self, tokens: torch.Tensor, pos0: torch.Tensor, cache: KVCache, aux_ids=()):
         B, m = tokens.shape
         H, Hkv, D = self.n_heads, self.n_kv, self.head_dim
-        pos = pos0.view(B, 1) + torch.arange(m).view(1, m)  # [B, m]
+        pos = pos0.view(B, 1) + torch.arange(m).view(1, m) if m > 1 else pos0.view(B, 1)  # [B, m]
         length = int(pos0.max()) + m
-        mask = step_mask(pos0, m, length)  # [B, 1, m, length] or None
+        mask = step_mask(pos0, m, length, length - m if B == 1 else None)  # [B, 1, m, length] or None
         start = length - m if B == 1 else None  # one row: its cache writes are a slice
         cache.expose(length)
-        rope = self.rope.tables(pos, head_dim=2)  # [B, m, 1, D]: shared by every layer, q and k
+        rope = self.rope.tables(pos, length - 1)  # [B, m, 1, D]: shared by every layer, q and k
         x = F.embedding(tokens, self.weights["embed"])  # [B, m, hidden]
         aux = []
         for i, w in enumerate(self.packed):

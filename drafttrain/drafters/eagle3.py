@@ -20,7 +20,7 @@ import torch.nn.functional as F
 
 from drafttrain.drafters.weights import check_tensors
 from drafttrain.modeling import KVCache, PackedLinear, Rope, attend, fold_norm, linear, rms_norm, rms_unit, step_mask
-from drafttrain.spec import processed_probs, sample
+from drafttrain.spec import draft_chain
 
 
 @dataclass
@@ -166,8 +166,9 @@ class Eagle3Drafter(nn.Module):
         return self.embed_tokens(ids) if self._fused is None else F.embedding(ids, self._fused["emb"])
 
     # ---- the decoder layer -------------------------------------------------------------------------------
-    def _qkv(self, emb, hidden, pos):
-        """emb, hidden [B, m, H], pos [B, m] -> q [B, Hq, m, D], k, v [B, Hkv, m, D], residual [B, m, H]."""
+    def _qkv(self, emb, hidden, pos, top: int | None = None):
+        """emb, hidden [B, m, H], pos [B, m] (top: an upper bound of pos, if known) -> q [B, Hq, m, D],
+        k, v [B, Hkv, m, D], residual [B, m, H]."""
         c, L = self.config, self.midlayer
         if self._fused is None:
             x = torch.cat([rms_norm(emb, L.input_layernorm, c.rms_norm_eps),
@@ -182,7 +183,7 @@ class Eagle3Drafter(nn.Module):
         else:
             qkv = linear(x, self._fused["qkv"])
         qk, v = qkv.view(B, m, Hq + 2 * Hkv, D).split([Hq + Hkv, Hkv], dim=2)
-        q, k = Rope.rotate(qk, self.rope.tables(pos, head_dim=2)).split([Hq, Hkv], dim=2)  # q and k in one pass
+        q, k = Rope.rotate(qk, self.rope.tables(pos, top)).split([Hq, Hkv], dim=2)  # q and k in one pass
         return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), hidden
 
     def _post(self, o, residual):
@@ -288,12 +289,12 @@ class Eagle3Drafter(nn.Module):
         keys and values depend on their inputs alone (the policy's aux states), so no earlier position's output is
         needed: attention, MLP and head run for one query per row (a prompt catch-up: one instead of P)."""
         B, m, _ = emb.shape
-        pos = pos0.view(B, 1) + torch.arange(m).view(1, m)
-        q, k, v, res = self._qkv(emb, hidden, pos)
+        pos = pos0.view(B, 1) + torch.arange(m).view(1, m) if m > 1 else pos0.view(B, 1)
+        top = int(pos0.max())
+        q, k, v, res = self._qkv(emb, hidden, pos, top + m - 1)
         if n_valid is not None and int(n_valid.min()) == m:
             n_valid = None  # no padding (one row, or rows all extending by m)
         valid = None if n_valid is None else torch.arange(m).view(1, m) < n_valid.view(B, 1)
-        top = int(pos0.max())
         length = min(top + m, st.cache.max_len)
         st.cache.expose(length)  # before the write: it zeroes what it newly exposes
         st.cache.write(0, k, v, pos, valid, start=top if B == 1 else None)  # one row: a slice write
@@ -303,7 +304,7 @@ class Eagle3Drafter(nn.Module):
             q = q[rows, :, last].unsqueeze(2)  # [B, Hq, 1, D]
             res = res[rows, last].unsqueeze(1)  # [B, 1, H]
             pos0 = pos0 + last
-        o = attend(q, st.cache, 0, step_mask(pos0, 1, length), length)
+        o = attend(q, st.cache, 0, step_mask(pos0, 1, length, top if B == 1 and m == 1 else None), length)
         logits, pre = self._post(o, res)
         return logits[:, 0], pre[:, 0]
 
@@ -323,16 +324,13 @@ class Eagle3Drafter(nn.Module):
         B = new_ids.shape[0]
         lg, h = self._cached_step(st, self._embed(new_ids), self._fc(aux), start, n_new)  # [B, Vd], [B, H]
         pos = start + n_new  # next chain position per row
-        toks, qs = [], []
-        for i in range(k):
-            q = processed_probs(self._to_target(lg), params)  # [B, V]
-            d = q.argmax(-1) if greedy_drafts else sample(q, generator)
-            toks.append(d)
-            qs.append(q)
-            if i + 1 < k:
-                lg, h = self._cached_step(st, self._embed(d).unsqueeze(1), h.unsqueeze(1), pos + i)
-        draft = torch.stack(toks, 1)
-        return draft, (None if greedy_drafts else torch.stack(qs, 1))
+
+        def step(d, i):
+            nonlocal h
+            lg, h = self._cached_step(st, self._embed(d).unsqueeze(1), h.unsqueeze(1), pos + i)
+            return self._to_target(lg)
+
+        return draft_chain(self._to_target(lg), step, k, params, greedy_drafts, generator)
 
 
 class Eagle3State:

@@ -42,7 +42,7 @@ import torch.nn.functional as F
 
 from drafttrain.drafters.weights import check_finite, check_tensors
 from drafttrain.modeling import KVCache, LeanLlama, Rope, rms_norm
-from drafttrain.spec import processed_probs, sample
+from drafttrain.spec import draft_chain
 
 QUANTS = ("int8", "int4")
 BACKENDS = ("ao", "bnb", "ref")
@@ -525,17 +525,10 @@ class SelfQuantDrafter(nn.Module):
         self.body.ensure_rope(need)
         logits, _ = self.body.forward(ids, pos0, st.cache)  # [B, m, V]
         lg = logits[rows, last]  # [B, V] predicts position pos
-        toks, qs = [], []
-        for i in range(k):
-            q = processed_probs(lg, params)  # [B, V]
-            d = q.argmax(-1) if greedy_drafts else sample(q, generator)
-            toks.append(d)
-            qs.append(q)
-            if i + 1 < k:
-                lg = self.body.forward(d.view(B, 1), pos + i, st.cache)[0][:, 0]
-        draft = torch.stack(toks, 1)
+        draft, q = draft_chain(lg, lambda d, i: self.body.forward(d.view(B, 1), pos + i, st.cache)[0][:, 0], k,
+                               params, greedy_drafts, generator)
         st.fed, st.fed_pos = draft[:, : k - 1], pos  # drafts 1..k-1 sit in the cache at pos .. pos+k-2
-        return draft, (None if greedy_drafts else torch.stack(qs, 1))
+        return draft, q
 
 
 class SelfQuantState:

@@ -59,10 +59,34 @@ def processed_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tenso
     return probs
 
 
-def sample(weights: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+def race_noise(shape, generator: torch.Generator | None = None) -> torch.Tensor:
+    """Exp(1) draws for `sample`, clamped away from 0: an Exp(1) draw of exactly 0 (probability ~2^-24) would
+    otherwise turn a zero weight into 0/0 = NaN. A chain of k draws takes its noise in one call."""
+    return torch.empty(shape).exponential_(generator=generator).clamp_min_(1e-30)
+
+
+def sample(weights: torch.Tensor, generator: torch.Generator | None = None,
+           noise: torch.Tensor | None = None) -> torch.Tensor:
     """One index per row of weights [..., V] (non-negative, any scale), drawn with probability weights / sum:
     the exponential race argmax(w_v / E_v), E_v ~ Exp(1) iid, which is exact and costs 3 small ops (torch.multinomial
-    costs 2-3x more per call on this CPU, and it is called k+1 times per decode step). E is clamped away from 0: an
-    Exp(1) draw of exactly 0 (probability ~2^-24) would otherwise turn a zero weight into 0/0 = NaN."""
-    e = torch.empty_like(weights, dtype=torch.float32).exponential_(generator=generator).clamp_min_(1e-30)
+    costs 2-3x more per call on this CPU, and it is called k+1 times per decode step). `noise`: E drawn beforehand
+    (race_noise, weights' shape), fresh for this draw."""
+    e = race_noise(weights.shape, generator) if noise is None else noise
     return (weights / e).argmax(-1)
+
+
+def draft_chain(logits: torch.Tensor, step, k: int, params: SamplingParams, greedy: bool,
+                generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A drafter's k chained draws. logits [B, V] give draw 0; step(d [B], i) feeds draw i and returns the logits
+    [B, V] of draw i + 1. Greedy: argmax drafts, no probs. Sampled: drafts from processed_probs with their probs,
+    the k draws' race noise taken in one call. Returns (drafts [B, k], probs [B, k, V] or None)."""
+    noise = None if greedy else race_noise((k, *logits.shape), generator)
+    toks, qs = [], []
+    for i in range(k):
+        q = processed_probs(logits, params)  # [B, V]
+        d = q.argmax(-1) if greedy else sample(q, noise=noise[i])
+        toks.append(d)
+        qs.append(q)
+        if i + 1 < k:
+            logits = step(d, i)
+    return torch.stack(toks, 1), (None if greedy else torch.stack(qs, 1))

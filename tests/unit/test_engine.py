@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from drafttrain.engines import build_engine
-from drafttrain.modeling import LeanLlama
+from drafttrain.modeling import LeanLlama, Rope
 from drafttrain.spec import SamplingParams, processed_probs
 from tests import contract as C
 from tests.conftest import engine_cfg, tiny_policy
@@ -175,6 +175,21 @@ def test_kv_cache_equals_full_recompute(policy, family):
     for j, b in enumerate((0, 2)):
         ref_l, _ = hf_logits_and_aux(pol, seqs[b] + new[j].tolist(), aux_ids)
         torch.testing.assert_close(logits[j], ref_l[-2:], atol=1e-4, rtol=1e-4)
+
+
+def test_rope_tables_clamp_only_what_is_past_the_table():
+    # `top` (a bound of the positions a caller already holds) skips the clamp; it must never skip a needed one
+    rope = Rope.from_theta(8, 10000.0, 16)
+    pos = torch.tensor([[3, 15, 16, 40]])  # two positions past the table: padding, read as the last entry
+    cos, sin = rope.tables(pos)
+    assert cos.shape == sin.shape == (1, 4, 1, 8)
+    want = pos.clamp_max(15)[0]
+    assert torch.equal(cos[0, :, 0], rope.cos[want]) and torch.equal(sin[0, :, 0, 4:], rope.sin[want, 4:])
+    assert torch.equal(sin[0, :, 0, :4], -rope.sin[want, :4])  # rotate_half's sign, folded into the table
+    for top in (40, 16):  # a bound at or past the table's end still clamps
+        assert all(torch.equal(a, b) for a, b in zip(rope.tables(pos, top), (cos, sin)))
+    inside = torch.tensor([[0, 7, 15]])
+    assert all(torch.equal(a, b) for a, b in zip(rope.tables(inside, 15), rope.tables(inside)))
 
 
 def test_lean_aux_ids_must_be_distinct_layers(policy):

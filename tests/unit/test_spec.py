@@ -14,7 +14,8 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from drafttrain.spec import SamplingParams, SpecStats, expected_acceptance, processed_probs, rejection_sample, sample
+from drafttrain.spec import (SamplingParams, SpecStats, draft_chain, expected_acceptance, processed_probs, rejection_sample,
+                             sample)
 
 ALPHA = 1e-3  # "matches" means the chi-square p-value is above this
 N = 200_000
@@ -120,6 +121,30 @@ def test_sample_follows_the_weights():
     wrong = w.clone()
     wrong[4] = 0.55  # power: a distribution 10% off on one token is rejected on the same draws
     assert chi2_pvalue(draws, wrong / wrong.sum()) < ALPHA
+
+
+def test_draft_chain_draws_each_position_afresh():
+    # a drafter's k chained draws share one call's race noise: each position must still follow its own
+    # distribution, independently of the others (noise reused across positions would repeat the draft)
+    g = torch.Generator().manual_seed(11)
+    n, k = 50_000, 3
+    logits = torch.tensor([0.0, 1.0, -1.0, 0.5]).expand(n, -1)
+    seen = []
+
+    def step(d, i):
+        seen.append(d)
+        return logits * (i + 2)  # draw i + 1 sharper than draw i
+    drafts, probs = draft_chain(logits, step, k, SamplingParams(temperature=1.0), False, g)
+    assert drafts.shape == (n, k) and probs.shape == (n, k, 4)
+    assert all(torch.equal(seen[i], drafts[:, i]) for i in range(k - 1))  # each step is fed the draft just drawn
+    for i in range(k):
+        p = (logits[0] * (i + 1)).softmax(-1)
+        assert torch.allclose(probs[:, i], p.expand(n, -1))
+        assert chi2_pvalue(drafts[:, i], p) > ALPHA, f"position {i}"
+    p0, p1 = logits[0].softmax(-1), (2 * logits[0]).softmax(-1)
+    assert binom_ok(int((drafts[:, 0] == drafts[:, 1]).sum()), n, float((p0 * p1).sum()))
+    greedy, none = draft_chain(logits, step, k, SamplingParams(temperature=1.0), True, g)
+    assert none is None and bool((greedy == 1).all())
 
 
 def test_stop_token_follows_residual_or_bonus():
