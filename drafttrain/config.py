@@ -85,6 +85,9 @@ class OnlineConfig:
     track: bool = True  # False: the drafter is never updated (the frozen baseline)
     mode: str = "sync"  # sync: train between RL steps | async: train in the background during rollouts
     buffer_mb: float = 64.0  # feature buffer cap (reduced precision)
+    # draws favour recent policies: a record v policy versions older than the newest weighs 0.5^(v / half_life);
+    # null = uniform over the buffer (which, at 64 MB, spans ~10 RL steps of the shipped task)
+    buffer_half_life: Optional[float] = 2.0
     steps_per_update: int = 16  # at most this many drafter optimizer steps per RL step
     time_budget_s: float = 10.0  # sync mode: hard cap on drafter work per RL step
     # sync mode: drafter work (training, its estimate, publishing) is held to this fraction of the RL steps' own
@@ -209,6 +212,8 @@ def validate(cfg: Config) -> None:
         (cfg.online.estimate_rows >= 1, "online.estimate_rows", f"must be >= 1, got {cfg.online.estimate_rows}"),
         (cfg.rl.mode in ("sync", "async"), "rl.mode", f"must be sync or async, got {cfg.rl.mode!r}"),
         (cfg.online.buffer_mb > 0, "online.buffer_mb", f"must be > 0, got {cfg.online.buffer_mb}"),
+        (cfg.online.buffer_half_life is None or cfg.online.buffer_half_life > 0, "online.buffer_half_life",
+         f"must be > 0 or null (uniform), got {cfg.online.buffer_half_life}"),
         (cfg.rl.eval_prompts >= 0, "rl.eval_prompts", f"must be >= 0, got {cfg.rl.eval_prompts}"),
         (cfg.rl.group_size >= 2, "rl.group_size", f"must be >= 2 (group-normalized advantages), got {cfg.rl.group_size}"),
         (cfg.drafter.ttt_steps >= 1, "drafter.ttt_steps", f"must be >= 1, got {cfg.drafter.ttt_steps}"),

@@ -2,13 +2,18 @@
 
     buf = FeatureBuffer(max_bytes=256 << 20, dtype=torch.bfloat16, seed=0)
     buf.add(build_features(...))          # splits a padded batch into per-row records, evicts the oldest
+    buf.add(build_features(...), version=policy_step)   # the policy version the features came from
     batch = buf.sample(16)                # padded float32 batch: aux, next_ids, target_probs, valid, lengths
     batches = buf.sample_batches(16, 8)   # 8 such batches of similar-length records (less padding)
 
 A record is one row of build_features trimmed to its length L: aux [L, X] and target_probs [L+s, V] in reduced
 precision, next_ids [L+s-1] (int32), valid [L+s] (bool), where s is the TTT unroll the features were built for.
 Memory is the sum of the stored tensors' bytes; records whose loss mask is empty are not stored. Sampling is
-uniform without replacement from a seeded generator, so a restored buffer continues the same draws.
+without replacement from a seeded generator, so a restored buffer continues the same draws: uniform, or with
+half_life h (in policy versions) a record v versions older than the newest is drawn with weight 0.5^(v/h). Online,
+the policy moves every step; uniform draws over a buffer that spans many steps train the drafter mostly on policies
+that are gone (bench_tracking: a drafter trained on the current policy's rollouts alone caught up in ~25 steps,
+the uniformly-fed online one had not after as many).
 """
 from __future__ import annotations
 
@@ -25,9 +30,12 @@ def _nbytes(rec: dict) -> int:
 
 class FeatureBuffer:
     def __init__(self, max_bytes: int, dtype: torch.dtype = torch.bfloat16, seed: int = 0,
-                 name: str = "online.buffer_mb"):
+                 name: str = "online.buffer_mb", half_life: float | None = None):
         if max_bytes <= 0:
             raise ValueError(f"{name}: the feature buffer size must be > 0, got {max_bytes}")
+        if half_life is not None and not half_life > 0:
+            raise ValueError(f"online.buffer_half_life: must be > 0 or null (uniform), got {half_life}")
+        self.half_life = half_life
         if dtype not in (torch.bfloat16, torch.float16, torch.float32):
             raise ValueError(f"{name}: dtype must be bfloat16, float16 or float32, got {dtype}")
         self.max_bytes, self.dtype = int(max_bytes), dtype
@@ -41,8 +49,8 @@ class FeatureBuffer:
     def __len__(self) -> int:
         return len(self.records)
 
-    def add(self, batch: dict[str, torch.Tensor]) -> int:
-        """batch: build_features output. Returns the number of records stored."""
+    def add(self, batch: dict[str, torch.Tensor], version: int = 0) -> int:
+        """batch: build_features output, from policy `version`. Returns the number of records stored."""
         L = batch["lengths"].tolist()
         T = batch["aux"].shape[1]
         s = batch["valid"].shape[1] - T
@@ -58,7 +66,7 @@ class FeatureBuffer:
             rec = {"aux": batch["aux"][b, :n_b].to(self.dtype).clone(),
                    "next_ids": batch["next_ids"][b, :n_b + s - 1].to(torch.int32).clone(),
                    "target_probs": batch["target_probs"][b, :n_b + s].to(self.dtype).clone(),
-                   "valid": batch["valid"][b, :n_b + s].clone()}
+                   "valid": batch["valid"][b, :n_b + s].clone(), "version": int(version)}
             self.records.append(rec)
             self.nbytes += _nbytes(rec)
             self.added += 1
@@ -75,8 +83,7 @@ class FeatureBuffer:
         """min(n, len) records without replacement, padded to the longest: float32 aux/target_probs."""
         if not self.records:
             raise ValueError("FeatureBuffer.sample: the buffer is empty")
-        idx = torch.randperm(len(self.records), generator=self.gen)[:n].tolist()
-        return collate([self.records[i] for i in idx], self.steps)
+        return collate([self.records[i] for i in self._draw(n)], self.steps)
 
     def sample_batches(self, n: int, count: int) -> list[dict[str, torch.Tensor]]:
         """Up to `count` batches of n records: min(n*count, len) records drawn as in sample(), grouped by length
@@ -88,11 +95,20 @@ class FeatureBuffer:
         caller that may stop early collates only the batches it uses."""
         if not self.records:
             raise ValueError("FeatureBuffer.sample_batches: the buffer is empty")
-        idx = torch.randperm(len(self.records), generator=self.gen)[:n * count].tolist()
+        idx = self._draw(n * count)
         idx.sort(key=lambda i: self.records[i]["aux"].shape[0])
         groups = [idx[j:j + n] for j in range(0, len(idx), n)]
         order = torch.randperm(len(groups), generator=self.gen).tolist()
         return [[self.records[i] for i in groups[g]] for g in order]
+
+    def _draw(self, n: int) -> list[int]:
+        """min(n, len) distinct record indices: uniform, or weighted by recency (half_life)."""
+        size = len(self.records)
+        if self.half_life is None:
+            return torch.randperm(size, generator=self.gen)[:n].tolist()
+        v = torch.tensor([r.get("version", 0) for r in self.records], dtype=torch.float64)
+        w = torch.pow(0.5, (v.max() - v) / self.half_life)
+        return torch.multinomial(w, min(n, size), replacement=False, generator=self.gen).tolist()
 
     def state_dict(self) -> dict:
         return {"records": list(self.records), "nbytes": self.nbytes, "added": self.added,

@@ -50,7 +50,8 @@ class DraftTracker:
         self.frozen = copy.deepcopy(self.drafter).eval().requires_grad_(False)  # the step-0 drafter
         # features serve both training and k-step measurement
         self.steps = max(cfg.drafter.ttt_steps, max_draft_len(cfg.engine))
-        self.buffer = FeatureBuffer(int(cfg.online.buffer_mb * 2 ** 20), seed=cfg.run.seed, name="online.buffer_mb")
+        self.buffer = FeatureBuffer(int(cfg.online.buffer_mb * 2 ** 20), seed=cfg.run.seed, name="online.buffer_mb",
+                                    half_life=cfg.online.buffer_half_life)
         self.trainer = None if self.self_drafter else DrafterTrainer(self.drafter, cfg.train, cfg.drafter,
                                                                      accelerator, buffer=self.buffer)
         self.publisher = Publisher(self.engines, self.drafter.state_dict(), cfg.online, log)
@@ -131,7 +132,7 @@ class DraftTracker:
                 rs = rs.clamp_min(T - kept + 1)  # a position's target needs its logits
             feats = build_features(ids.detach(), mask.detach(), cap.features(), logits, self.steps, rs)
             with self._lock:
-                self.buffer.add(feats)
+                self.buffer.add(feats, version=self.policy_version)
             self.pending.append(feats)
             self._capture_s += time.perf_counter() - t0
 

@@ -505,6 +505,21 @@ def test_capture_time_is_charged_to_the_time_bank(trained, monkeypatch):
     assert tracker.bank_s == pytest.approx(0.0485 - 0.03 - 0.02)
 
 
+def test_captured_features_carry_the_policy_version(trained):
+    # the buffer's recency weighting (online.buffer_half_life) needs each record's policy version
+    engine = _engine(trained)
+    tracker, _ = _tracker_with_features(trained, engine)
+    n0 = len(tracker.buffer)
+    assert tracker.buffer.half_life == 2.0 and {r["version"] for r in tracker.buffer.records} == {0}
+    tracker.on_policy_update(trained["policy"], 4)
+    seqs = [p + [5, 6, 7, 8] for p in trained["prompts"][:2]]
+    ids = torch.tensor([s_[:min(map(len, seqs))] for s_ in seqs])
+    with tracker.capture(trained["policy"], response_start=ids.shape[1] - 4):
+        trained["policy"](input_ids=ids)
+    assert [r["version"] for r in tracker.buffer.records] == [0] * n0 + [5] * (len(tracker.buffer) - n0)
+    assert len(tracker.buffer) > n0
+
+
 def test_nan_update_is_never_published(trained):
     engine = _engine(trained)
     tracker, logs = _tracker_with_features(trained, engine)

@@ -131,6 +131,31 @@ def test_buffer_sample_batches_groups_by_length(policy, drafter):
     assert all(hi <= lo2 for (_, hi), (lo2, _) in zip(spans, spans[1:]))  # groups do not interleave
 
 
+def test_buffer_draws_favour_recent_policy_versions(policy, drafter):
+    # half_life h: a record v versions older than the newest is drawn with weight 0.5^(v/h); uniform without it
+    f = _features(policy, drafter, n=4)
+    recent = FeatureBuffer(1 << 30, seed=0, half_life=1.0)
+    uniform = FeatureBuffer(1 << 30, seed=0)
+    for v in range(4):  # 4 records from each of versions 0..3
+        recent.add(f, version=v)
+        uniform.add(f, version=v)
+    assert [r["version"] for r in recent.records] == [v for v in range(4) for _ in range(4)]
+
+    def newest_share(buf, n=2000):
+        draws = [buf._draw(1)[0] for _ in range(n)]
+        return sum(buf.records[i]["version"] == 3 for i in draws) / n
+    want = 1 / (1 + 0.5 + 0.25 + 0.125)  # the newest version's share of the weight
+    assert abs(newest_share(recent) - want) < 0.05
+    assert abs(newest_share(uniform) - 0.25) < 0.05
+    assert sorted(recent._draw(100)) == list(range(16))  # still without replacement: every record once
+    assert len(recent.sample_groups(3, 2)) == 2
+    copy = FeatureBuffer(1 << 30, half_life=1.0)  # the state round trip keeps each record's version
+    copy.load_state_dict(recent.state_dict())
+    assert [r["version"] for r in copy.records] == [r["version"] for r in recent.records]
+    with pytest.raises(ValueError, match="online.buffer_half_life"):
+        FeatureBuffer(1 << 30, half_life=0.0)
+
+
 @pytest.mark.parametrize("size", [0, -5])
 def test_buffer_size_error_names_field(size):
     with pytest.raises(ValueError, match="online.buffer_mb"):
