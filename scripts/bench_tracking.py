@@ -44,8 +44,8 @@ from drafttrain.report import format_table, read_jsonl, write_json
 from drafttrain.spec import SamplingParams, SpecStats
 
 DEFAULTS = dict(recipe="eagle3_track", checkpoints=[6, 12], rl_lr=1e-3, run_dir="runs/bench_tracking", fresh=True,
-                oracle_rollouts=96, oracle_steps=300, eval_rollouts=48, max_new_tokens=256, out="bench/tracking.json",
-                overrides=[])
+                oracle_rollouts=96, oracle_steps=300, oracle_lr=3e-4, oracle_batch=16, eval_rollouts=48,
+                max_new_tokens=256, out="bench/tracking.json", overrides=[])
 
 
 def rollouts(engine, tok, n, seed, max_new, speculative=False):
@@ -70,16 +70,18 @@ def score(drafter, feats, k) -> float:
     return st.mean_accepted_length
 
 
-def train_oracle(base, feats, rc, steps):
+def train_oracle(base, feats, rc, cfg):
+    """The upper bound: the step-0 drafter trained to convergence on the current policy's rollouts, with its own
+    fixed settings (every position, cfg.oracle_lr, cfg.oracle_batch), whatever the recipe's online steps use."""
     oracle = copy.deepcopy(base)
     buf = FeatureBuffer(1 << 30, dtype=torch.float32)
     for f in feats:
         buf.add(f)
     tc = copy.deepcopy(rc.train)
-    tc.query_frac = 1.0  # the upper bound trains on every position, whatever the recipe's online steps do
+    tc.query_frac, tc.lr, tc.batch_size = 1.0, cfg.oracle_lr, cfg.oracle_batch
     tr = DrafterTrainer(oracle, tc, rc.drafter, buffer=buf)
-    for _ in range(steps):
-        tr.step(buf.sample(rc.train.batch_size))
+    for _ in range(cfg.oracle_steps):
+        tr.step(buf.sample(tc.batch_size))
     return oracle.eval()
 
 
@@ -138,7 +140,7 @@ def main(cfg) -> dict:
         p_or, b_or = rollouts(ar, tok, cfg.oracle_rollouts, 10_000 + c, cfg.max_new_tokens)
         p_ev, b_ev = rollouts(ar, tok, cfg.eval_rollouts, 20_000 + c, cfg.max_new_tokens)
         f_ev = features(policy, frozen, p_ev, b_ev.tokens, k)
-        oracle = train_oracle(frozen, features(policy, frozen, p_or, b_or.tokens, k), rc, cfg.oracle_steps)
+        oracle = train_oracle(frozen, features(policy, frozen, p_or, b_or.tokens, k), rc, cfg)
         pt = {"step": c, "tracking_tf_mal": score(tracking, f_ev, k), "frozen_tf_mal": score(frozen, f_ev, k),
               "oracle_tf_mal": score(oracle, f_ev, k)}
         pt["tracking_over_frozen"] = pt["tracking_tf_mal"] / pt["frozen_tf_mal"]
