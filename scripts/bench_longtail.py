@@ -7,8 +7,10 @@ Workload: a GRPO-style batch (prompts x G samples of the shipped task, long-tail
 batch starts large (SD loses: verify costs ~ linearly more tokens on this CPU) and shrinks to the long tail
 (SD wins). Modes, for each drafter (EAGLE-3 from checkpoints/eagle3, selfquant int8 and int4):
 AR | SD-always at fixed k | SD + toggle (fixed k) | SD + toggle + auto k | SD + toggle + ladder. Each engine is
-warmed up on the same workload with other seeds, then every engine runs it `repeats` times, interleaved; the median
-wall time counts (single runs of a ~0.7 s batch vary by 20% on this machine).
+warmed up on the same workload with other seeds, then every engine runs it `repeats` times, interleaved, with a new
+sampling seed each repeat (the same for every engine); the mean wall time counts. One seed for every repeat (until
+2026-11-30) timed one draw of the batch per engine, and AR and SD draw differently (exact in distribution only):
+the draw's longest rows, not the engine, then set much of the difference.
 Sweep: tokens/s at an active batch B for AR, SD-always and SD + toggle: real rollouts of the workload's prompts
 (stop token on), counting the decode steps with at least 3/4 of B rows still active, over
 max(sweep_min_batches, sweep_rows // B) batches per repeat (a batch of 64 keeps 3/4 of its rows for only ~2 SD
@@ -36,7 +38,7 @@ from drafttrain.spec import SamplingParams
 
 DEFAULTS = dict(recipe="eagle3_track", prompts=16, group=4, max_new_tokens=256, k=5, seed=4321,
                 drafters=["eagle3", "selfquant_int8", "selfquant_int4"], sweep_batches=[1, 2, 4, 8, 16, 32, 64],
-                repeats=7, sweep_tokens=256, sweep_rows=16, sweep_min_batches=8, sweep_repeats=5,
+                repeats=15, sweep_tokens=256, sweep_rows=16, sweep_min_batches=8, sweep_repeats=5,
                 out="bench/longtail.json", threads=2)
 
 MODES = {  # name -> engine overrides (None = AR)
@@ -98,15 +100,23 @@ def main(cfg) -> dict:
             # controller's acceptance estimates and measured step times carry over, as in a running job)
             eng.generate(prompts, replace(params, seed=cfg.seed + 1), speculative=over is not None)
             engines[(dname if over else "-", mode)] = (eng, over is not None)
-    for (dname, mode), runs in interleaved(engines, prompts, lambda rep: params, cfg.repeats).items():
-        b, walls = runs[-1], [r.wall_s for r in runs]
-        wall = statistics.median(walls)
-        lens = sorted(len(t) for t in b.tokens)
-        rows.append({"drafter": dname, "mode": mode, "wall_s": wall, "wall_s_runs": walls,
-                     "tokens_per_s": b.num_tokens / wall, "mal": b.stats.mean_accepted_length,
-                     "sd_steps": sum(1 for t in b.trace if t["on"]), "steps": len(b.step_ends),
+    # a seed per repeat, the same for every engine: SD is exact in distribution, not sample for sample, so with one
+    # seed AR and SD would each time the same single draw of the batch, whose longest rows set the wall time
+    for (dname, mode), runs in interleaved(engines, prompts, lambda rep: replace(params, seed=cfg.seed + 1000 * rep),
+                                           cfg.repeats).items():
+        walls = [r.wall_s for r in runs]
+        wall = statistics.fmean(walls)  # the expected rollout time of a batch
+        lens = sorted(len(t) for r in runs for t in r.tokens)
+        stats = runs[0].stats
+        for r in runs[1:]:
+            stats = stats.merge(r.stats)
+        rows.append({"drafter": dname, "mode": mode, "wall_s": wall, "wall_s_median": statistics.median(walls),
+                     "wall_s_runs": walls, "tokens_per_s": sum(r.num_tokens for r in runs) / sum(walls),
+                     "mal": stats.mean_accepted_length,
+                     "sd_steps": sum(t["on"] for r in runs for t in r.trace) / len(runs),
+                     "steps": sum(len(r.step_ends) for r in runs) / len(runs),
                      "len_p50": lens[len(lens) // 2], "len_max": lens[-1]})
-        traces[(dname, mode)] = b.trace
+        traces[(dname, mode)] = runs[-1].trace
     ar = next(r for r in rows if r["mode"] == "ar")
     for r in rows:
         r["vs_ar"] = ar["wall_s"] / r["wall_s"]

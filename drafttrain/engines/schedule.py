@@ -92,12 +92,15 @@ class AcceptanceEstimate:
         self.a = [prior] * k_max
         self.decay = decay
 
-    def observe(self, num_accepted: list[int], k: int) -> None:
+    def observe(self, num_accepted: list[int], k: int, limit: list[int] | None = None) -> None:
+        """num_accepted per row at draft length k; limit[row]: only that row's first limit positions are real text
+        (a row that stopped in this step: its drafts past the stop token predict nothing the policy will write)."""
+        lim = limit if limit is not None else [k] * len(num_accepted)
         deepest, w_deep = None, 0.0  # the deepest position this step measured, and that measurement's weight
         for i in range(k):
-            reached = sum(1 for n in num_accepted if n >= i)
+            reached = sum(1 for n, m in zip(num_accepted, lim) if n >= i and m > i)
             if reached:
-                rate = sum(1 for n in num_accepted if n > i) / reached
+                rate = sum(1 for n, m in zip(num_accepted, lim) if n > i and m > i) / reached
                 keep = self.decay ** reached
                 self.a[i] = keep * self.a[i] + (1 - keep) * rate
                 deepest, w_deep = i, keep
@@ -199,11 +202,14 @@ class SpecController:
         self.step += 1
         return k if run else 0
 
-    def observe(self, num_accepted: list[int], k: int) -> None:
+    def observe(self, num_accepted: list[int], k: int, limit: list[int] | None = None) -> None:
+        """A verify step's accepted counts per row; limit: see AcceptanceEstimate.observe."""
         if k == 0:
             return
-        self.acc.observe(num_accepted, k)
+        self.acc.observe(num_accepted, k, limit)
         if self.mode == "ladder":
+            if limit is not None:
+                num_accepted = [min(n, m) for n, m in zip(num_accepted, limit)]
             L = sum(num_accepted) / len(num_accepted) + 1
             r = (L - 1) / k
             move = 1 if r >= self.ladder_up else (-1 if r <= self.ladder_down else 0)

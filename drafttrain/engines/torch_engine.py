@@ -193,8 +193,6 @@ class TorchEngine:
             # commit what the last verify emitted; find rows that finished
             done, emitted = [], []
             out_l, n_l, lp_l = out.tolist(), n.tolist(), lp.tolist()
-            if ctl is not None:
-                ctl.observe(n_l, k)
             for j, b in enumerate(row_ids):
                 before = len(resp[b])
                 for t, l in zip(out_l[j][: n_l[j] + 1], lp_l[j][: n_l[j] + 1]):
@@ -212,6 +210,8 @@ class TorchEngine:
             if versions:  # `out` came from a verify step (not the prefill): count only what the rows kept
                 stats.update(n_l, k, emitted)
                 step_tokens.append(sum(emitted))
+                if ctl is not None:  # a row that stopped: its drafts past the stop are not text, not acceptance
+                    ctl.observe(n_l, k, [emitted[j] if j in done else k for j in range(len(n_l))] if done else None)
             if done:
                 keep = torch.tensor([j for j in range(len(row_ids)) if j not in set(done)], dtype=torch.long)
                 row_ids = [row_ids[j] for j in keep.tolist()]
