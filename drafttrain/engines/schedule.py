@@ -140,6 +140,15 @@ class SpecController:
         self.trace: list[dict] = []
         self.step = 0
         self.factor: dict[tuple[str, int], float] = {}  # (ar|sd, batch bucket) -> measured/modelled, moving average
+        self._probe_first = False  # the next decision is a new batch's first: an SD probe (begin())
+
+    def begin(self) -> None:
+        """A new batch starts: its first decode step is an SD probe (toggle on). The estimates come from the rows
+        SD last ran on, with the toggle mostly the previous batch's long tail, whose acceptance runs below a fresh
+        batch's (long-tail workload: ~0.8 against ~0.9 per position); a toggle that trusted them kept SD off at the
+        start of every batch and so never measured a fresh one. The probe also catches the drafter up on the
+        prompts, which turning SD on later would cost about as much."""
+        self._probe_first = self.toggle
 
     def model_ms(self, batch: int, k: int) -> float:
         """The cost model's time of one decode step (k = 0: AR)."""
@@ -181,7 +190,9 @@ class SpecController:
             k = max(range(1, self.k_max + 1), key=lambda kk: self.speedup(batch, kk))
         pred = self.speedup(batch, k) if self.cost is not None else None
         probe = False
-        if self.toggle:
+        if self.toggle and self._probe_first:
+            self._probe_first, probe = False, True  # a new batch: measure it (begin())
+        elif self.toggle:
             bar = self.threshold - (self.hysteresis if self.on else 0.0)
             self.on = pred >= bar
             self._off_steps = 0 if self.on else self._off_steps + 1

@@ -155,6 +155,8 @@ class TorchEngine:
         ctl = self.controller() if drafter is not None else None
         k_max = ctl.k_max if ctl is not None else 0
         trace0 = len(ctl.trace) if ctl is not None else 0
+        if ctl is not None:
+            ctl.begin()
         t_start = time.perf_counter()  # after any (re)calibration of the schedule
         L = min(lean.max_len, P + params.max_new_tokens + k_max + 1)
         if params.seed is None:

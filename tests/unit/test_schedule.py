@@ -33,6 +33,9 @@ class Scripted:
     def observe(self, n, k, limit=None):
         self.observed.append((list(n), k, limit))
 
+    def begin(self):
+        pass
+
     def observe_step(self, batch, k, ms):
         pass
 
@@ -259,3 +262,30 @@ def test_engine_reports_each_stopped_rows_emitted_tokens_as_its_limit(policy, dr
     assert all(lim is None or all(m <= 4 for m in lim) for _, _, lim in steps)
     n, k, lim = steps[-1]  # every row left has finished: each one's limit is what it emitted
     assert lim is not None and sum(lim) == b.step_tokens[-1]
+
+
+def test_a_new_batch_starts_with_an_sd_probe():
+    # estimates left by the last batch's long tail (low) must not keep SD off for good at the next batch's start:
+    # its first step probes, and what it measures decides the steps after
+    acc = AcceptanceEstimate(4, prior=0.2, decay=0.0)
+    ctl = SpecController(4, 4, toggle=True, cost=synthetic_cost(), acc=acc)
+    assert ctl.decide(2) == 0  # no new batch announced: the pessimistic estimate keeps SD off
+    ctl.begin()
+    assert ctl.decide(2) == 4 and ctl.trace[-1]["probe"]
+    ctl.observe([4] * 2, 4)  # the fresh batch drafts well
+    assert ctl.decide(2) == 4 and not ctl.trace[-1]["probe"]
+    ctl.begin()
+    ctl.decide(2)
+    ctl.observe([0] * 2, 4)  # a batch it drafts badly for: back off after the probe
+    assert ctl.decide(2) == 0
+    off = SpecController(4, 4, toggle=False, cost=synthetic_cost(), acc=AcceptanceEstimate(4, prior=0.2))
+    off.begin()
+    assert off.decide(2) == 4 and not off.trace[-1]["probe"]  # without the toggle SD always runs: no probes
+
+
+def test_engine_probes_the_first_step_of_each_batch(policy, drafter):
+    eng = build_engine(engine_cfg(k=3, toggle=True), policy, drafter)
+    params = SamplingParams(temperature=1.0, max_new_tokens=12, seed=1)
+    for _ in range(2):
+        b = eng.generate(RAGGED_PROMPTS, params)
+        assert b.trace[0]["probe"] and b.trace[0]["on"] and b.trace[0]["k"] > 0
