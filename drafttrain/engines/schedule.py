@@ -22,8 +22,11 @@ step's wall time (observe_step) and the controller keeps, per mode (AR/SD) and p
 average of the ratio measured / modelled (each observation clipped to [1/2, 2] x the current ratio: a stall is not
 a trend, while a persistent ratio of any size is reached in a few steps), which scales the model's step times:
     speed-up(B, k) = E[tokens | k] * T(B, 1) f_ar(B) / ((T(B, k+1) + k * D(B)) f_sd(B))
-A bucket with no observation borrows the nearest observed bucket's ratio (1 before any). Ratios, not ms: a ratio
-learnt at batch 64 transfers to batch 1 about right, an offset in ms (what a batch-64 step adds) does not.
+The two are read as a pair: f_ar(B) / f_sd(B) comes from the nearest bucket where both modes were observed (1
+before any). A mode's ratio borrowed on its own from a far bucket mis-scaled one side only: with the toggle probing
+each batch, SD ran nearly every step and the only AR ratio (2.1, from batch 2) scaled batch 64's AR steps, which
+predicted 1.9x where SD measured ~1.1x. Ratios, not ms: a ratio learnt at batch 64 transfers to batch 1 about right,
+an offset in ms (what a batch-64 step adds) does not.
 """
 from __future__ import annotations
 
@@ -146,8 +149,9 @@ class SpecController:
         """A new batch starts: its first decode step is an SD probe (toggle on). The estimates come from the rows
         SD last ran on, with the toggle mostly the previous batch's long tail, whose acceptance runs below a fresh
         batch's (long-tail workload: ~0.8 against ~0.9 per position); a toggle that trusted them kept SD off at the
-        start of every batch and so never measured a fresh one. The probe also catches the drafter up on the
-        prompts, which turning SD on later would cost about as much."""
+        start of every batch and so never measured a fresh one. The probe drafts k_max, so that every position's
+        estimate is the new batch's (auto k at a tail's estimates drafted 2 where 5 paid). It also catches the
+        drafter up on the prompts, which turning SD on later would cost about as much."""
         self._probe_first = self.toggle
 
     def model_ms(self, batch: int, k: int) -> float:
@@ -155,12 +159,14 @@ class SpecController:
         c = self.cost
         return c.target(batch, 1) if k == 0 else c.target(batch, k + 1) + k * c.draft(batch)
 
-    def _factor(self, mode: str, batch: int) -> float:
-        have = [b for (m, b) in self.factor if m == mode]
-        if not have:
+    def _ratio(self, batch: int) -> float:
+        """f_ar / f_sd at the bucket nearest to batch's where both modes were observed; 1 before any."""
+        both = [b for (m, b) in self.factor if m == "sd" and ("ar", b) in self.factor]
+        if not both:
             return 1.0
-        want = _bucket(batch)
-        return self.factor[(mode, min(have, key=lambda b: abs(b.bit_length() - want.bit_length())))]
+        want = _bucket(batch).bit_length()
+        b = min(both, key=lambda x: abs(x.bit_length() - want))
+        return self.factor[("ar", b)] / self.factor[("sd", b)]
 
     def observe_step(self, batch: int, k: int, ms: float, decay: float = 0.8) -> None:
         """A decode step of `batch` rows with k drafts (0: AR) took `ms` of wall time."""
@@ -176,9 +182,8 @@ class SpecController:
         self.factor[key] = decay * cur + (1 - decay) * f
 
     def speedup(self, batch: int, k: int) -> float:
-        t_ar = self.model_ms(batch, 0) * self._factor("ar", batch)
-        t_sd = self.model_ms(batch, k) * self._factor("sd", batch)
-        return self.acc.expected_tokens(k) * t_ar / max(t_sd, 1e-9)
+        t_ar, t_sd = self.model_ms(batch, 0), self.model_ms(batch, k)
+        return self.acc.expected_tokens(k) * t_ar * self._ratio(batch) / max(t_sd, 1e-9)
 
     def decide(self, batch: int) -> int:
         """k for this decode step; 0 means an AR step."""
@@ -190,8 +195,8 @@ class SpecController:
             k = max(range(1, self.k_max + 1), key=lambda kk: self.speedup(batch, kk))
         pred = self.speedup(batch, k) if self.cost is not None else None
         probe = False
-        if self.toggle and self._probe_first:
-            self._probe_first, probe = False, True  # a new batch: measure it (begin())
+        if self.toggle and self._probe_first:  # a new batch: measure it at every position k_max drafts (begin())
+            self._probe_first, probe, k = False, True, self.k_max
         elif self.toggle:
             bar = self.threshold - (self.hysteresis if self.on else 0.0)
             self.on = pred >= bar

@@ -51,7 +51,7 @@ def test_cost_model_interpolates_and_extrapolates():
 def test_measured_step_times_correct_the_cost_model():
     """The model says SD pays at batch 1 (1.0 ms AR vs 2.4 ms for a k=4 step); real SD steps take 4.5 ms, AR steps
     1.2 ms. The measured/modelled ratios move the prediction below the threshold: the toggle turns SD off. A bucket
-    without observations (batch 16) borrows the nearest one's ratio; a bucket with its own keeps it."""
+    without both modes observed (batch 16) reads the pair f_ar / f_sd of the nearest bucket that has both."""
     ctl = SpecController(4, 4, toggle=True, cost=synthetic_cost(), acc=AcceptanceEstimate(4, prior=0.8))
     assert ctl.decide(1) == 4 and ctl.speedup(1, 4) > 1.3
     for _ in range(20):
@@ -61,14 +61,27 @@ def test_measured_step_times_correct_the_cost_model():
     assert ctl.factor[("ar", 1)] == pytest.approx(1.2)
     assert ctl.speedup(1, 4) == pytest.approx(AcceptanceEstimate(4, prior=0.8).expected_tokens(4) * 1.2 / 4.5)
     assert ctl.decide(1) == 0 and not ctl.trace[-1]["on"]
-    assert ctl._factor("sd", 16) == ctl.factor[("sd", 1)]  # borrowed
-    ctl.observe_step(16, 4, ctl.model_ms(16, 4))  # measured exactly as modelled at 16
-    assert ctl._factor("sd", 16) == 1.0 and ctl._factor("sd", 31) == 1.0 and ctl._factor("sd", 2) > 1
+    pair1 = ctl.factor[("ar", 1)] / ctl.factor[("sd", 1)]
+    assert ctl._ratio(16) == pytest.approx(pair1)  # borrowed as a pair
+    ctl.observe_step(16, 4, ctl.model_ms(16, 4))  # SD measured exactly as modelled at 16: AR not yet
+    assert ctl._ratio(16) == pytest.approx(pair1)  # one side alone is not read
+    ctl.observe_step(16, 0, ctl.model_ms(16, 0))
+    assert ctl._ratio(16) == 1.0 and ctl._ratio(31) == 1.0 and ctl._ratio(2) == pytest.approx(pair1)
     ctl.observe_step(16, 4, 1000.0)  # a stall: counts as twice the current ratio, not 1 s
-    assert ctl._factor("sd", 16) == pytest.approx(0.8 + 0.2 * 2.0)
+    assert ctl.factor[("sd", 16)] == pytest.approx(0.8 + 0.2 * 2.0)
     for _ in range(40):  # a persistent 6x (a drafter far slower than calibrated) is learnt, not capped
         ctl.observe_step(16, 4, 6 * ctl.model_ms(16, 4))
-    assert ctl._factor("sd", 16) == pytest.approx(6.0, rel=0.02)
+    assert ctl.factor[("sd", 16)] == pytest.approx(6.0, rel=0.02)
+
+
+def test_one_modes_ratio_alone_does_not_scale_a_far_bucket():
+    # with the toggle probing each batch, SD runs nearly every step; the only AR ratio (2x, at batch 2) must not
+    # scale batch 64's AR steps against its SD ratio measured as modelled there
+    ctl = SpecController(4, 4, toggle=True, cost=synthetic_cost(), acc=AcceptanceEstimate(4, prior=0.8))
+    base = ctl.speedup(64, 4)
+    ctl.observe_step(2, 0, 2 * ctl.model_ms(2, 0))
+    ctl.observe_step(64, 4, ctl.model_ms(64, 4))
+    assert ctl.speedup(64, 4) == pytest.approx(base)
 
 
 def test_step_time_ratios_transfer_across_batch_sizes():
@@ -267,16 +280,17 @@ def test_engine_reports_each_stopped_rows_emitted_tokens_as_its_limit(policy, dr
 def test_a_new_batch_starts_with_an_sd_probe():
     # estimates left by the last batch's long tail (low) must not keep SD off for good at the next batch's start:
     # its first step probes, and what it measures decides the steps after
-    acc = AcceptanceEstimate(4, prior=0.2, decay=0.0)
-    ctl = SpecController(4, 4, toggle=True, cost=synthetic_cost(), acc=acc)
+    acc = AcceptanceEstimate(8, prior=0.2, decay=0.0)
+    ctl = SpecController("auto", 8, toggle=True, cost=synthetic_cost(), acc=acc)
     assert ctl.decide(2) == 0  # no new batch announced: the pessimistic estimate keeps SD off
     ctl.begin()
-    assert ctl.decide(2) == 4 and ctl.trace[-1]["probe"]
-    ctl.observe([4] * 2, 4)  # the fresh batch drafts well
-    assert ctl.decide(2) == 4 and not ctl.trace[-1]["probe"]
+    assert ctl.decide(2) == 8 and ctl.trace[-1]["probe"]  # drafting k_max: every position measured afresh
+    ctl.observe([8] * 2, 8)  # the fresh batch drafts well
+    assert acc.a == [1.0] * 8
+    assert ctl.decide(2) >= 4 and not ctl.trace[-1]["probe"]
     ctl.begin()
     ctl.decide(2)
-    ctl.observe([0] * 2, 4)  # a batch it drafts badly for: back off after the probe
+    ctl.observe([0] * 2, 8)  # a batch it drafts badly for: back off after the probe
     assert ctl.decide(2) == 0
     off = SpecController(4, 4, toggle=False, cost=synthetic_cost(), acc=AcceptanceEstimate(4, prior=0.2))
     off.begin()
