@@ -185,6 +185,11 @@ class SpecController:
         t_ar, t_sd = self.model_ms(batch, 0), self.model_ms(batch, k)
         return self.acc.expected_tokens(k) * t_ar * self._ratio(batch) / max(t_sd, 1e-9)
 
+    def _best_ratio(self, k: int) -> float:
+        """E[tokens | k] at PROBE_ALPHA per position over the current estimate's: a speed-up scaled by it is what a
+        very good drafter would get."""
+        return sum(PROBE_ALPHA ** i for i in range(k + 1)) / self.acc.expected_tokens(k)
+
     def decide(self, batch: int) -> int:
         """k for this decode step; 0 means an AR step."""
         if self.mode == "fixed":
@@ -195,18 +200,22 @@ class SpecController:
             k = max(range(1, self.k_max + 1), key=lambda kk: self.speedup(batch, kk))
         pred = self.speedup(batch, k) if self.cost is not None else None
         probe = False
-        if self.toggle and self._probe_first:  # a new batch: measure it at every position k_max drafts (begin())
-            self._probe_first, probe, k = False, True, self.k_max
-        elif self.toggle:
+        if self.toggle and self._probe_first:
+            self._probe_first = False
+            # a new batch: measure it at every position k_max drafts (begin()), where SD could pay at some k with a
+            # very good drafter (a self-drafter at a large batch cannot: its probe would cost several AR steps)
+            probe = max(self.speedup(batch, kk) * self._best_ratio(kk)
+                        for kk in range(1, self.k_max + 1)) >= self.threshold
+            if probe:
+                k = self.k_max
+        if self.toggle and not probe:
             bar = self.threshold - (self.hysteresis if self.on else 0.0)
             self.on = pred >= bar
             self._off_steps = 0 if self.on else self._off_steps + 1
             if self.on:
                 self._probe_gap = self.probe_every
             elif self.probe_every > 0 and self._off_steps >= self._probe_gap:
-                # worth probing only if SD could pay with a very good drafter
-                best = sum(PROBE_ALPHA ** i for i in range(k + 1))  # E[tokens | k] at PROBE_ALPHA per position
-                probe = pred * best / self.acc.expected_tokens(k) >= self.threshold
+                probe = pred * self._best_ratio(k) >= self.threshold  # only if a very good drafter could pay
                 self._off_steps = 0
                 # near the threshold a probe is worth repeating soon (acceptance drifts back across it); far
                 # below it (a poor drafter, a large batch) back off

@@ -292,6 +292,9 @@ def test_a_new_batch_starts_with_an_sd_probe():
     ctl.decide(2)
     ctl.observe([0] * 2, 8)  # a batch it drafts badly for: back off after the probe
     assert ctl.decide(2) == 0
+    slow = SpecController("auto", 8, toggle=True, cost=synthetic_cost(draft=5.0), acc=AcceptanceEstimate(8, prior=0.2))
+    slow.begin()  # a drafter too slow to pay even at PROBE_ALPHA (a self-drafter at a large batch): no probe
+    assert slow.decide(2) == 0 and not slow.trace[-1]["probe"]
     off = SpecController(4, 4, toggle=False, cost=synthetic_cost(), acc=AcceptanceEstimate(4, prior=0.2))
     off.begin()
     assert off.decide(2) == 4 and not off.trace[-1]["probe"]  # without the toggle SD always runs: no probes
