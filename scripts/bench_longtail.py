@@ -38,7 +38,7 @@ from drafttrain.spec import SamplingParams
 
 DEFAULTS = dict(recipe="eagle3_track", prompts=16, group=4, max_new_tokens=256, k=5, seed=4321,
                 drafters=["eagle3", "selfquant_int8", "selfquant_int4"], sweep_batches=[1, 2, 4, 8, 16, 32, 64],
-                repeats=15, sweep_tokens=256, sweep_rows=16, sweep_min_batches=8, sweep_repeats=5,
+                repeats=15, sweep_tokens=256, sweep_rows=32, sweep_min_batches=8, sweep_repeats=7,
                 out="bench/longtail.json", threads=2)
 
 MODES = {  # name -> engine overrides (None = AR)
