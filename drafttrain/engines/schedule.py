@@ -33,6 +33,8 @@ from __future__ import annotations
 import bisect
 from dataclasses import dataclass, field
 
+from drafttrain.spec.stats import drafts_kept
+
 
 PROBE_ALPHA = 0.9  # the per-position acceptance a probe must be able to pay at (shipped EAGLE-3: 0.83-0.92)
 PROBE_NEAR = 0.9  # predicted speed-up >= this x threshold: probe every probe_every steps, without backing off
@@ -95,10 +97,12 @@ class AcceptanceEstimate:
         self.a = [prior] * k_max
         self.decay = decay
 
-    def observe(self, num_accepted: list[int], k: int, limit: list[int] | None = None) -> None:
-        """num_accepted per row at draft length k; limit[row]: only that row's first limit positions are real text
-        (a row that stopped in this step: its drafts past the stop token predict nothing the policy will write)."""
-        lim = limit if limit is not None else [k] * len(num_accepted)
+    def observe(self, num_accepted: list[int], k: int, emitted: list[int] | None = None) -> None:
+        """num_accepted per row at draft length k; emitted: the tokens each row kept (None: num_accepted + 1). A row
+        whose response ended inside its drafts is observed up to the cut only (spec.stats.drafts_kept)."""
+        lim = [k] * len(num_accepted)
+        if emitted is not None:
+            lim = [drafts_kept(n, e, k) for n, e in zip(num_accepted, emitted)]
         deepest, w_deep = None, 0.0  # the deepest position this step measured, and that measurement's weight
         for i in range(k):
             reached = sum(1 for n, m in zip(num_accepted, lim) if n >= i and m > i)
@@ -227,14 +231,14 @@ class SpecController:
         self.step += 1
         return k if run else 0
 
-    def observe(self, num_accepted: list[int], k: int, limit: list[int] | None = None) -> None:
-        """A verify step's accepted counts per row; limit: see AcceptanceEstimate.observe."""
+    def observe(self, num_accepted: list[int], k: int, emitted: list[int] | None = None) -> None:
+        """A verify step's accepted counts per row; emitted: see AcceptanceEstimate.observe."""
         if k == 0:
             return
-        self.acc.observe(num_accepted, k, limit)
+        self.acc.observe(num_accepted, k, emitted)
         if self.mode == "ladder":
-            if limit is not None:
-                num_accepted = [min(n, m) for n, m in zip(num_accepted, limit)]
+            if emitted is not None:
+                num_accepted = [min(n, drafts_kept(n, e, k)) for n, e in zip(num_accepted, emitted)]
             L = sum(num_accepted) / len(num_accepted) + 1
             r = (L - 1) / k
             move = 1 if r >= self.ladder_up else (-1 if r <= self.ladder_down else 0)

@@ -212,8 +212,8 @@ class TorchEngine:
             if versions:  # `out` came from a verify step (not the prefill): count only what the rows kept
                 stats.update(n_l, k, emitted)
                 step_tokens.append(sum(emitted))
-                if ctl is not None:  # a row that stopped: its drafts past the stop are not text, not acceptance
-                    ctl.observe(n_l, k, [emitted[j] if j in done else k for j in range(len(n_l))] if done else None)
+                if ctl is not None:  # drafts past a row's stop are not text: not acceptance either
+                    ctl.observe(n_l, k, emitted)
             if done:
                 keep = torch.tensor([j for j in range(len(row_ids)) if j not in set(done)], dtype=torch.long)
                 row_ids = [row_ids[j] for j in keep.tolist()]

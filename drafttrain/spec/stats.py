@@ -15,6 +15,13 @@ from dataclasses import dataclass, field
 import torch
 
 
+def drafts_kept(num_accepted: int, emitted: int, k: int) -> int:
+    """Of a row's k drafts in one verify step, those before its response ended: all k, unless a stop token or the
+    length limit cut the row inside its accepted drafts (emitted <= num_accepted). Drafts past the cut predict text
+    the policy never writes, so they are neither drafted nor rejected (SpecStats, the SD schedule's estimates)."""
+    return min(emitted if emitted <= num_accepted else k, k)
+
+
 @dataclass
 class SpecStats:
     drafted: float = 0  # draft tokens proposed (inside the response)
@@ -40,7 +47,7 @@ class SpecStats:
         self._grow(k)
         acc_pp, reach_pp = self.accepted_per_position, self.reached_per_position
         for n, e in zip(na, em):
-            inside = min(e if e <= n else k, k)  # drafts before the cut (the response ended inside the drafts)
+            inside = drafts_kept(n, e, k)
             self.drafted += inside
             self.accepted += min(n, inside)
             for i in range(min(n + 1, inside)):  # rows that got to try draft i, and those that accepted it

@@ -30,8 +30,8 @@ class Scripted:
         self.i += 1
         return k
 
-    def observe(self, n, k, limit=None):
-        self.observed.append((list(n), k, limit))
+    def observe(self, n, k, emitted=None):
+        self.observed.append((list(n), k, emitted))
 
     def begin(self):
         pass
@@ -255,26 +255,26 @@ def test_acceptance_past_a_stop_is_not_observed():
     # acceptance (they pulled the estimate ~15% low on the long-tail workload, and the toggle with it)
     est, cut = AcceptanceEstimate(3, prior=0.5, decay=0.0), AcceptanceEstimate(3, prior=0.5, decay=0.0)
     est.observe([3, 1], 3)  # row 1: accepted position 0, rejected at 1
-    cut.observe([3, 1], 3, limit=[3, 1])  # ... but it stopped at position 0: position 1 is past its text
+    cut.observe([3, 1], 3, emitted=[4, 1])  # ... but it stopped at position 0: position 1 is past its text
     assert est.a == [1.0, 0.5, 1.0] and cut.a == [1.0, 1.0, 1.0]
     ctl = SpecController("ladder", 8, toggle=False, ladder=(2, 4))
     for _ in range(2):
-        ctl.observe([2, 0], 2, limit=[2, 0])  # (L - 1) / k = 0.5: down... the rung is already the lowest
+        ctl.observe([2, 0], 2, emitted=[3, 1])  # (L - 1) / k = 0.5: down... the rung is already the lowest
     assert ctl.rung == 0
     for _ in range(2):
-        ctl.observe([2, 2], 2, limit=[2, 1])  # censored to [2, 1]: (L - 1) / k = 0.75, not >= 0.94: no move up
+        ctl.observe([2, 2], 2, emitted=[3, 1])  # censored to [2, 1]: (L - 1) / k = 0.75, not >= 0.94: no move up
     assert ctl.rung == 0
 
 
-def test_engine_reports_each_stopped_rows_emitted_tokens_as_its_limit(policy, drafter):
+def test_engine_reports_what_each_row_emitted_to_the_schedule(policy, drafter):
     eng = build_engine(engine_cfg(k=4), policy, drafter)
     eng._ctl = Scripted([4], 4)
     b = eng.generate(RAGGED_PROMPTS, SamplingParams(temperature=1.0, max_new_tokens=7, seed=3))
     steps = [o for o in eng._ctl.observed if o[1] > 0]
     assert len(steps) == len(b.step_tokens)
-    assert all(lim is None or all(m <= 4 for m in lim) for _, _, lim in steps)
-    n, k, lim = steps[-1]  # every row left has finished: each one's limit is what it emitted
-    assert lim is not None and sum(lim) == b.step_tokens[-1]
+    assert all(all(e <= 5 for e in em) for _, _, em in steps)  # at most k + 1 per row
+    # every verify step hands over what each row kept, stopped rows (the last step's, at least) included
+    assert [sum(em) for _, _, em in steps] == b.step_tokens
 
 
 def test_a_new_batch_starts_with_an_sd_probe():
