@@ -15,9 +15,10 @@ Sweep: tokens/s at an active batch B for AR, SD-always and SD + toggle: real rol
 (stop token on), counting the decode steps with at least 3/4 of B rows still active, over
 max(sweep_min_batches, sweep_rows // B) batches per repeat (a batch of 64 keeps 3/4 of its rows for only ~2 SD
 steps: one batch per repeat measured noise, and four still left the toggle, running SD in every one of those steps,
-at 0.92-1.09 of SD-always from B = 8 up); the median of sweep_repeats interleaved repeats, and the share of those steps the toggle ran
-SD in. (Until 2026-11-30 the sweep ran without a stop token at a constant batch: past its end of text the policy
-writes junk that no drafter predicts, mean accepted length ~2 against ~4.3, which misstated SD at every batch.)
+at 0.92-1.09 of SD-always from B = 8 up); the median of sweep_repeats interleaved repeats, and the share of those
+steps the toggle ran SD in. (Until 2026-11-30 the sweep ran without a stop token at a constant batch: past its end
+of text the policy writes junk that no drafter predicts, mean accepted length ~2 against ~4.3, which misstated SD at
+every batch.)
 Prints tables; writes bench/longtail.json and bench/longtail_trace.png (active batch, SD on/off and k per step).
 """
 from __future__ import annotations

@@ -29,8 +29,6 @@ class _TTTLoss(nn.Module):
         self.gen = torch.Generator().manual_seed(seed)
 
     def forward(self, aux, next_ids, target_probs, valid):
-        if self.query_frac >= 1.0:
-            return self.drafter.ttt_loss(aux, next_ids, target_probs, valid, self.steps, self.decay)
         return self.drafter.ttt_loss(aux, next_ids, target_probs, valid, self.steps, self.decay,
                                      query_frac=self.query_frac, generator=self.gen)
 

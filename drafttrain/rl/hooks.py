@@ -11,8 +11,8 @@ online.mode=sync trains between RL steps, within online.time_budget_s and a time
 online.budget_frac x its own time (measured between on_policy_update calls, drafter work excluded), and drafter work
 (capturing features in the loss forward, training steps, the acceptance estimate, publishing) spends it, so on
 average it adds at most budget_frac to the RL step time. An update the bank cannot pay for (one record's step
-plus the estimate and publish) trains and publishes nothing. online.mode=async trains and publishes in a background thread
-(call wait() before reading its result; the next on_policy_update waits by itself).
+plus the estimate and publish) trains and publishes nothing. online.mode=async trains and publishes in a background
+thread (call wait() before reading its result; the next on_policy_update waits by itself).
 With online.canary=inline (the default) the loop hands each rollout batch to observe_rollout(batch): the first
 batch a new version generated is its canary (no extra generation).
 online.track=false keeps the drafter frozen (the baseline recipe) but still captures for measurement.

@@ -3,4 +3,5 @@ from drafttrain.spec.rejection import expected_acceptance, rejection_sample
 from drafttrain.spec.sampling import SamplingParams, draft_chain, processed_probs, race_noise, sample
 from drafttrain.spec.stats import SpecStats
 
-__all__ = ["SamplingParams", "processed_probs", "sample", "race_noise", "draft_chain", "rejection_sample", "expected_acceptance", "SpecStats"]
+__all__ = ["SamplingParams", "processed_probs", "sample", "race_noise", "draft_chain", "rejection_sample",
+           "expected_acceptance", "SpecStats"]

@@ -14,8 +14,8 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from drafttrain.spec import (SamplingParams, SpecStats, draft_chain, expected_acceptance, processed_probs, rejection_sample,
-                             sample)
+from drafttrain.spec import (SamplingParams, SpecStats, draft_chain, expected_acceptance, processed_probs,
+                             rejection_sample, sample)
 
 ALPHA = 1e-3  # "matches" means the chi-square p-value is above this
 N = 200_000
