@@ -12,8 +12,12 @@ running until it drops below threshold - hysteresis; while off, a probe SD step 
 current: after probe_every AR steps, then twice as long after each probe that leaves SD off (up to 16x) unless the
 prediction sits near the threshold (>= PROBE_NEAR x threshold: acceptance that dips there, e.g. in a stretch of
 odd text, tends to come back, and the toggle must notice soon), and never where SD could not pay even with a
-very good drafter (acceptance PROBE_ALPHA at every position: a probe's SD step also catches the drafter up on
-every position since it last ran, which at a large batch costs several AR steps).
+very good drafter (acceptance probe_alpha at every position, or the estimate where it is higher: a probe's SD step
+also catches the drafter up on every position since it last ran, which at a large batch costs several AR steps).
+probe_alpha is what the drafter's kind reaches on a policy it matches (Drafter.best_acceptance): ~0.9 for EAGLE-3,
+~0.98 for a quantized copy of the policy. One bar for both kept a self-drafter's estimate at its prior for good: at
+0.9 a drafter that costs 0.6-0.7 of a decode step per token never pays, so it was never probed, never measured,
+and SD stayed off in the long tail where the self-drafter pays (1.1-1.2x at batch 1).
 The toggle never changes outputs: AR and SD are both exact.
 
 The calibrated T and D are bare forward times. A real decode step also samples, verifies, catches the drafter up on
@@ -36,7 +40,7 @@ from dataclasses import dataclass, field
 from drafttrain.spec.stats import drafts_kept
 
 
-PROBE_ALPHA = 0.9  # the per-position acceptance a probe must be able to pay at (shipped EAGLE-3: 0.83-0.92)
+PROBE_ALPHA = 0.9  # probe_alpha's default: shipped EAGLE-3 runs at 0.83-0.92 per position
 PROBE_NEAR = 0.9  # predicted speed-up >= this x threshold: probe every probe_every steps, without backing off
 
 
@@ -91,10 +95,14 @@ class AcceptanceEstimate:
     """Per-position conditional acceptance, exponential moving averages of the engine's own observations. Each row
     that reached a position is one observation (weight decay per row, so ~1/(1-decay) rows of memory): a batch-64
     step counts 64 times what a batch-1 step of the long tail does, and the estimate is the per-token acceptance the
-    throughput depends on, not one skewed by the few odd rows that run longest."""
+    throughput depends on, not one skewed by the few odd rows that run longest.
+    Until a position has seen ~1/(1-decay) rows it is their plain mean (the prior counts for none, as in Adam's bias
+    correction): a batch-1 probe of an unmeasured drafter moved a 0.98-decay average 2% of the way from the prior,
+    so a self-drafter's one probe at the long tail (acceptance ~0.98 against the prior's 0.7) changed nothing."""
 
     def __init__(self, k_max: int, prior: float = 0.7, decay: float = 0.98):
         self.a = [prior] * k_max
+        self.seen = [0] * k_max  # rows observed at each position
         self.decay = decay
 
     def observe(self, num_accepted: list[int], k: int, emitted: list[int] | None = None) -> None:
@@ -108,18 +116,15 @@ class AcceptanceEstimate:
             reached = sum(1 for n, m in zip(num_accepted, lim) if n >= i and m > i)
             if reached:
                 rate = sum(1 for n, m in zip(num_accepted, lim) if n > i and m > i) / reached
-                keep = self.decay ** reached
+                keep = min(self.decay ** reached, self.seen[i] / (self.seen[i] + reached))
                 self.a[i] = keep * self.a[i] + (1 - keep) * rate
+                self.seen[i] += reached
                 deepest, w_deep = i, keep
         # positions past k go unmeasured while k stays below them: they follow the deepest measured one, so that a
         # small k chosen early (on the prior) does not keep the estimates of longer drafts stuck at the prior
         if deepest is not None:
             for i in range(k, len(self.a)):
                 self.a[i] = w_deep * self.a[i] + (1 - w_deep) * self.a[deepest]
-
-    def set(self, rates: list[float]) -> None:
-        for i, r in enumerate(rates[: len(self.a)]):
-            self.a[i] = r
 
     def expected_tokens(self, k: int) -> float:
         e, surv = 1.0, 1.0
@@ -132,7 +137,8 @@ class AcceptanceEstimate:
 class SpecController:
     def __init__(self, k, k_max: int, toggle: bool, threshold: float = 1.05, hysteresis: float = 0.05,
                  ladder=(2, 4, 6, 8), ladder_up: float = 0.94, ladder_down: float = 0.85,
-                 cost: CostModel | None = None, acc: AcceptanceEstimate | None = None, probe_every: int = 16):
+                 cost: CostModel | None = None, acc: AcceptanceEstimate | None = None, probe_every: int = 16,
+                 probe_alpha: float = PROBE_ALPHA):
         self.mode = k if isinstance(k, str) else "fixed"
         self.k_fixed = k if isinstance(k, int) else None
         self.k_max = max(ladder) if self.mode == "ladder" else (k_max if self.mode == "auto" else k)
@@ -144,6 +150,7 @@ class SpecController:
         self.on = True
         self.probe_every, self._off_steps = probe_every, 0  # while off, one SD step now and then refreshes a_j
         self._probe_gap = probe_every
+        self.probe_alpha = probe_alpha
         self.trace: list[dict] = []
         self.step = 0
         self.factor: dict[tuple[str, int], float] = {}  # (ar|sd, batch bucket) -> measured/modelled, moving average
@@ -190,9 +197,13 @@ class SpecController:
         return self.acc.expected_tokens(k) * t_ar * self._ratio(batch) / max(t_sd, 1e-9)
 
     def _best_ratio(self, k: int) -> float:
-        """E[tokens | k] at PROBE_ALPHA per position over the current estimate's: a speed-up scaled by it is what a
-        very good drafter would get."""
-        return sum(PROBE_ALPHA ** i for i in range(k + 1)) / self.acc.expected_tokens(k)
+        """E[tokens | k] of a very good drafter (probe_alpha per position, or the estimate where it is higher) over
+        the current estimate's: a speed-up scaled by it is what such a drafter would get (never less than now)."""
+        e, surv = 1.0, 1.0
+        for a in self.acc.a[:k]:
+            surv *= max(a, self.probe_alpha)
+            e += surv
+        return e / self.acc.expected_tokens(k)
 
     def decide(self, batch: int) -> int:
         """k for this decode step; 0 means an AR step."""
@@ -218,11 +229,13 @@ class SpecController:
             self._off_steps = 0 if self.on else self._off_steps + 1
             if self.on:
                 self._probe_gap = self.probe_every
-            elif self.probe_every > 0 and self._off_steps >= self._probe_gap:
-                probe = pred * self._best_ratio(k) >= self.threshold  # only if a very good drafter could pay
+            elif (self.probe_every > 0 and self._off_steps >= self._probe_gap
+                  and pred * self._best_ratio(k) >= self.threshold):  # only where a very good drafter could pay
+                probe = True
                 self._off_steps = 0
                 # near the threshold a probe is worth repeating soon (acceptance drifts back across it); far
-                # below it (a poor drafter, a large batch) back off
+                # below it (a poor drafter) back off. Steps where no drafter could pay (a large batch) neither
+                # probe nor back off: the probe comes as soon as the batch has shrunk to where one could
                 near = pred >= PROBE_NEAR * self.threshold
                 self._probe_gap = self.probe_every if near else min(2 * self._probe_gap, 16 * self.probe_every)
         run = self.on or probe

@@ -252,6 +252,7 @@ class OracleDrafter(torch.nn.Module):
 
     kind = "oracle"
     aux_layer_ids = ()
+    best_acceptance = 1.0
 
     def __init__(self, policy):
         super().__init__()

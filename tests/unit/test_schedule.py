@@ -224,6 +224,55 @@ def test_probes_back_off_and_skip_where_sd_cannot_pay():
     assert probes(12, acc=0.05) == []
 
 
+def test_the_probe_bar_is_the_drafters():
+    """A drafter that costs 0.8 of a decode step per token pays at batch 1 only if nearly every draft is accepted,
+    which a self-drafter (the policy, quantized: ~0.98 per position) does and EAGLE-3 (~0.9) does not. Its estimate
+    still at the prior (never measured): probed with the self-drafter's bar, never with EAGLE-3's. Before the bar
+    was the drafter's, a self-drafter was never probed, so never measured, and SD stayed off where it paid."""
+    cost = synthetic_cost(verify_slope=0.02, draft=0.8)
+
+    def run(probe_alpha):
+        acc = AcceptanceEstimate(4, prior=0.7, decay=0.0)
+        ctl = SpecController(4, 4, toggle=True, cost=cost, acc=acc, probe_every=16, probe_alpha=probe_alpha)
+        ks = []
+        for _ in range(20):
+            ks.append(ctl.decide(1))
+            if ks[-1]:
+                acc.observe([4], 4)  # every draft accepted
+        return ks
+
+    assert SpecController(4, 4, toggle=True, cost=cost, acc=AcceptanceEstimate(4, prior=0.98)).speedup(1, 4) > 1.05
+    assert SpecController(4, 4, toggle=True, cost=cost, acc=AcceptanceEstimate(4, prior=0.9)).speedup(1, 4) < 1.0
+    assert run(0.9) == [0] * 20
+    assert run(0.98) == [0] * 15 + [4] * 5  # the probe at step 15 measures it, and SD stays on
+    # an estimate above the bar: a very good drafter is at least as good as this one (the gate never bars more)
+    ctl = SpecController(4, 4, toggle=True, cost=cost, acc=AcceptanceEstimate(4, prior=0.99), probe_alpha=0.9)
+    assert ctl._best_ratio(4) == 1.0
+
+
+def test_steps_where_no_drafter_could_pay_do_not_delay_the_next_probe():
+    # a large batch where SD cannot pay at any acceptance: no probes there, and no backoff either (it was doubling
+    # the gap at each such step, to 16x, so the probe came long after the batch had shrunk to where SD pays)
+    ctl = SpecController(4, 4, toggle=True, cost=synthetic_cost(), acc=AcceptanceEstimate(4, prior=0.05),
+                         probe_every=16)
+    assert [ctl.decide(64) for _ in range(200)] == [0] * 200
+    assert ctl.decide(1) == 4 and ctl.trace[-1]["probe"]  # the long tail's first step probes
+
+
+def test_a_new_estimate_is_the_mean_of_what_it_saw():
+    # the prior counts for nothing once a row is observed (bias-corrected): one batch-1 probe of a self-drafter
+    # (every draft accepted) moved a 0.98-decay average from the prior 0.7 to 0.706, and SD stayed off
+    est = AcceptanceEstimate(4, prior=0.7, decay=0.98)
+    est.observe([4], 4)
+    assert est.a == [1.0] * 4
+    est.observe([0], 4)  # two rows: their mean at position 0
+    assert est.a[0] == 0.5 and est.a[1:] == [1.0] * 3
+    for _ in range(500):  # past ~1/(1-decay) rows: an exponential average again (recent rows count most)
+        est.observe([4], 4)
+    est.observe([0], 4)
+    assert est.a[0] == pytest.approx(0.98, abs=1e-3)
+
+
 def test_probes_repeat_without_backoff_near_the_threshold():
     """Acceptance that puts the prediction just under the threshold (SD off, but barely): probes every 16 steps,
     no backoff, so the toggle notices soon when acceptance comes back."""
