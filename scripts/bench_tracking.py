@@ -103,9 +103,11 @@ def stall_steps(ends: list[float], landed: list[tuple[float, float]], around: in
 
 
 def swap_stall(engine, weights, tok, n_swaps=4) -> dict:
-    """Generate while another thread swaps drafters; the stall of each swap in decode steps (stall_steps)."""
+    """Generate while another thread swaps drafters; the stall of each swap in decode steps (stall_steps).
+    No stop token: every row runs to max_new_tokens, so the generation outlasts every swap (with stops it ended
+    after the first one or two)."""
     prompts = [encode_prompt(tok, p.prompt) for p in make_prompts(16, seed=777)]
-    params = SamplingParams(temperature=1.0, max_new_tokens=256, stop_token_ids=(tok.eos_token_id,), seed=777)
+    params = SamplingParams(temperature=1.0, max_new_tokens=256, seed=777)
     result, landed = {}, []
 
     def gen():
