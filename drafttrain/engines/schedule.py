@@ -160,9 +160,11 @@ class SpecController:
         """A new batch starts: its first decode step is an SD probe (toggle on). The estimates come from the rows
         SD last ran on, with the toggle mostly the previous batch's long tail, whose acceptance runs below a fresh
         batch's (long-tail workload: ~0.8 against ~0.9 per position); a toggle that trusted them kept SD off at the
-        start of every batch and so never measured a fresh one. The probe drafts k_max, so that every position's
-        estimate is the new batch's (auto k at a tail's estimates drafted 2 where 5 paid). It also catches the
-        drafter up on the prompts, which turning SD on later would cost about as much."""
+        start of every batch and so never measured a fresh one. With auto k the probe drafts the k a very good
+        drafter would (probe_alpha per position), so that every position auto k could use is the new batch's (auto k
+        at a tail's estimates drafted 2 where 5 paid); not k_max, whose probe at batch 64 (k = 8) took ~20 ms more
+        than k = 5 (the calibrated model there: 71 against 51 ms; a long-tail batch takes ~550 ms). It also catches
+        the drafter up on the prompts, which turning SD on later would cost about as much."""
         self._probe_first = self.toggle
 
     def model_ms(self, batch: int, k: int) -> float:
@@ -217,12 +219,13 @@ class SpecController:
         probe = False
         if self.toggle and self._probe_first:
             self._probe_first = False
-            # a new batch: measure it at every position k_max drafts (begin()), where SD could pay at some k with a
-            # very good drafter (a self-drafter at a large batch cannot: its probe would cost several AR steps)
-            probe = max(self.speedup(batch, kk) * self._best_ratio(kk)
-                        for kk in range(1, self.k_max + 1)) >= self.threshold
-            if probe:
-                k = self.k_max
+            # a new batch: measure it (begin()) where SD could pay at some k with a very good drafter (a
+            # self-drafter at a large batch cannot: its probe would cost several AR steps); auto k drafts what such
+            # a drafter would draft here, so every position it could use is measured afresh
+            best = max(range(1, self.k_max + 1), key=lambda kk: self.speedup(batch, kk) * self._best_ratio(kk))
+            probe = self.speedup(batch, best) * self._best_ratio(best) >= self.threshold
+            if probe and self.mode == "auto":
+                k = best
         if self.toggle and not probe:
             bar = self.threshold - (self.hysteresis if self.on else 0.0)
             self.on = pred >= bar

@@ -333,9 +333,13 @@ def test_a_new_batch_starts_with_an_sd_probe():
     ctl = SpecController("auto", 8, toggle=True, cost=synthetic_cost(), acc=acc)
     assert ctl.decide(2) == 0  # no new batch announced: the pessimistic estimate keeps SD off
     ctl.begin()
-    assert ctl.decide(2) == 8 and ctl.trace[-1]["probe"]  # drafting k_max: every position measured afresh
-    ctl.observe([8] * 2, 8)  # the fresh batch drafts well
-    assert acc.a == [1.0] * 8
+    # it drafts what a very good drafter (0.9 per position) would draft here: every position auto k could use is
+    # measured afresh, and not k_max, whose probe at a large batch costs several AR steps
+    best = max(range(1, 9), key=lambda kk: sum(0.9 ** i for i in range(kk + 1)) / ctl.model_ms(2, kk))
+    assert 1 < best < 8
+    assert ctl.decide(2) == best and ctl.trace[-1]["probe"]
+    ctl.observe([best] * 2, best)  # the fresh batch drafts well
+    assert acc.a == [1.0] * 8  # positions past the probe's follow the deepest one it measured
     assert ctl.decide(2) >= 4 and not ctl.trace[-1]["probe"]
     ctl.begin()
     ctl.decide(2)
