@@ -2,8 +2,6 @@
 
 A drafter, as the engine sees it:
     kind: str; aux_layer_ids: tuple[int, ...]      policy layers whose inputs the verify pass must hand back
-    best_acceptance: float                          per-position acceptance the kind reaches on a policy it matches
-                                                    (the SD schedule probes only where such a drafter could pay)
     state_dict() / load_state_dict(weights)         one layout, the one exported to vLLM
     new_state(batch, max_len, prompts[B, P]) -> state  per-generation cache (prompts right-padded: a drafter
                                                     with its own context reads position 0 there);
@@ -22,7 +20,6 @@ from drafttrain.drafters import eagle3, selfquant
 
 class Drafter(Protocol):
     kind: str
-    best_acceptance: float
 
     @property
     def aux_layer_ids(self) -> tuple[int, ...]: ...

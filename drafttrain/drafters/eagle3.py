@@ -80,7 +80,6 @@ class _MidLayer(nn.Module):
 
 class Eagle3Drafter(nn.Module):
     kind = "eagle3"
-    best_acceptance = 0.9  # per position, trained on the policy it drafts for (shipped: 0.85-0.94)
 
     def __init__(self, c: Eagle3Config):
         super().__init__()

@@ -414,7 +414,6 @@ class _QuantLlama(LeanLlama):
 
 class SelfQuantDrafter(nn.Module):
     kind = "selfquant"
-    best_acceptance = 0.98  # per position: the policy itself, quantized (int8 0.98-1.0, int4 ~0.98 at k=5)
     in_place_update = True  # load_state_dict / requantize write the live storage: double-buffer it in an engine
 
     def __init__(self, policy, quant: str = "int8", backend: str = "ao", group_size: int = 64):

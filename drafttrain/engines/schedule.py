@@ -14,10 +14,11 @@ prediction sits near the threshold (>= PROBE_NEAR x threshold: acceptance that d
 odd text, tends to come back, and the toggle must notice soon), and never where SD could not pay even with a
 very good drafter (acceptance probe_alpha at every position, or the estimate where it is higher: a probe's SD step
 also catches the drafter up on every position since it last ran, which at a large batch costs several AR steps).
-probe_alpha is what the drafter's kind reaches on a policy it matches (Drafter.best_acceptance): ~0.9 for EAGLE-3,
-~0.98 for a quantized copy of the policy. One bar for both kept a self-drafter's estimate at its prior for good: at
-0.9 a drafter that costs 0.6-0.7 of a decode step per token never pays, so it was never probed, never measured,
-and SD stayed off in the long tail where the self-drafter pays (1.1-1.2x at batch 1).
+probe_alpha is 0.9 (shipped EAGLE-3: 0.83-0.92) for every drafter. A self-drafter (the policy, quantized: ~0.98)
+is not probed at its own 0.98: the model prices neither the drafter's catch-up on the positions of the AR steps
+before (for a self-drafter a prefill of a policy copy) nor the few steps left in a tail, and with a 0.98 bar the
+self-drafters ran SD in the long tail of the workload at 0.92-0.95x AR (0.99-1.0x kept off), though at batch 1 from
+a generation's start it pays (int4 toggle 1.09x AR against 0.94x off).
 The toggle never changes outputs: AR and SD are both exact.
 
 The calibrated T and D are bare forward times. A real decode step also samples, verifies, catches the drafter up on

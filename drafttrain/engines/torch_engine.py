@@ -20,7 +20,7 @@ import warnings
 import torch
 
 from drafttrain.engines.base import RolloutBatch, StaleVersionError
-from drafttrain.engines.schedule import PROBE_ALPHA, CostModel, SpecController
+from drafttrain.engines.schedule import CostModel, SpecController
 from drafttrain.modeling import LeanLlama
 from drafttrain.spec import SamplingParams, SpecStats, processed_probs, rejection_sample, sample
 
@@ -110,8 +110,7 @@ class TorchEngine:
         cfg = self.cfg
         if self._ctl is None:
             self._ctl = SpecController(cfg.k, cfg.k_max, cfg.toggle, cfg.toggle_threshold, cfg.toggle_hysteresis,
-                                       tuple(cfg.ladder), cfg.ladder_up, cfg.ladder_down,
-                                       probe_alpha=self.drafter.best_acceptance if self.drafter else PROBE_ALPHA)
+                                       tuple(cfg.ladder), cfg.ladder_up, cfg.ladder_down)
         ctl = self._ctl
         if cfg.toggle or ctl.mode != "fixed":
             if ctl.cost is None:

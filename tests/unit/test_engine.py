@@ -252,7 +252,6 @@ class OracleDrafter(torch.nn.Module):
 
     kind = "oracle"
     aux_layer_ids = ()
-    best_acceptance = 1.0
 
     def __init__(self, policy):
         super().__init__()

@@ -224,11 +224,10 @@ def test_probes_back_off_and_skip_where_sd_cannot_pay():
     assert probes(12, acc=0.05) == []
 
 
-def test_the_probe_bar_is_the_drafters():
-    """A drafter that costs 0.8 of a decode step per token pays at batch 1 only if nearly every draft is accepted,
-    which a self-drafter (the policy, quantized: ~0.98 per position) does and EAGLE-3 (~0.9) does not. Its estimate
-    still at the prior (never measured): probed with the self-drafter's bar, never with EAGLE-3's. Before the bar
-    was the drafter's, a self-drafter was never probed, so never measured, and SD stayed off where it paid."""
+def test_the_probe_bar():
+    """A drafter that costs 0.8 of a decode step per token pays at batch 1 only if nearly every draft is accepted.
+    Its estimate still at the prior (never measured): probed under a 0.98 bar (probe_alpha), never under the default
+    0.9; and a bar below the estimate never bars more than the estimate's own prediction."""
     cost = synthetic_cost(verify_slope=0.02, draft=0.8)
 
     def run(probe_alpha):

@@ -17,7 +17,6 @@ from drafttrain.drafters import build_drafter
 from drafttrain.drafters.selfquant import (SelfQuantDrafter, pack_int4, quantize_int4, quantize_int8,
                                            unpack_int4)
 from drafttrain.engines import build_engine
-from drafttrain.engines.schedule import PROBE_ALPHA
 from drafttrain.spec import SamplingParams
 from tests import contract as C
 from tests.conftest import engine_cfg, tiny_policy
@@ -331,9 +330,3 @@ def test_engine_double_buffers_the_self_drafter(policy):
     for k, v in fresh.state_dict().items():  # the served copy v1 holds exactly the new policy's quantization
         assert torch.equal(second.state_dict()[k], v), k
 
-
-def test_engine_probes_a_self_drafter_at_its_own_bar(policy):
-    # the toggle's probe bar is the drafter's best_acceptance: a self-drafter's (the policy, quantized) and not
-    # EAGLE-3's, which kept a self-drafter's estimate at its prior for good (test_schedule: the probe bar)
-    eng = build_engine(engine_cfg(k=3, toggle=True), policy, build_drafter(_drafter_cfg(), policy))
-    assert eng.controller().probe_alpha == SelfQuantDrafter.best_acceptance > PROBE_ALPHA
