@@ -14,7 +14,7 @@ prediction sits near the threshold (>= PROBE_NEAR x threshold: acceptance that d
 odd text, tends to come back, and the toggle must notice soon), and never where SD could not pay even with a
 very good drafter (acceptance probe_alpha at every position, or the estimate where it is higher: a probe's SD step
 also catches the drafter up on every position since it last ran, which at a large batch costs several AR steps).
-probe_alpha is 0.9 (shipped EAGLE-3: 0.83-0.92) for every drafter. A self-drafter (the policy, quantized: ~0.98)
+probe_alpha is 0.9 (shipped EAGLE-3: 0.85-0.94) for every drafter. A self-drafter (the policy, quantized: ~0.98)
 is not probed at its own 0.98: the model prices neither the drafter's catch-up on the positions of the AR steps
 before (for a self-drafter a prefill of a policy copy) nor the few steps left in a tail, and with a 0.98 bar the
 self-drafters ran SD in the long tail of the workload at 0.92-0.95x AR (0.99-1.0x kept off), though at batch 1 from
@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 from drafttrain.spec.stats import drafts_kept
 
 
-PROBE_ALPHA = 0.9  # probe_alpha's default: shipped EAGLE-3 runs at 0.83-0.92 per position
+PROBE_ALPHA = 0.9  # probe_alpha's default: shipped EAGLE-3 runs at 0.85-0.94 per position
 PROBE_NEAR = 0.9  # predicted speed-up >= this x threshold: probe every probe_every steps, without backing off
 
 
