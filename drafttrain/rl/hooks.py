@@ -254,6 +254,10 @@ class DraftTracker:
             skipped += out["nonfinite"]
             losses.append(out["loss"])
             refill(oc.steps_per_update - len(losses))
+        if not losses:  # not one record fit what the bank had left by then: nothing to estimate or publish
+            if bank:
+                self.bank_s -= time.perf_counter() - t0
+            return self._idle()
         t_fixed = time.perf_counter()
         with self._lock:
             weights = {k: v.detach().clone() for k, v in self.drafter.state_dict().items()}

@@ -394,6 +394,31 @@ def test_sync_training_is_held_to_its_time_bank(trained, monkeypatch):
     assert tracker.bank_s == pytest.approx(0.005)
 
 
+def test_an_update_with_no_step_is_idle_not_a_nan_alarm(trained, monkeypatch):
+    """The bank covered a record when the update began, but not by the time its first step was due (here the
+    buffer's sampling took the time): no drafter step ran. That is an idle update, not "all 0 drafter steps had a
+    NaN/inf loss" (the main job logged that false alarm) nor a weight clone and an acceptance estimate for nothing."""
+    clock = _fake_clock(monkeypatch)
+    tracker = _banked_tracker(trained, monkeypatch, clock)
+    logs = tracker.log.__self__
+    tracker._last_update_t = 0.0
+    clock[0] += 1.0
+    assert tracker.on_policy_update(trained["policy"], 0)["drafter_steps"] == 1  # 50 ms earned, 30 ms left
+    sample = tracker.buffer.sample_groups
+
+    def slow_sample(*a, **kw):
+        clock[0] += 0.028
+        return sample(*a, **kw)
+
+    monkeypatch.setattr(tracker.buffer, "sample_groups", slow_sample)
+    est = []
+    monkeypatch.setattr("drafttrain.rl.hooks.teacher_forced_acceptance", lambda *a, **kw: est.append(1))
+    out = tracker.on_policy_update(trained["policy"], 1)
+    assert out["drafter_steps"] == 0 and not out["published"] and out["expected_mal"] is None
+    assert not any("NOT PUBLISHED" in m for m in logs), logs
+    assert est == [] and tracker.bank_s == pytest.approx(0.002)  # the 28 ms spent is charged
+
+
 def test_time_bank_predicts_each_step_from_its_batch_lengths(trained, monkeypatch):
     """A drafter step costs in proportion to its batch's padded tokens: batches of long rollouts cost several times
     those of short ones. The bank predicts each step from its batch (seconds per token, a moving average), so an
