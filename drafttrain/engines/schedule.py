@@ -199,14 +199,14 @@ class SpecController:
         t_ar, t_sd = self.model_ms(batch, 0), self.model_ms(batch, k)
         return self.acc.expected_tokens(k) * t_ar * self._ratio(batch) / max(t_sd, 1e-9)
 
-    def _best_ratio(self, k: int) -> float:
-        """E[tokens | k] of a very good drafter (probe_alpha per position, or the estimate where it is higher) over
-        the current estimate's: a speed-up scaled by it is what such a drafter would get (never less than now)."""
+    def _best_speedup(self, batch: int, k: int) -> float:
+        """The speed-up a very good drafter would get (probe_alpha per position, or the estimate where it is higher;
+        never less than the estimate's own): where it is below the threshold, a probe cannot pay."""
         e, surv = 1.0, 1.0
         for a in self.acc.a[:k]:
             surv *= max(a, self.probe_alpha)
             e += surv
-        return e / self.acc.expected_tokens(k)
+        return self.speedup(batch, k) * e / self.acc.expected_tokens(k)
 
     def decide(self, batch: int) -> int:
         """k for this decode step; 0 means an AR step."""
@@ -223,8 +223,8 @@ class SpecController:
             # a new batch: measure it (begin()) where SD could pay at some k with a very good drafter (a
             # self-drafter at a large batch cannot: its probe would cost several AR steps); auto k drafts what such
             # a drafter would draft here, so every position it could use is measured afresh
-            best = max(range(1, self.k_max + 1), key=lambda kk: self.speedup(batch, kk) * self._best_ratio(kk))
-            probe = self.speedup(batch, best) * self._best_ratio(best) >= self.threshold
+            best = max(range(1, self.k_max + 1), key=lambda kk: self._best_speedup(batch, kk))
+            probe = self._best_speedup(batch, best) >= self.threshold
             if probe and self.mode == "auto":
                 k = best
         if self.toggle and not probe:
@@ -234,7 +234,7 @@ class SpecController:
             if self.on:
                 self._probe_gap = self.probe_every
             elif (self.probe_every > 0 and self._off_steps >= self._probe_gap
-                  and pred * self._best_ratio(k) >= self.threshold):  # only where a very good drafter could pay
+                  and self._best_speedup(batch, k) >= self.threshold):  # only where a very good drafter could pay
                 probe = True
                 self._off_steps = 0
                 # near the threshold a probe is worth repeating soon (acceptance drifts back across it); far

@@ -246,7 +246,7 @@ def test_the_probe_bar():
     assert run(0.98) == [0] * 15 + [4] * 5  # the probe at step 15 measures it, and SD stays on
     # an estimate above the bar: a very good drafter is at least as good as this one (the gate never bars more)
     ctl = SpecController(4, 4, toggle=True, cost=cost, acc=AcceptanceEstimate(4, prior=0.99), probe_alpha=0.9)
-    assert ctl._best_ratio(4) == 1.0
+    assert ctl._best_speedup(1, 4) == ctl.speedup(1, 4)
 
 
 def test_steps_where_no_drafter_could_pay_do_not_delay_the_next_probe():

@@ -329,4 +329,3 @@ def test_engine_double_buffers_the_self_drafter(policy):
     fresh = C.fresh_drafter(new_pol, kind="selfquant")
     for k, v in fresh.state_dict().items():  # the served copy v1 holds exactly the new policy's quantization
         assert torch.equal(second.state_dict()[k], v), k
-
