@@ -9,9 +9,10 @@ import copy
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from drafttrain.engines import build_engine
-from drafttrain.modeling import LeanLlama, Rope
+from drafttrain.modeling import KVCache, LeanLlama, Rope, attend, step_mask
 from drafttrain.spec import SamplingParams, processed_probs
 from tests import contract as C
 from tests.conftest import engine_cfg, tiny_policy
@@ -141,7 +142,8 @@ def test_kv_cache_equals_full_recompute(policy, family):
     pol = policy if family == "llama" else C.family_policy(family)
     aux_ids = (0, 2, 3)
     lean = LeanLlama(pol, 64)
-    prompts = [[4, 8, 15, 16, 23], [30], [7, 7, 1]]
+    # four rows: several tokens per row over >= 4 rows take attend's matmul kernel, the rest SDPA's
+    prompts = [[4, 8, 15, 16, 23], [30], [7, 7, 1], [3, 1, 4, 1]]
     B, P = len(prompts), 5
     lens = torch.tensor([len(p) for p in prompts])
     toks = torch.full((B, P), 9)  # padding garbage the mask must hide
@@ -175,6 +177,21 @@ def test_kv_cache_equals_full_recompute(policy, family):
     for j, b in enumerate((0, 2)):
         ref_l, _ = hf_logits_and_aux(pol, seqs[b] + new[j].tolist(), aux_ids)
         torch.testing.assert_close(logits[j], ref_l[-2:], atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("B,m", [(1, 1), (2, 3), (4, 1), (4, 3), (32, 1), (33, 2)])
+def test_attend_kernels_match_sdpa(B, m):
+    # attend picks SDPA or a matmul-softmax-matmul by shape; either must give SDPA's result under a ragged mask
+    g = torch.Generator().manual_seed(B * 10 + m)
+    cache = KVCache(1, B, 4, 40, 8)
+    cache.k[0].normal_(generator=g)
+    cache.v[0].normal_(generator=g)
+    pos0 = torch.randint(0, 30, (B,), generator=g)
+    length = int(pos0.max()) + m
+    mask = step_mask(pos0, m, length)
+    q = torch.randn(B, 4, m, 8, generator=g)
+    want = F.scaled_dot_product_attention(q, cache.k[0][:, :, :length], cache.v[0][:, :, :length], attn_mask=mask)
+    torch.testing.assert_close(attend(q, cache, 0, mask, length), want, atol=1e-5, rtol=1e-5)
 
 
 def test_rope_tables_clamp_only_what_is_past_the_table():
