@@ -142,16 +142,29 @@ class KVCache:
         self.v[layer][b, :, p] = v[b, :, j]
 
     def select_rows(self, idx: torch.Tensor) -> None:
-        """Keep rows idx, compacted in place. Only the positions written so far (`used`) move: a finished row costs
-        a copy of the live prefix, not a new max_len buffer (what the long tail of a batch would pay at each finish)."""
+        """Keep rows idx (row j of the result is row idx[j]), compacted in place. Only rows that move are copied
+        (idx[j] != j; keep_order's order moves as few as there are holes), and only the positions written so far
+        (`used`): a finished row costs a copy of a few rows' live prefix, not of every row, nor a new buffer."""
         n = self.used
+        dst = (idx != torch.arange(len(idx))).nonzero().squeeze(1)
+        src = idx[dst]
 
         def take(t):  # compacted into the first rows of the same buffer: no allocation (entries past `used` stay
-            t[: len(idx), :, :n] = t[idx, :, :n]  # finite old values, which masked reads may touch)
+            if len(dst):  # finite old values, which masked reads may touch)
+                t[dst, :, :n] = t[src, :, :n]
             return t[: len(idx)]
 
         self.k = [take(t) for t in self.k]
         self.v = [take(t) for t in self.v]
+
+
+def keep_order(n: int, done: list[int]) -> torch.Tensor:
+    """The rows to keep when rows `done` of n finish, in the order that moves fewest (KVCache.select_rows): a kept
+    row stays where it is unless it sits past the new end, and those fill the finished rows' places, in order."""
+    gone = set(done)
+    m = n - len(gone)
+    tail = iter(j for j in range(m, n) if j not in gone)
+    return torch.tensor([next(tail) if j in gone else j for j in range(m)], dtype=torch.long)
 
 
 def step_mask(pos0: torch.Tensor, m: int, length: int, pos0_int: int | None = None) -> torch.Tensor | None:

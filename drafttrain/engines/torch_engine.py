@@ -21,7 +21,7 @@ import torch
 
 from drafttrain.engines.base import RolloutBatch, StaleVersionError
 from drafttrain.engines.schedule import CostModel, SpecController
-from drafttrain.modeling import LeanLlama
+from drafttrain.modeling import LeanLlama, keep_order
 from drafttrain.spec import SamplingParams, SpecStats, processed_probs, rejection_sample, sample
 
 
@@ -215,7 +215,7 @@ class TorchEngine:
                 if ctl is not None:  # drafts past a row's stop are not text: not acceptance either
                     ctl.observe(n_l, k, emitted)
             if done:
-                keep = torch.tensor([j for j in range(len(row_ids)) if j not in set(done)], dtype=torch.long)
+                keep = keep_order(len(row_ids), done)  # moves the fewest rows of every cache
                 row_ids = [row_ids[j] for j in keep.tolist()]
                 if not row_ids:
                     break

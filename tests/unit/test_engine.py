@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from drafttrain.engines import build_engine
-from drafttrain.modeling import KVCache, LeanLlama, Rope, attend, step_mask
+from drafttrain.modeling import KVCache, LeanLlama, Rope, attend, keep_order, step_mask
 from drafttrain.spec import SamplingParams, processed_probs
 from tests import contract as C
 from tests.conftest import engine_cfg, tiny_policy
@@ -420,3 +420,16 @@ def test_kv_cache_select_rows_keeps_the_written_prefix(policy):
     cache.select_rows(torch.tensor([2, 0]))
     for old, new in zip(before, cache.k + cache.v):
         assert new.shape[0] == 2 and torch.equal(new[:, :, :9], old[[2, 0]])
+
+
+def test_keep_order_moves_only_rows_past_the_new_end():
+    # finished rows' places are filled by the kept rows past the new end, in order; every other kept row stays put
+    assert keep_order(5, [1]).tolist() == [0, 4, 2, 3]
+    assert keep_order(5, [4]).tolist() == [0, 1, 2, 3]  # the last row finished: nothing moves
+    assert keep_order(6, [1, 3, 5]).tolist() == [0, 4, 2]
+    assert keep_order(5, [0, 1]).tolist() == [3, 4, 2]
+    assert keep_order(3, [0, 1, 2]).tolist() == []
+    for n, done in ((7, [0, 2, 3]), (9, [8, 1, 4]), (4, [])):  # a permutation of the kept rows
+        keep = keep_order(n, done).tolist()
+        assert sorted(keep) == [j for j in range(n) if j not in done]
+        assert sum(k != j for j, k in enumerate(keep)) == sum(1 for j in done if j < n - len(done))
