@@ -141,6 +141,21 @@ class KVCache:
         self.k[layer][b, :, p] = k[b, :, j]
         self.v[layer][b, :, p] = v[b, :, j]
 
+    def head(self, n: int) -> "KVCache":
+        """A cache over the first n rows of this one's buffers (views: what it writes, this one holds)."""
+        view = KVCache.__new__(KVCache)
+        view.k, view.v = [t[:n] for t in self.k], [t[:n] for t in self.v]
+        view.max_len, view.used = self.max_len, self.used
+        return view
+
+    def fill_rows(self, head: "KVCache", src: torch.Tensor) -> None:
+        """After `head(n)` was written (a prefill of n distinct prompts): rows n.. copy the written positions of the
+        head row src[j - n] holding the same prompt."""
+        n, upto = len(self.k[0]) - len(src), head.used
+        for t in self.k + self.v:
+            t[n:, :, :upto] = t[src, :, :upto]
+        self.used = max(self.used, upto)
+
     def select_rows(self, idx: torch.Tensor) -> None:
         """Keep rows idx (row j of the result is row idx[j]), compacted in place. Only rows that move are copied
         (idx[j] != j; keep_order's order moves as few as there are holes), and only the positions written so far
@@ -156,6 +171,19 @@ class KVCache:
 
         self.k = [take(t) for t in self.k]
         self.v = [take(t) for t in self.v]
+
+
+def share_prompts(prompts: list[list[int]]) -> tuple[list[int], list[int]]:
+    """(order, src): the prompts' indices with the first copy of each distinct prompt first (a GRPO batch holds G
+    copies of each), and for each later row of that order the row among the first len(order) - len(src) it repeats.
+    The engine prefills the distinct prompts alone and copies their cache (KVCache.head / fill_rows)."""
+    first: dict[tuple[int, ...], int] = {}
+    for i, p in enumerate(prompts):
+        first.setdefault(tuple(p), i)
+    order = list(first.values())
+    rank = {i: j for j, i in enumerate(order)}
+    rest = [i for i, p in enumerate(prompts) if first[tuple(p)] != i]
+    return order + rest, [rank[first[tuple(prompts[i])]] for i in rest]
 
 
 def keep_order(n: int, done: list[int]) -> torch.Tensor:

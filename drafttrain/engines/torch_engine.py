@@ -21,7 +21,7 @@ import torch
 
 from drafttrain.engines.base import RolloutBatch, StaleVersionError
 from drafttrain.engines.schedule import CostModel, SpecController
-from drafttrain.modeling import LeanLlama, keep_order
+from drafttrain.modeling import LeanLlama, keep_order, share_prompts
 from drafttrain.spec import SamplingParams, SpecStats, processed_probs, rejection_sample, sample
 
 
@@ -150,7 +150,10 @@ class TorchEngine:
         drafter, version = active if active else (None, self.drafter_version)
         aux_ids = tuple(drafter.aux_layer_ids) if drafter is not None else ()
         B = len(prompts)
-        lens = torch.tensor([len(p) for p in prompts])
+        # rows in the order of share_prompts: each distinct prompt's first copy, then the repeats (a GRPO batch
+        # holds G copies of each prompt), which take the prefill's cache and outputs instead of recomputing them
+        order, src = share_prompts(prompts)
+        lens = torch.tensor([len(prompts[b]) for b in order])
         P = int(lens.max())
         ctl = self.controller() if drafter is not None else None
         k_max = ctl.k_max if ctl is not None else 0
@@ -166,14 +169,21 @@ class TorchEngine:
         stop = set(params.stop_token_ids)
 
         tokens = torch.zeros(B, P, dtype=torch.long)
-        for i, p in enumerate(prompts):
-            tokens[i, : len(p)] = torch.tensor(p)
+        for i, b in enumerate(order):
+            tokens[i, : len(prompts[b])] = torch.tensor(prompts[b])
         cache = lean.new_cache(B, L)
         dstate = drafter.new_state(B, L, tokens) if drafter is not None else None
-        logits, aux = lean.forward(tokens, torch.zeros(B, dtype=torch.long), cache, aux_ids)  # prefill
+        U = B - len(src)  # distinct prompts: the prefill runs on these rows only
+        head = cache.head(U) if src else cache
+        logits, aux = lean.forward(tokens[:U], torch.zeros(U, dtype=torch.long), head, aux_ids)  # prefill
         rows = torch.arange(B)
+        if src:
+            cache.fill_rows(head, torch.tensor(src))
+            rows = torch.cat([torch.arange(U), torch.tensor(src)])  # the prefill row each row reads
+            aux = None if aux is None else aux[rows]
         # the prefill acts as a k=0 verify of the last prompt position
         logits = logits[rows, lens - 1].unsqueeze(1)  # [B, 1, V]
+        rows = torch.arange(B)
         out, n, lp = self._sample(logits, None, torch.zeros(B, 0, dtype=torch.long), params, gen)
         # drafter inputs: position t of the prompt pairs aux_t with token_{t+1}; the last one is the sampled token
         nxt = torch.cat([tokens[:, 1:], tokens.new_zeros(B, 1)], 1)
@@ -184,8 +194,8 @@ class TorchEngine:
         resp: list[list[int]] = [[] for _ in range(B)]
         lps: list[list[float]] = [[] for _ in range(B)]
         reasons = ["length"] * B
-        row_ids = list(range(B))  # original index of each active row
-        lens_l = lens.tolist()
+        row_ids = order  # original index of each active row
+        lens_l = [len(p) for p in prompts]  # by original index
         stats, versions, ends, step_batch, step_tokens = SpecStats(), [], [], [], []
         last = out[:, 0]
         k = 0

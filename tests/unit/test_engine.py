@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from drafttrain.engines import build_engine
-from drafttrain.modeling import KVCache, LeanLlama, Rope, attend, keep_order, step_mask
+from drafttrain.modeling import KVCache, LeanLlama, Rope, attend, keep_order, share_prompts, step_mask
 from drafttrain.spec import SamplingParams, processed_probs
 from tests import contract as C
 from tests.conftest import engine_cfg, tiny_policy
@@ -433,3 +433,33 @@ def test_keep_order_moves_only_rows_past_the_new_end():
         keep = keep_order(n, done).tolist()
         assert sorted(keep) == [j for j in range(n) if j not in done]
         assert sum(k != j for j, k in enumerate(keep)) == sum(1 for j in done if j < n - len(done))
+
+
+def test_share_prompts_orders_distinct_prompts_first():
+    order, src = share_prompts([[1, 2], [3], [1, 2], [4, 5], [3], [1, 2]])
+    assert order == [0, 1, 3, 2, 4, 5] and src == [0, 1, 0]  # rows 3.. of that order repeat rows 0, 1, 0
+    assert share_prompts([[1], [2]]) == ([0, 1], [])
+    assert share_prompts([[7, 7]] * 3) == ([0, 1, 2], [0, 0])
+
+
+@pytest.mark.parametrize("speculative", [True, False])
+def test_repeated_prompts_share_one_prefill(make_engine, policy, drafter, speculative):
+    """A GRPO batch holds G copies of each prompt: the prefill runs on the distinct prompts only, and every copy
+    generates as if it had been prefilled alone (greedy outputs, and sampled log-probs against the policy)."""
+    a, b, c = C.RAGGED_PROMPTS[:3]
+    prompts = [a, b, a, c, b, a]
+    eng = make_engine(policy, drafter, drafter_int8=False)
+    rows = []
+    fwd = eng.lean.forward
+    eng.lean.forward = lambda toks, *args: rows.append(toks.shape[0]) or fwd(toks, *args)
+    greedy = SamplingParams(temperature=0, max_new_tokens=12)
+    got = eng.generate(prompts, greedy, speculative=speculative)
+    assert rows[0] == 3  # the prefill
+    alone = {tuple(p): eng.generate([p], greedy, speculative=speculative).tokens[0] for p in (a, b, c)}
+    assert got.tokens == [alone[tuple(p)] for p in prompts]
+    sampled = SamplingParams(max_new_tokens=8, seed=3)
+    batch = eng.generate(prompts, sampled, speculative=speculative)
+    assert len({tuple(t) for t in batch.tokens}) > 3  # the copies of a prompt sample independently
+    for p, toks, lps in zip(prompts, batch.tokens, batch.logprobs):
+        torch.testing.assert_close(torch.tensor(lps), C.teacher_forced_logprobs(policy, p, toks, sampled),
+                                   atol=1e-4, rtol=0)
