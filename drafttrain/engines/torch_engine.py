@@ -116,8 +116,8 @@ class TorchEngine:
             if ctl.cost is None:
                 ctl.cost = CostModel.calibrate(self, ctl.k_max)
             elif self._draft_cost_stale:
-                ctl.cost.draft_ms = {b: measure_costs(self, b, [], min(ctl.k_max, 4), repeats=3)["draft_ms_per_token"]
-                                     for b in ctl.cost.draft_ms}
+                ctl.cost.set_draft({b: measure_costs(self, b, [], min(ctl.k_max, 4), repeats=3)["draft_ms_per_token"]
+                                    for b in ctl.cost.draft_ms})
         self._draft_cost_stale = False
         return ctl
 
@@ -308,6 +308,16 @@ class _Pending:
     def append(self, ids: torch.Tensor, aux: torch.Tensor | None, n: torch.Tensor, start: torch.Tensor) -> None:
         """Each row's first n[b] of ids [B, m] (aux [B, m, X]); a row with none pending restarts at start[b]."""
         B, m = ids.shape
+        if B == 1:  # one row (batch 1, the long tail): slices, no index tensors
+            c = self._max
+            need = c + int(n[0])
+            if need > self.ids.shape[1]:
+                self._grow(max(need, 2 * self.ids.shape[1]))
+            self.ids[0, c:need] = ids[0, :need - c]
+            if self.aux is not None:
+                self.aux[0, c:need] = aux[0, :need - c]
+            self.start, self.n, self._max = (start if c == 0 else self.start), self.n + n, need
+            return
         need = self._max + m if m == 1 else int((self.n + n).max())
         if need > self.ids.shape[1]:
             self._grow(max(need, 2 * self.ids.shape[1]))

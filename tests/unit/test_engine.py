@@ -406,6 +406,19 @@ def test_pending_drafter_input_appends_in_place():
     assert ids[0].tolist() == [3, 3] and ids[1, 0] == 6 and n.tolist() == [2, 1] and start.tolist() == [9, 7]
     p.select_rows(torch.tensor([1]))
     assert p.view()[0].tolist() == [[6]] and p.width() == 1
+    # one row left (its own path: slices): appends after its count; a consumed buffer restarts at the new start
+    p.append(torch.tensor([[8, 9, 4]]), torch.tensor([[[1.0], [2.0], [3.0]]]), torch.tensor([2]), torch.tensor([11]))
+    ids, aux, n, start = p.view()
+    assert ids.tolist() == [[6, 8, 9]] and aux[0, :, 0].tolist() == [0.0, 1.0, 2.0]
+    assert n.tolist() == [3] and start.tolist() == [7] and p.width() == 3
+    p.consumed()
+    p.append(torch.tensor([[5, 1]]), torch.zeros(1, 2, 1), torch.tensor([1]), torch.tensor([20]))
+    ids, _, n, start = p.view()
+    assert ids.tolist() == [[5]] and n.tolist() == [1] and start.tolist() == [20]
+    for _ in range(20):  # past the capacity: grows, keeps what is pending
+        p.append(torch.tensor([[2]]), torch.zeros(1, 1, 1), torch.tensor([1]), torch.tensor([0]))
+    ids, _, n, start = p.view()
+    assert ids.tolist() == [[5] + [2] * 20] and n.tolist() == [21] and start.tolist() == [20]
 
 
 def test_kv_cache_select_rows_keeps_the_written_prefix(policy):

@@ -190,6 +190,7 @@ def test_calibration_measures_the_engine(policy, drafter):
     c = CostModel.calibrate(eng, 4, batches=(1, 4), repeats=2)
     assert set(c.target_ms) == {1, 4} and all(v > 0 for v in c.draft_ms.values())
     for ms in c.target_ms.values():
+        assert sorted(ms) == [1, 2, 3, 4, 5]  # every tokens-per-row count a step can verify, none interpolated
         vals = [ms[m] for m in sorted(ms)]
         assert vals == sorted(vals)  # monotone in tokens per row
 
@@ -358,3 +359,12 @@ def test_engine_probes_the_first_step_of_each_batch(policy, drafter):
     for _ in range(2):
         b = eng.generate(RAGGED_PROMPTS, params)
         assert b.trace[0]["probe"] and b.trace[0]["on"] and b.trace[0]["k"] > 0
+
+
+def test_cost_model_answers_from_its_points_and_set_draft_replaces_them():
+    # target() and draft() are memoized per argument; a swapped drafter's recalibrated costs must replace the old
+    c = synthetic_cost(draft=0.1)
+    assert c.draft(8) == pytest.approx(0.1) and c.target(8, 3) == pytest.approx(1 + 0.2 * 2 + 0.05 * 8 * 2)
+    c.set_draft({1: 0.5, 4: 0.5, 16: 0.9, 64: 0.9})
+    assert c.draft(8) == pytest.approx(0.5 + 0.4 * (8 - 4) / 12)
+    assert c.draft(1) == pytest.approx(0.5) and c.target(8, 3) == pytest.approx(2.2)  # targets unchanged
