@@ -177,13 +177,16 @@ def share_prompts(prompts: list[list[int]]) -> tuple[list[int], list[int]]:
     """(order, src): the prompts' indices with the first copy of each distinct prompt first (a GRPO batch holds G
     copies of each), and for each later row of that order the row among the first len(order) - len(src) it repeats.
     The engine prefills the distinct prompts alone and copies their cache (KVCache.head / fill_rows)."""
-    first: dict[tuple[int, ...], int] = {}
+    rank: dict[tuple[int, ...], int] = {}  # a distinct prompt -> its row among the first ones
+    order, rest, src = [], [], []
     for i, p in enumerate(prompts):
-        first.setdefault(tuple(p), i)
-    order = list(first.values())
-    rank = {i: j for j, i in enumerate(order)}
-    rest = [i for i, p in enumerate(prompts) if first[tuple(p)] != i]
-    return order + rest, [rank[first[tuple(prompts[i])]] for i in rest]
+        j = rank.setdefault(tuple(p), len(rank))
+        if j == len(order):  # a new prompt
+            order.append(i)
+        else:
+            rest.append(i)
+            src.append(j)
+    return order + rest, src
 
 
 def keep_order(n: int, done: list[int]) -> torch.Tensor:

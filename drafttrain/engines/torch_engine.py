@@ -177,13 +177,13 @@ class TorchEngine:
         head = cache.head(U) if src else cache
         logits, aux = lean.forward(tokens[:U], torch.zeros(U, dtype=torch.long), head, aux_ids)  # prefill
         rows = torch.arange(B)
+        from_prefill = rows  # the prefill row each row reads
         if src:
             cache.fill_rows(head, torch.tensor(src))
-            rows = torch.cat([torch.arange(U), torch.tensor(src)])  # the prefill row each row reads
-            aux = None if aux is None else aux[rows]
+            from_prefill = torch.cat([torch.arange(U), torch.tensor(src)])
+            aux = None if aux is None else aux[from_prefill]
         # the prefill acts as a k=0 verify of the last prompt position
-        logits = logits[rows, lens - 1].unsqueeze(1)  # [B, 1, V]
-        rows = torch.arange(B)
+        logits = logits[from_prefill, lens - 1].unsqueeze(1)  # [B, 1, V]
         out, n, lp = self._sample(logits, None, torch.zeros(B, 0, dtype=torch.long), params, gen)
         # drafter inputs: position t of the prompt pairs aux_t with token_{t+1}; the last one is the sampled token
         nxt = torch.cat([tokens[:, 1:], tokens.new_zeros(B, 1)], 1)
