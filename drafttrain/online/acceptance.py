@@ -23,7 +23,8 @@ the tiny random policy of tests/unit/test_acceptance.py). At the end, a row's la
 token: no bonus token, drafts past it not counted (SpecStats). The engine used to count both (3.88 instead of
 3.64 on those 64 rollouts), and the per-position average a bonus token at the end.
 Used for the frozen-drafter baseline, the trainer's estimate the canary compares the engine against, and the
-tracking/oracle benchmark.
+tracking/oracle benchmark. Scored in length_chunks from the first response position on: the same counts, and on 64
+rollouts of the shipped task 4.4x less time than the whole batch padded to its longest row (1030 -> 230 ms).
 """
 from __future__ import annotations
 
@@ -33,30 +34,70 @@ from drafttrain.spec import SpecStats
 
 
 @torch.no_grad()
-def acceptance_ratios(drafter, batch: dict[str, torch.Tensor], k: int) -> torch.Tensor:
+def acceptance_ratios(drafter, batch: dict[str, torch.Tensor], k: int, start: int = 0) -> torch.Tensor:
     """r [B, T, k]: r[b, t, i] = min(1, q_i(x) / p(x)) for draft i of the chain at position t (it targets token
-    t+2+i, the real token x; p at position t+1+i), chained along the real tokens. 0 where the target is padding."""
+    t+2+i, the real token x; p at position t+1+i), chained along the real tokens. 0 where the target is padding,
+    and at positions t < start, which are not computed (every position still gives the chain its context)."""
     s = batch["valid"].shape[1] - batch["aux"].shape[1]
     if s < k:
         raise ValueError(f"teacher_forced_acceptance: features were built for {s} TTT steps, need k={k}")
+    B, T = batch["aux"].shape[:2]
+    if start >= T:  # no chain starts here (every row's response is a single token)
+        return torch.zeros(B, T, k)
     was_training = drafter.training
     drafter.eval()
-    B, T = batch["aux"].shape[:2]
-    logits = drafter.ttt_logits(batch["aux"], batch["next_ids"][:, : T + k - 1], k)
+    queries = torch.arange(start, T) if start > 0 else None
+    logits = drafter.ttt_logits(batch["aux"], batch["next_ids"][:, : T + k - 1], k, queries)
     drafter.train(was_training)
-    ids = drafter.draft_ids()
+    tq = torch.arange(start, T)  # the positions computed
     nxt = batch["next_ids"]
     nxt = torch.cat([nxt, nxt.new_zeros(B, max(0, T + k - nxt.shape[1]))], 1)  # [B, >= T+k]
-    r = []
+    # a target token's place in the draft vocabulary (-1: not in it, q = 0)
+    V = batch["target_probs"].shape[-1]
+    t2d = torch.full((V,), -1, dtype=torch.long)
+    t2d[drafter.draft_ids()] = torch.arange(len(drafter.draft_ids()))
+    r = torch.zeros(B, T, k)
     for i, lg in enumerate(logits):
-        x = nxt[:, 1 + i:1 + i + T].unsqueeze(-1)  # [B, T, 1] token_{t+2+i}
-        px = batch["target_probs"][:, 1 + i:1 + i + T].float().gather(-1, x).squeeze(-1)  # [B, T]
-        q = lg.new_zeros(B, T, batch["target_probs"].shape[-1], dtype=torch.float32)
-        q[..., ids] = lg.float().softmax(-1)  # [B, T, V] over the target vocabulary (d2t)
-        qx = q.gather(-1, x).squeeze(-1)
-        ok = batch["valid"][:, 1 + i:1 + i + T] & (px > 0)
-        r.append(torch.where(ok, (qx / px.clamp_min(1e-30)).clamp_max(1.0), torch.zeros_like(px)))
-    return torch.stack(r, -1)
+        x = nxt[:, 1 + i + tq]  # [B, S] token_{t+2+i}
+        px = batch["target_probs"][:, 1 + i + tq].float().gather(-1, x.unsqueeze(-1)).squeeze(-1)  # [B, S]
+        d = t2d[x]
+        lq = lg.float().log_softmax(-1).gather(-1, d.clamp_min(0).unsqueeze(-1)).squeeze(-1)
+        qx = torch.where(d >= 0, lq.exp(), torch.zeros_like(lq))
+        ok = batch["valid"][:, 1 + i + tq] & (px > 0)
+        r[:, start:, i] = torch.where(ok, (qx / px.clamp_min(1e-30)).clamp_max(1.0), torch.zeros_like(px))
+    return r
+
+
+def length_chunks(batch: dict[str, torch.Tensor], k: int, max_pad: float = 1.25) -> list[tuple[dict, int]]:
+    """Split a padded feature batch into chunks of rows of similar length, each cut to its own longest row, so
+    scoring computes few padded positions (one long rollout pads a batch several-fold). Rows with no response
+    target are dropped. Returns [(chunk, first)]: first = the chunk's earliest position a step starts at (its
+    rows' prompts are context only). Padded positions per chunk <= max_pad x its real ones, or 4 rows or fewer."""
+    valid = batch["valid"]
+    B, T = batch["aux"].shape[:2]
+    v = valid[:, :T + 1]
+    has = v.any(1)
+    last = T - v.flip(1).long().argmax(1)  # one past the last position a chain starts from (its aux is needed)
+    first = v.long().argmax(1)
+    rows = [b for b in torch.argsort(last, descending=True).tolist() if has[b]]
+    chunks, cur, real = [], [], 0
+    for b in rows:  # longest first: a chunk's first row sets its length
+        n = int(last[b])
+        if len(cur) >= 4 and (len(cur) + 1) * int(last[cur[0]]) > max_pad * (real + n):
+            chunks.append(cur)
+            cur, real = [], 0
+        cur.append(b)
+        real += n
+    if cur:
+        chunks.append(cur)
+    out = []
+    for c in chunks:
+        idx = torch.tensor(sorted(c))
+        Tc = int(last[idx].max())
+        out.append(({"aux": batch["aux"][idx, :Tc], "next_ids": batch["next_ids"][idx, :Tc + k - 1],
+                     "target_probs": batch["target_probs"][idx, :Tc + k], "valid": valid[idx, :Tc + k]},
+                    int(first[idx].min())))
+    return out
 
 
 def expected_spec_stats(r: torch.Tensor, valid: torch.Tensor, k: int) -> SpecStats:
@@ -107,7 +148,14 @@ def teacher_forced_acceptance(drafter, batch: dict[str, torch.Tensor], k: int) -
     """batch: features built for >= k TTT steps (build_features / FeatureBuffer.sample).
     Returns {"mal", "acceptance_per_position", "stats"}: the engine's mean_accepted_length and
     acceptance_per_position in expectation on these sequences, and the expected SpecStats (stats.merge pools
-    several batches as the engine pools rows). MAL is 1.0 when no row has a second response token."""
-    st = expected_spec_stats(acceptance_ratios(drafter, batch, k), batch["valid"], k)
+    several batches as the engine pools rows). MAL is 1.0 when no row has a second response token.
+    Rows are scored in length_chunks, from their first response position on: the same pooled counts as the whole
+    padded batch at every position (a 64-rollout batch padded to its longest row computed ~4x the positions)."""
+    s = batch["valid"].shape[1] - batch["aux"].shape[1]
+    if s < k:
+        raise ValueError(f"teacher_forced_acceptance: features were built for {s} TTT steps, need k={k}")
+    st = SpecStats()
+    for chunk, first in length_chunks(batch, k):
+        st = st.merge(expected_spec_stats(acceptance_ratios(drafter, chunk, k, first), chunk["valid"], k))
     return {"mal": st.mean_accepted_length if st.verify_rows else 1.0,
             "acceptance_per_position": st.acceptance_per_position, "stats": st}

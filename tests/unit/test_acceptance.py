@@ -83,3 +83,38 @@ def test_engine_agrees_with_teacher_forced_on_its_rollouts(policy):
     for i, (a, n, e) in enumerate(zip(st.acceptance_per_position, st.reached_per_position,
                                       tf["acceptance_per_position"])):
         assert abs(a - e) <= 4 * math.sqrt(e * (1 - e) / n) + 1e-3, (i, a, e, n)
+
+
+def test_scoring_in_length_chunks_equals_each_row_alone(policy):
+    """A ragged batch (prompts of 2-9 tokens, responses of 0-40) scored at once pools exactly the counts of each
+    row scored alone, unpadded; and it computes few padded positions: the chains run from each chunk's first
+    response position, over chunks cut to their longest row (the whole padded batch computed every position)."""
+    k = 3
+    drafter = C.fresh_drafter(policy, seed=2)
+    g = torch.Generator().manual_seed(0)
+    lens = [0, 1, 2, 40, 3, 5, 8, 13, 21, 30, 4, 6, 7, 9, 11, 12]
+    prompts = [torch.randint(3, 30, (int(torch.randint(2, 10, (1,), generator=g)),), generator=g).tolist()
+               for _ in lens]
+    resps = [torch.randint(3, 30, (n,), generator=g).tolist() for n in lens]
+    batch = teacher_forced_features(policy, prompts, resps, drafter.aux_layer_ids, k)
+    calls = []
+    real = drafter.ttt_logits
+
+    def counting(aux, next_ids, steps, queries=None):
+        calls.append(aux.shape[0] * (aux.shape[1] if queries is None else len(queries)))
+        return real(aux, next_ids, steps, queries)
+
+    drafter.ttt_logits = counting
+    whole = teacher_forced_acceptance(drafter, batch, k)["stats"]
+    computed = sum(calls)
+    alone = None
+    for p, r in zip(prompts, resps):
+        st = teacher_forced_acceptance(drafter, teacher_forced_features(policy, [p], [r], drafter.aux_layer_ids,
+                                                                        k), k)["stats"]
+        alone = st if alone is None else alone.merge(st)
+    assert whole.emitted == alone.emitted == sum(max(n - 1, 0) for n in lens)
+    assert whole.verify_rows == pytest.approx(alone.verify_rows, rel=1e-5)
+    assert whole.accepted_per_position == pytest.approx(alone.accepted_per_position, rel=1e-4)
+    assert whole.reached_per_position == pytest.approx(alone.reached_per_position, rel=1e-5)
+    starts = sum(max(n - 1, 0) for n in lens)  # positions a verify step can start from
+    assert computed <= 1.5 * starts + 4 * 40, (computed, starts, batch["aux"].shape)
