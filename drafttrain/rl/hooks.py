@@ -63,6 +63,7 @@ class DraftTracker:
         # capture (not construction: loading and engine set-up are not RL time), then after each update's work
         self._capture_s = 0.0  # time spent in the capture hooks since the last update (drafter work inside RL time)
         self._capture_last = 0.0  # that time, for the update now running
+        self._measure_s = 0.0  # time measure() took since the last update: reporting, neither RL time nor training
         self.bank_s = 0.0  # sync mode: drafter time earned (budget_frac x RL time) minus drafter time spent
         # moving average of a drafter step's seconds per padded token (rows x longest record): a step's cost follows
         # its batch's lengths, which vary several-fold between the length-grouped batches (for the bank)
@@ -162,14 +163,15 @@ class DraftTracker:
         self.wait()
         self.latest, self.pending = self.pending, []
         self._capture_last, self._capture_s = self._capture_s, 0.0
+        measured, self._measure_s = self._measure_s, 0.0
         self.policy_version = step + 1 if step is not None else self.policy_version + 1
         if self.self_drafter and self.cfg.online.track:
             return self._requantize(policy)
         if not self.cfg.online.track or len(self.buffer) == 0:  # no update
             return self._idle()
         now = time.perf_counter()
-        # the RL step's own time since the last update (its drafter work excluded) earns the sync budget
-        rl_s = now - (self._last_update_t if self._last_update_t is not None else now) - self._capture_last
+        # the RL step's own time since the last update (its drafter work and measure() excluded) earns the budget
+        rl_s = now - (self._last_update_t if self._last_update_t is not None else now) - self._capture_last - measured
         bg = self.cfg.online.mode == "async" if background is None else background
         if bg:
             self._thread = threading.Thread(target=self._update, args=(None,), daemon=True)
@@ -335,20 +337,24 @@ class DraftTracker:
     # ---- measurement --------------------------------------------------------------------------------------
     def measure(self, k: int | None = None) -> dict:
         """Teacher-forced acceptance of the live and the frozen step-0 drafter on the rollouts captured since the
-        last on_policy_update (call it before on_policy_update: live is then the drafter that generated them)."""
+        last on_policy_update (call it before on_policy_update: live is then the drafter that generated them).
+        Its time (measure_s) is reporting: the time bank counts it neither as RL time nor as drafter work."""
         if self.self_drafter:  # no teacher-forced scoring for a self-drafter; the same keys all the same
             return {"live_tf_mal": None, "live_tf_acc_pos": None, "frozen_tf_mal": None, "frozen_tf_acc_pos": None,
-                    "policy_minus_drafter_version": self.policy_version - self.version}
+                    "policy_minus_drafter_version": self.policy_version - self.version, "measure_s": 0.0}
         if not self.pending:
             return {}
+        t0 = time.perf_counter()
         k = k or max_draft_len(self.cfg.engine)
         batch = _rows(self.pending, self.steps)
         with self._lock:
             live = teacher_forced_acceptance(self.drafter, batch, k)
         frozen = teacher_forced_acceptance(self.frozen, batch, k)
+        dt = time.perf_counter() - t0
+        self._measure_s += dt
         return {"live_tf_mal": live["mal"], "live_tf_acc_pos": live["acceptance_per_position"],
                 "frozen_tf_mal": frozen["mal"], "frozen_tf_acc_pos": frozen["acceptance_per_position"],
-                "policy_minus_drafter_version": self.policy_version - self.version}
+                "policy_minus_drafter_version": self.policy_version - self.version, "measure_s": dt}
 
     # ---- checkpointing ------------------------------------------------------------------------------------
     def state_dict(self) -> dict:

@@ -59,7 +59,8 @@ def test_bench_tracking(tmp_path):
             "run.tensorboard=false", "online.canary_max_new_tokens=8"]
     res, js = _main("bench_tracking", checkpoints=[1, 2], oracle_rollouts=4, oracle_steps=2, eval_rollouts=4,
                     max_new_tokens=24, run_dir=str(tmp_path / "run"), out=str(tmp_path / "t.json"), overrides=over)
-    for key in ("tracking_over_frozen", "tracking_over_oracle", "overhead_pct", "swap_stall_decode_steps"):
+    for key in ("tracking_over_frozen", "tracking_over_oracle", "overhead_pct", "measure_pct",
+                "swap_stall_decode_steps"):
         assert isinstance(js[key], float) and math.isfinite(js[key]), key
     assert [c["step"] for c in js["checkpoints"]] == [1, 2]
     assert [r["step"] for r in js["series"]] == [0, 1]  # the resumed run continued, no step lost or repeated

@@ -530,6 +530,28 @@ def test_capture_time_is_charged_to_the_time_bank(trained, monkeypatch):
     assert tracker.bank_s == pytest.approx(0.0485 - 0.03 - 0.02)
 
 
+def test_measure_time_earns_the_time_bank_nothing(trained, monkeypatch):
+    """Scoring the live and frozen drafters (measure, every RL step) is reporting, not RL time: 1 s of RL and 0.6 s
+    of measure earn 0.05 x 1 s (50 ms: the first update's batch, 20 ms, leaves 30 ms), not 0.05 x 1.6 s. It took
+    1.5 s of a 3.4 s step of the main job, so it had inflated the bank by ~80%."""
+    from drafttrain.rl import hooks
+
+    clock = _fake_clock(monkeypatch)
+    real_tfa = hooks.teacher_forced_acceptance
+
+    def slow_tfa(*a, **kw):
+        clock[0] += 0.3
+        return real_tfa(*a, **kw)
+
+    monkeypatch.setattr(hooks, "teacher_forced_acceptance", slow_tfa)
+    tracker = _banked_tracker(trained, monkeypatch, clock)
+    tracker._last_update_t = 0.0
+    clock[0] += 1.0
+    assert tracker.measure()["measure_s"] == pytest.approx(0.6)
+    assert tracker.on_policy_update(trained["policy"], 0)["drafter_steps"] == 1
+    assert tracker.bank_s == pytest.approx(0.05 - 0.02 - 0.3)  # the update's own estimate (0.3 s) is drafter work
+
+
 def test_captured_features_carry_the_policy_version(trained):
     # the buffer's recency weighting (online.buffer_half_life) needs each record's policy version
     engine = _engine(trained)
