@@ -94,6 +94,9 @@ class OnlineConfig:
     # time on average: each step earns budget_frac x its time, training spends it (a time bank; 0 = no cap)
     budget_frac: float = 0.05
     estimate_rows: int = 8  # sequences of the latest step the trainer's acceptance estimate is computed on
+    # sequences of each RL step the per-step live/frozen scoring (tracker.measure) runs on, a random sample: it costs
+    # about one policy forward per drafter over them (k chained drafter steps at every position)
+    measure_rows: int = 32
     # inline: the first rollout batch after a swap is the canary (no extra generation); probe: generate a short SD
     # probe on recent prompts right after the swap (canary_prompts x canary_max_new_tokens)
     canary: str = "inline"
@@ -210,12 +213,15 @@ def validate(cfg: Config) -> None:
          f"must be inline or probe, got {cfg.online.canary!r}"),
         (cfg.online.budget_frac >= 0, "online.budget_frac", f"must be >= 0, got {cfg.online.budget_frac}"),
         (cfg.online.estimate_rows >= 1, "online.estimate_rows", f"must be >= 1, got {cfg.online.estimate_rows}"),
+        (cfg.online.measure_rows >= 1, "online.measure_rows",
+         f"must be >= 1, got {cfg.online.measure_rows}"),
         (cfg.rl.mode in ("sync", "async"), "rl.mode", f"must be sync or async, got {cfg.rl.mode!r}"),
         (cfg.online.buffer_mb > 0, "online.buffer_mb", f"must be > 0, got {cfg.online.buffer_mb}"),
         (cfg.online.buffer_half_life is None or cfg.online.buffer_half_life > 0, "online.buffer_half_life",
          f"must be > 0 or null (uniform), got {cfg.online.buffer_half_life}"),
         (cfg.rl.eval_prompts >= 0, "rl.eval_prompts", f"must be >= 0, got {cfg.rl.eval_prompts}"),
-        (cfg.rl.group_size >= 2, "rl.group_size", f"must be >= 2 (group-normalized advantages), got {cfg.rl.group_size}"),
+        (cfg.rl.group_size >= 2, "rl.group_size",
+         f"must be >= 2 (group-normalized advantages), got {cfg.rl.group_size}"),
         (cfg.drafter.ttt_steps >= 1, "drafter.ttt_steps", f"must be >= 1, got {cfg.drafter.ttt_steps}"),
         (cfg.drafter.quant in ("int8", "int4"), "drafter.quant", f"must be int8 or int4, got {cfg.drafter.quant!r}"),
         (cfg.drafter.backend in ("ao", "bnb", "ref"), "drafter.backend",

@@ -73,6 +73,10 @@ class DraftTracker:
         self._result: dict = {}
         self._lock = threading.Lock()  # guards the drafter and the buffer against a background update
         self._capture: tuple[HiddenCapture, list] | None = None  # start_capture's hooks, until stop_capture
+        # which rows the estimate and measure() score: a random sample (the captured rows come in the loss's
+        # micro-batch order, by advantage and length: the last ones are the longest with no gradient)
+        self._gen = {"estimate": torch.Generator().manual_seed(cfg.run.seed + 11),
+                     "measure": torch.Generator().manual_seed(cfg.run.seed + 12)}
 
     @classmethod
     def from_recipe(cls, name_or_path, policy, engines, overrides=(), **kw) -> "DraftTracker":
@@ -263,8 +267,10 @@ class DraftTracker:
         t_fixed = time.perf_counter()
         with self._lock:
             weights = {k: v.detach().clone() for k, v in self.drafter.state_dict().items()}
-            est = teacher_forced_acceptance(self.drafter, _rows(self.latest, self.steps, oc.estimate_rows),
-                                            max_draft_len(self.cfg.engine))["mal"] if self.latest else None
+            est = None
+            if self.latest:
+                rows = _rows(self.latest, self.steps, oc.estimate_rows, self._gen["estimate"])
+                est = teacher_forced_acceptance(self.drafter, rows, max_draft_len(self.cfg.engine))["mal"]
         train_s = time.perf_counter() - t0
         params = sampling_params(self.cfg, max_new_tokens=oc.canary_max_new_tokens)
         probe = self.probe_prompts if oc.canary == "probe" else None
@@ -346,7 +352,7 @@ class DraftTracker:
             return {}
         t0 = time.perf_counter()
         k = k or max_draft_len(self.cfg.engine)
-        batch = _rows(self.pending, self.steps)
+        batch = _rows(self.pending, self.steps, self.cfg.online.measure_rows, self._gen["measure"])
         with self._lock:
             live = teacher_forced_acceptance(self.drafter, batch, k)
         frozen = teacher_forced_acceptance(self.frozen, batch, k)
@@ -363,13 +369,16 @@ class DraftTracker:
                 "good_weights": self.publisher.good_weights, "good_version": self.publisher.good_version,
                 "policy_version": self.policy_version, "bank_s": self.bank_s,
                 # the bank's cost predictions: a resumed run that forgot them would overspend its first update
-                "tok_cost_s": self._tok_cost_s, "fixed_cost_s": self._fixed_cost_s}
+                "tok_cost_s": self._tok_cost_s, "fixed_cost_s": self._fixed_cost_s,
+                "row_gens": {k: g.get_state() for k, g in self._gen.items()}}
 
     def load_state_dict(self, state: dict) -> None:
         self.frozen.load_state_dict(state["frozen"])
         self.policy_version = state["policy_version"]
         self.bank_s = state.get("bank_s", 0.0)
         self._tok_cost_s, self._fixed_cost_s = state.get("tok_cost_s"), state.get("fixed_cost_s")
+        for k, g in state.get("row_gens", {}).items():
+            self._gen[k].set_state(g)
         self.publisher.good_weights, self.publisher.good_version = state["good_weights"], state["good_version"]
         if state["version"] > 0:  # engines serve the last good weights; the drafter may hold newer, rejected ones
             self.publisher._load_all({k: v.detach().clone() for k, v in state["good_weights"].items()},
@@ -396,12 +405,14 @@ def _padded_tokens(group: list[dict]) -> int:
     return len(group) * max(r["aux"].shape[0] for r in group)
 
 
-def _rows(features: list[dict], steps: int, max_rows: int = 64) -> dict:
-    """The last max_rows sequences of several build_features batches, re-padded into one batch."""
+def _rows(features: list[dict], steps: int, max_rows: int, gen: torch.Generator) -> dict:
+    """max_rows sequences drawn at random (all if fewer) from several build_features batches, in one padded batch."""
     recs = []
     for f in features:
         for b in range(f["aux"].shape[0]):
             n = int(f["lengths"][b])
             recs.append({"aux": f["aux"][b, :n], "next_ids": f["next_ids"][b, :n + steps - 1],
                          "target_probs": f["target_probs"][b, :n + steps], "valid": f["valid"][b, :n + steps]})
-    return collate(recs[-max_rows:], steps)
+    if len(recs) > max_rows:
+        recs = [recs[i] for i in sorted(torch.randperm(len(recs), generator=gen)[:max_rows].tolist())]
+    return collate(recs, steps)

@@ -552,6 +552,28 @@ def test_measure_time_earns_the_time_bank_nothing(trained, monkeypatch):
     assert tracker.bank_s == pytest.approx(0.05 - 0.02 - 0.3)  # the update's own estimate (0.3 s) is drafter work
 
 
+def test_measure_scores_a_random_sample_of_the_steps_rollouts(trained, monkeypatch):
+    """online.measure_rows=3 of 12 captured rows: a sample drawn over all of them. The loss forward runs
+    zero-advantage sequences last, sorted by length, so "the last rows" (the old rule) always scored the same kind."""
+    from drafttrain.rl import hooks
+
+    tracker, _ = _tracker_with_features(trained, _engine(trained), "online.measure_rows=3")
+    policy = trained["policy"]
+    for extra in (2, 4):  # rows of 3 response lengths: 6 (the helper's), 8, 10
+        seqs = [p + list(range(5, 11 + extra)) for p in trained["prompts"][:4]]
+        ids = torch.tensor([s[:min(map(len, seqs))] for s in seqs])
+        with tracker.capture(policy, response_start=ids.shape[1] - 6 - extra):
+            policy(input_ids=ids)
+    seen = []
+    monkeypatch.setattr(hooks, "teacher_forced_acceptance",
+                        lambda d, batch, k: seen.append(batch["valid"].sum(1).tolist()) or
+                        {"mal": 2.0, "acceptance_per_position": [0.5] * k})
+    for _ in range(10):
+        tracker.measure()
+    assert len(seen) == 20 and all(len(rows) == 3 for rows in seen)
+    assert {n for rows in seen for n in rows} == {6, 8, 10}, seen  # every length drawn from
+
+
 def test_captured_features_carry_the_policy_version(trained):
     # the buffer's recency weighting (online.buffer_half_life) needs each record's policy version
     engine = _engine(trained)
