@@ -93,7 +93,9 @@ class OnlineConfig:
     # sync mode: drafter work (training, its estimate, publishing) is held to this fraction of the RL steps' own
     # time on average: each step earns budget_frac x its time, training spends it (a time bank; 0 = no cap)
     budget_frac: float = 0.05
-    estimate_rows: int = 8  # sequences of the latest step the trainer's acceptance estimate is computed on
+    # sequences of the latest step (drawn at random) the trainer's acceptance estimate after each update scores: the
+    # canary's reference. It costs about one drafter step (4 rows: ~30-50 ms), paid from the sync time bank
+    estimate_rows: int = 4
     # sequences of each RL step the per-step live/frozen scoring (tracker.measure) runs on, a random sample: it costs
     # about one policy forward per drafter over them (k chained drafter steps at every position)
     measure_rows: int = 32

@@ -256,14 +256,19 @@ class Eagle3Drafter(nn.Module):
         aux [B, T, A*H]; next_ids [B, T+steps-1]; target_probs [B, T+steps, V]: the policy's next-token
         distribution at each position, so step i at t is scored against target_probs[:, t+1+i];
         valid [B, T+steps] bool: positions whose target distribution is real (not padding, not past the end).
-        query_frac < 1: the loss over a random subset of that share of the positions (ttt_logits' queries).
+        query_frac < 1: the loss over a random subset of that share of the positions whose step-0 target is valid in
+        some row (ttt_logits' queries): prompt and padding positions, a third of a batch of the shipped task, were
+        drawn as often as response ones and scored nothing.
         Returns (loss, per-step accuracy list) where accuracy = draft argmax == policy argmax."""
         T = aux.shape[1]
         ids = self.draft_ids()
         S = None  # every position
-        if query_frac < 1.0:
-            n = max(1, math.ceil(query_frac * T))
-            S = torch.randperm(T, generator=generator)[:n].sort().values
+        if query_frac < 1.0:  # drawn among the chain starts that draft a response token (not prompt, not padding)
+            cand = valid[:, 1:T + 1].any(0).nonzero().flatten()
+            if not len(cand):
+                cand = torch.arange(T)
+            n = max(1, math.ceil(query_frac * len(cand)))
+            S = cand[torch.randperm(len(cand), generator=generator)[:n]].sort().values
         logits = self.ttt_logits(aux, next_ids, steps, S)
         total, accs, wsum = 0.0, [], 0.0
         for i, lg in enumerate(logits):

@@ -416,3 +416,30 @@ def test_ttt_queries_equal_the_full_result_there(drafter):
     loss.backward()
     assert torch.isfinite(loss) and len(accs) == steps
     assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in d.parameters() if p.requires_grad)
+
+
+def test_ttt_queries_are_drawn_among_response_positions(drafter):
+    """query_frac=0.5 over rows whose responses start at column 5 and 6 (prompt before, padding after column 11):
+    every query is a chain start that drafts a response token (its step-0 target valid in some row), half of them.
+    Drawn over all T, ~half the queries were prompt or padding and added nothing to the loss."""
+    d = perturbed(drafter, seed=13)
+    c = d.config
+    B, T, steps = 2, 16, 3
+    g = torch.Generator().manual_seed(5)
+    aux = torch.randn(B, T, len(c.aux_layer_ids) * c.hidden_size, generator=g)
+    next_ids = torch.randint(0, c.vocab_size, (B, T + steps - 1), generator=g)
+    probs = torch.softmax(torch.randn(B, T + steps, c.vocab_size, generator=g), -1)
+    valid = torch.zeros(B, T + steps, dtype=torch.bool)
+    valid[0, 5:10], valid[1, 6:12] = True, True  # step-0 targets at t+1: chain starts t = 4..10
+    seen = []
+    real = d.ttt_logits
+
+    def record(aux_, ids_, steps_, queries=None):
+        seen.append(queries)
+        return real(aux_, ids_, steps_, queries)
+
+    d.ttt_logits = record
+    for _ in range(20):
+        d.ttt_loss(aux, next_ids, probs, valid, steps, 0.8, query_frac=0.5, generator=g)
+    assert all(len(S) == 4 and set(S.tolist()) <= set(range(4, 11)) for S in seen), seen
+    assert set(torch.cat(seen).tolist()) == set(range(4, 11))
