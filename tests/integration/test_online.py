@@ -359,6 +359,19 @@ def _fake_clock(monkeypatch):
     return clock
 
 
+def _slowed(monkeypatch, clock, name: str, seconds: float) -> None:
+    """hooks.<name> made to take `seconds` of the fake clock per call."""
+    from drafttrain.rl import hooks
+
+    real = getattr(hooks, name)
+
+    def slow(*a, **kw):
+        clock[0] += seconds
+        return real(*a, **kw)
+
+    monkeypatch.setattr(hooks, name, slow)
+
+
 def _banked_tracker(trained, monkeypatch, clock):
     """A tracker with budget_frac=0.05 whose drafter steps take 5 ms of the fake clock per record (20 ms for a
     whole batch of 4 equal-length records)."""
@@ -513,16 +526,8 @@ def test_time_bank_counts_rl_time_from_the_first_capture(trained, monkeypatch):
 def test_capture_time_is_charged_to_the_time_bank(trained, monkeypatch):
     """Capturing features in the loss forward is online-training work inside the RL step: it does not earn budget
     and the bank pays for it. 1 s of RL with 30 ms of capture earns 0.05 x 0.97 s, less 30 ms: 18.5 ms, one step."""
-    from drafttrain.rl import hooks
-
     clock = _fake_clock(monkeypatch)
-    real_features = hooks.build_features
-
-    def slow_features(*a, **kw):
-        clock[0] += 0.03
-        return real_features(*a, **kw)
-
-    monkeypatch.setattr(hooks, "build_features", slow_features)
+    _slowed(monkeypatch, clock, "build_features", 0.03)
     tracker = _banked_tracker(trained, monkeypatch, clock)
     clock[0] += 0.97
     out = tracker.on_policy_update(trained["policy"], 0)
@@ -534,16 +539,8 @@ def test_measure_time_earns_the_time_bank_nothing(trained, monkeypatch):
     """Scoring the live and frozen drafters (measure, every RL step) is reporting, not RL time: 1 s of RL and 0.6 s
     of measure earn 0.05 x 1 s (50 ms: the first update's batch, 20 ms, leaves 30 ms), not 0.05 x 1.6 s. It took
     1.5 s of a 3.4 s step of the main job, so it had inflated the bank by ~80%."""
-    from drafttrain.rl import hooks
-
     clock = _fake_clock(monkeypatch)
-    real_tfa = hooks.teacher_forced_acceptance
-
-    def slow_tfa(*a, **kw):
-        clock[0] += 0.3
-        return real_tfa(*a, **kw)
-
-    monkeypatch.setattr(hooks, "teacher_forced_acceptance", slow_tfa)
+    _slowed(monkeypatch, clock, "teacher_forced_acceptance", 0.3)
     tracker = _banked_tracker(trained, monkeypatch, clock)
     tracker._last_update_t = 0.0
     clock[0] += 1.0

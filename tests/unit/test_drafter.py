@@ -395,22 +395,27 @@ def test_ragged_catch_up_drafts_as_each_row_alone(drafter, fused):
             assert torch.equal(t1[0], toks[b]), b
 
 
+def _ttt_inputs(d, B: int, T: int, steps: int, seed: int):
+    """(generator, aux [B, T, A*H], next_ids [B, T+steps-1]): random TTT inputs for drafter d."""
+    c = d.config
+    g = torch.Generator().manual_seed(seed)
+    aux = torch.randn(B, T, len(c.aux_layer_ids) * c.hidden_size, generator=g)
+    return g, aux, torch.randint(0, c.vocab_size, (B, T + steps - 1), generator=g)
+
+
 def test_ttt_queries_equal_the_full_result_there(drafter):
     """ttt_logits at a subset of query positions (cheaper online steps) is the full result at those positions, for
     every TTT step; ttt_loss with query_frac < 1 trains (finite, with gradients into every trained tensor)."""
     d = perturbed(drafter, seed=12)
-    c = d.config
     B, T, steps = 2, 9, 3
-    g = torch.Generator().manual_seed(4)
-    aux = torch.randn(B, T, len(c.aux_layer_ids) * c.hidden_size, generator=g)
-    next_ids = torch.randint(0, c.vocab_size, (B, T + steps - 1), generator=g)
+    g, aux, next_ids = _ttt_inputs(d, B, T, steps, seed=4)
     S = torch.tensor([0, 3, 4, 8])
     with torch.no_grad():
         full = d.ttt_logits(aux, next_ids, steps)
         sub = d.ttt_logits(aux, next_ids, steps, S)
     for f, s in zip(full, sub):
         torch.testing.assert_close(s, f[:, S], atol=1e-5, rtol=1e-5)
-    probs = torch.softmax(torch.randn(B, T + steps, c.vocab_size, generator=g), -1)
+    probs = torch.softmax(torch.randn(B, T + steps, d.config.vocab_size, generator=g), -1)
     valid = torch.ones(B, T + steps, dtype=torch.bool)
     loss, accs = d.ttt_loss(aux, next_ids, probs, valid, steps, 0.8, query_frac=0.4, generator=g)
     loss.backward()
@@ -423,12 +428,9 @@ def test_ttt_queries_are_drawn_among_response_positions(drafter):
     every query is a chain start that drafts a response token (its step-0 target valid in some row), half of them.
     Drawn over all T, ~half the queries were prompt or padding and added nothing to the loss."""
     d = perturbed(drafter, seed=13)
-    c = d.config
     B, T, steps = 2, 16, 3
-    g = torch.Generator().manual_seed(5)
-    aux = torch.randn(B, T, len(c.aux_layer_ids) * c.hidden_size, generator=g)
-    next_ids = torch.randint(0, c.vocab_size, (B, T + steps - 1), generator=g)
-    probs = torch.softmax(torch.randn(B, T + steps, c.vocab_size, generator=g), -1)
+    g, aux, next_ids = _ttt_inputs(d, B, T, steps, seed=5)
+    probs = torch.softmax(torch.randn(B, T + steps, d.config.vocab_size, generator=g), -1)
     valid = torch.zeros(B, T + steps, dtype=torch.bool)
     valid[0, 5:10], valid[1, 6:12] = True, True  # step-0 targets at t+1: chain starts t = 4..10
     seen = []
