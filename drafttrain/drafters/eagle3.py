@@ -212,11 +212,13 @@ class Eagle3Drafter(nn.Module):
 
         queries [S] (ascending positions, shared by the rows): logits at those positions only, [B, S, Vd], equal to
         the full result there. Every position still gives its step-0 key and value; the attention, the MLP, the head
-        and every later step run for the S queries alone (cheaper training steps over more rollouts)."""
+        and every later step run for the S queries alone (cheaper training steps over more rollouts).
+        Runs in the training form or, after fuse_for_inference, in the engine's runtime form (teacher-forced scoring
+        of the drafter the engine runs: with int8, 1.7x cheaper)."""
         c = self.config
         B, T, _ = aux.shape
         pos = torch.arange(T).expand(B, T)
-        hidden = self.fc(aux)  # [B, T, H]
+        hidden = self._fc(aux)  # [B, T, H]
         scale = 1.0 / math.sqrt(c.head_dim)
         rep = c.num_attention_heads // c.num_key_value_heads
         causal = torch.ones(T, T, dtype=torch.bool).tril()
@@ -225,13 +227,13 @@ class Eagle3Drafter(nn.Module):
         ks, vs, outs = [], [], []
         for i in range(steps):
             if i == 0:
-                q, k, v, res = self._qkv(self.embed_tokens(next_ids[:, :T]), hidden, pos)  # token_{t+1}
+                q, k, v, res = self._qkv(self._embed(next_ids[:, :T]), hidden, pos)  # token_{t+1}
                 if queries is not None:
                     q, res = q[:, :, queries], res[:, queries]
                     pos = pos[:, queries]
             else:
                 tok = next_ids[:, i:i + T] if queries is None else next_ids[:, queries + i]  # token_{t+1+i}
-                q, k, v, res = self._qkv(self.embed_tokens(tok), hidden, pos + i)
+                q, k, v, res = self._qkv(self._embed(tok), hidden, pos + i)
             k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)  # [B, Hq, T (step 0) or S, D]
             if i == 0:
                 k0, v0 = k, v

@@ -48,6 +48,7 @@ class DraftTracker:
             raise ValueError(f"drafter.aux_layer_ids: {list(self.drafter.aux_layer_ids)} do not exist in the "
                              f"policy ({n_layers} layers)")
         self.frozen = copy.deepcopy(self.drafter).eval().requires_grad_(False)  # the step-0 drafter
+        self._frozen_rt = None  # its runtime form, for measure()
         # features serve both training and k-step measurement
         self.steps = max(cfg.drafter.ttt_steps, max_draft_len(cfg.engine))
         self.buffer = FeatureBuffer(int(cfg.online.buffer_mb * 2 ** 20), seed=cfg.run.seed, name="online.buffer_mb",
@@ -270,7 +271,8 @@ class DraftTracker:
             est = None
             if self.latest:
                 rows = _rows(self.latest, self.steps, oc.estimate_rows, self._gen["estimate"])
-                est = teacher_forced_acceptance(self.drafter, rows, max_draft_len(self.cfg.engine))["mal"]
+                est = teacher_forced_acceptance(self._runtime_form(self.drafter), rows,
+                                                max_draft_len(self.cfg.engine))["mal"]
         train_s = time.perf_counter() - t0
         params = sampling_params(self.cfg, max_new_tokens=oc.canary_max_new_tokens)
         probe = self.probe_prompts if oc.canary == "probe" else None
@@ -344,7 +346,8 @@ class DraftTracker:
     def measure(self, k: int | None = None) -> dict:
         """Teacher-forced acceptance of the live and the frozen step-0 drafter on the rollouts captured since the
         last on_policy_update (call it before on_policy_update: live is then the drafter that generated them).
-        Its time (measure_s) is reporting: the time bank counts it neither as RL time nor as drafter work."""
+        Its time (measure_s) is reporting: the time bank counts it neither as RL time nor as drafter work.
+        Both are scored in the torch engine's runtime form (_runtime_form), as is the trainer's estimate."""
         if self.self_drafter:  # no teacher-forced scoring for a self-drafter; the same keys all the same
             return {"live_tf_mal": None, "live_tf_acc_pos": None, "frozen_tf_mal": None, "frozen_tf_acc_pos": None,
                     "policy_minus_drafter_version": self.policy_version - self.version, "measure_s": 0.0}
@@ -354,13 +357,25 @@ class DraftTracker:
         k = k or max_draft_len(self.cfg.engine)
         batch = _rows(self.pending, self.steps, self.cfg.online.measure_rows, self._gen["measure"])
         with self._lock:
-            live = teacher_forced_acceptance(self.drafter, batch, k)
-        frozen = teacher_forced_acceptance(self.frozen, batch, k)
+            live_rt = self._runtime_form(self.drafter)
+        if self._frozen_rt is None:
+            self._frozen_rt = self._runtime_form(self.frozen)
+        live = teacher_forced_acceptance(live_rt, batch, k)
+        frozen = teacher_forced_acceptance(self._frozen_rt, batch, k)
         dt = time.perf_counter() - t0
         self._measure_s += dt
         return {"live_tf_mal": live["mal"], "live_tf_acc_pos": live["acceptance_per_position"],
                 "frozen_tf_mal": frozen["mal"], "frozen_tf_acc_pos": frozen["acceptance_per_position"],
                 "policy_minus_drafter_version": self.policy_version - self.version, "measure_s": dt}
+
+    def _runtime_form(self, drafter):
+        """A copy of `drafter` as the torch engine runs it (fused, int8 linears if engine.drafter_int8): the drafter
+        teacher-forced scoring should score (int8 changes acceptance a little), and 1.7x cheaper to score in int8.
+        vLLM runs the fp32 head: fused fp32 there."""
+        if not hasattr(drafter, "fuse_for_inference"):
+            return drafter
+        int8 = self.cfg.engine.kind == "torch" and bool(self.cfg.engine.drafter_int8)
+        return copy.deepcopy(drafter).eval().fuse_for_inference(int8)
 
     # ---- checkpointing ------------------------------------------------------------------------------------
     def state_dict(self) -> dict:
@@ -374,6 +389,7 @@ class DraftTracker:
 
     def load_state_dict(self, state: dict) -> None:
         self.frozen.load_state_dict(state["frozen"])
+        self._frozen_rt = None
         self.policy_version = state["policy_version"]
         self.bank_s = state.get("bank_s", 0.0)
         self._tok_cost_s, self._fixed_cost_s = state.get("tok_cost_s"), state.get("fixed_cost_s")

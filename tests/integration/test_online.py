@@ -571,6 +571,28 @@ def test_measure_scores_a_random_sample_of_the_steps_rollouts(trained, monkeypat
     assert {n for rows in seen for n in rows} == {6, 8, 10}, seen  # every length drawn from
 
 
+def test_measure_scores_the_drafters_the_engine_runs(trained):
+    """engine.drafter_int8 (the default): the engine drafts with int8 linears, so measure() scores the live and the
+    frozen drafter in that form (what the engine's acceptance is), not the fp32 training form."""
+    import copy
+
+    from drafttrain.online.acceptance import teacher_forced_acceptance
+    from drafttrain.rl.hooks import _rows
+
+    tracker, _ = _tracker_with_features(trained, _engine(trained), "engine.drafter_int8=true")
+    with torch.no_grad():
+        for p in tracker.drafter.parameters():  # live and frozen differ
+            p.add_(0.01 * torch.randn_like(p))
+    batch = _rows(tracker.pending, tracker.steps, 64, torch.Generator())  # all 4 rows
+    want = {name: teacher_forced_acceptance(copy.deepcopy(d).eval().fuse_for_inference(True), batch, 5)["mal"]
+            for name, d in (("live", tracker.drafter), ("frozen", tracker.frozen))}
+    fp32 = teacher_forced_acceptance(tracker.frozen, batch, 5)["mal"]
+    got = tracker.measure(5)
+    assert got["live_tf_mal"] == pytest.approx(want["live"], abs=1e-6)
+    assert got["frozen_tf_mal"] == pytest.approx(want["frozen"], abs=1e-6)
+    assert want["live"] != want["frozen"] and got["frozen_tf_mal"] != fp32
+
+
 def test_captured_features_carry_the_policy_version(trained):
     # the buffer's recency weighting (online.buffer_half_life) needs each record's policy version
     engine = _engine(trained)

@@ -445,3 +445,21 @@ def test_ttt_queries_are_drawn_among_response_positions(drafter):
         d.ttt_loss(aux, next_ids, probs, valid, steps, 0.8, query_frac=0.5, generator=g)
     assert all(len(S) == 4 and set(S.tolist()) <= set(range(4, 11)) for S in seen), seen
     assert set(torch.cat(seen).tolist()) == set(range(4, 11))
+
+
+def test_ttt_logits_in_the_runtime_form_equal_the_training_form(drafter):
+    """Teacher-forced scoring runs ttt_logits on the engine's runtime form (fuse_for_inference: fused, norms folded,
+    prepacked fp32 or int8): fp32 gives the training form's logits, int8 close to them, at every TTT step."""
+    import copy
+
+    d = perturbed(drafter, seed=14).eval()
+    B, T, steps = 2, 12, 3
+    g, aux, next_ids = _ttt_inputs(d, B, T, steps, seed=6)
+    S = torch.tensor([1, 5, 11])
+    with torch.no_grad():
+        ref = d.ttt_logits(aux, next_ids, steps, S)
+        fp32 = copy.deepcopy(d).fuse_for_inference(False).ttt_logits(aux, next_ids, steps, S)
+        int8 = copy.deepcopy(d).fuse_for_inference(True).ttt_logits(aux, next_ids, steps, S)
+    for r, f, q in zip(ref, fp32, int8):
+        torch.testing.assert_close(f, r, atol=1e-4, rtol=1e-4)
+        assert (q - r).abs().max() < 0.1 * r.abs().max()
