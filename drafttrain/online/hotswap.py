@@ -37,9 +37,12 @@ def first_nonfinite(weights: dict[str, torch.Tensor]) -> str | None:
 
 
 class Publisher:
-    def __init__(self, engines, initial_weights: dict, cfg_online, log=print):
+    def __init__(self, engines, initial_weights: dict, cfg_online, log=print, tag=0):
         self.engines, self.cfg, self.log = list(engines), cfg_online, log
         self.version = max([e.drafter_version for e in self.engines] + [0])
+        # version -> the caller's tag of the weights it serves (the tracker: the policy version they were published
+        # at); a rollback's new version carries the tag of the weights it restores
+        self.tags: dict[int, object] = {self.version: tag}
         self.good_weights = {k: v.detach().clone() for k, v in initial_weights.items()}
         self.good_version = self.version
         self.rollbacks = 0
@@ -56,11 +59,12 @@ class Publisher:
         self.version = version
         return worst
 
-    def publish(self, weights: dict, expected_mal: float | None = None, probe_prompts=None, params=None) -> dict:
+    def publish(self, weights: dict, expected_mal: float | None = None, probe_prompts=None, params=None,
+                tag=None) -> dict:
         with self._lock:
-            return self._publish(weights, expected_mal, probe_prompts, params)
+            return self._publish(weights, expected_mal, probe_prompts, params, tag)
 
-    def _publish(self, weights: dict, expected_mal, probe_prompts, params) -> dict:
+    def _publish(self, weights: dict, expected_mal, probe_prompts, params, tag=None) -> dict:
         bad = first_nonfinite(weights)
         if bad is None and expected_mal is not None and not math.isfinite(expected_mal):
             bad = "outputs (the trainer's acceptance estimate)"
@@ -70,6 +74,7 @@ class Publisher:
         weights = {k: v.detach().clone() for k, v in weights.items()}
         v = self.version + 1
         swap_s = self._load_all(weights, v)
+        self.tags[v] = tag
         rec = {"published": True, "version": v, "swap_s": swap_s, "rolled_back": False, "canary_mal": None,
                "expected_mal": expected_mal}
         self.pending = None
@@ -120,6 +125,7 @@ class Publisher:
         self.rollbacks += 1
         back = self.version + 1
         self._load_all(self.good_weights, back)
+        self.tags[back] = self.tags.get(self.good_version)
         self.log(f"[drafttrain] ROLLBACK: drafter v{v} failed its canary ({why}, trainer estimate "
                  f"{expected_mal:.2f}); engines now serve the weights of v{self.good_version} as v{back}")
         rec.update(rolled_back=True, version=back)

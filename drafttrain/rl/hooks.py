@@ -55,7 +55,7 @@ class DraftTracker:
                                     half_life=cfg.online.buffer_half_life)
         self.trainer = None if self.self_drafter else DrafterTrainer(self.drafter, cfg.train, cfg.drafter,
                                                                      accelerator, buffer=self.buffer)
-        self.publisher = Publisher(self.engines, self.drafter.state_dict(), cfg.online, log)
+        self.publisher = Publisher(self.engines, self.drafter.state_dict(), cfg.online, log, tag=0)
         self.pending: list[dict] = []  # features captured since the last on_policy_update
         self.latest: list[dict] = []  # the previous step's: the background update reads only these
         self.probe_prompts: list[list[int]] = []
@@ -86,6 +86,14 @@ class DraftTracker:
     @property
     def version(self) -> int:
         return self.publisher.version
+
+    @property
+    def drafter_lag(self) -> int | None:
+        """Policy updates since the drafter the engines serve was published (0: at the latest one; a rollback
+        serves older weights). Not the difference of the two version counters: an update the time bank skipped
+        would widen that for good, though the next publish brings the drafter up to date."""
+        t = self.publisher.tags.get(self.version)
+        return None if t is None else self.policy_version - t
 
     # ---- capture ------------------------------------------------------------------------------------------
     @contextlib.contextmanager
@@ -282,7 +290,7 @@ class DraftTracker:
                      f"engines keep v{self.version}")
             pub = {"published": False}
         else:
-            pub = self.publisher.publish(weights, est, probe, params)
+            pub = self.publisher.publish(weights, est, probe, params, tag=self.policy_version)
         if pub.get("reason", "").startswith("nonfinite"):  # diverged: train on from the last good weights
             with self._lock:
                 self.trainer.restore(self.publisher.good_weights)
@@ -335,7 +343,8 @@ class DraftTracker:
     def _requantize(self, policy) -> dict:
         """Self-drafter: every engine requantizes the new policy weights into its standby drafter and swaps."""
         t0 = time.perf_counter()
-        pub = self.publisher.publish({k: v.detach() for k, v in policy.state_dict().items()})
+        pub = self.publisher.publish({k: v.detach() for k, v in policy.state_dict().items()},
+                                     tag=self.policy_version)
         self._result = {"drafter_train_s": 0.0, "publish_s": time.perf_counter() - t0, "drafter_loss": None,
                         "drafter_steps": 0, "drafter_skipped_nonfinite": 0, "swap_s": pub.get("swap_s"),
                         "canary_mal": None, "expected_mal": None, "rolled_back": False,
@@ -350,7 +359,7 @@ class DraftTracker:
         Both are scored in the torch engine's runtime form (_runtime_form), as is the trainer's estimate."""
         if self.self_drafter:  # no teacher-forced scoring for a self-drafter; the same keys all the same
             return {"live_tf_mal": None, "live_tf_acc_pos": None, "frozen_tf_mal": None, "frozen_tf_acc_pos": None,
-                    "policy_minus_drafter_version": self.policy_version - self.version, "measure_s": 0.0}
+                    "policy_minus_drafter_version": self.drafter_lag, "measure_s": 0.0}
         if not self.pending:
             return {}
         t0 = time.perf_counter()
@@ -366,7 +375,7 @@ class DraftTracker:
         self._measure_s += dt
         return {"live_tf_mal": live["mal"], "live_tf_acc_pos": live["acceptance_per_position"],
                 "frozen_tf_mal": frozen["mal"], "frozen_tf_acc_pos": frozen["acceptance_per_position"],
-                "policy_minus_drafter_version": self.policy_version - self.version, "measure_s": dt}
+                "policy_minus_drafter_version": self.drafter_lag, "measure_s": dt}
 
     def _runtime_form(self, drafter):
         """A copy of `drafter` as the torch engine runs it (fused, int8 linears if engine.drafter_int8): the drafter
@@ -382,6 +391,7 @@ class DraftTracker:
         self.wait()
         return {"frozen": self.frozen.state_dict(), "version": self.publisher.version,
                 "good_weights": self.publisher.good_weights, "good_version": self.publisher.good_version,
+                "version_tags": dict(self.publisher.tags),
                 "policy_version": self.policy_version, "bank_s": self.bank_s,
                 # the bank's cost predictions: a resumed run that forgot them would overspend its first update
                 "tok_cost_s": self._tok_cost_s, "fixed_cost_s": self._fixed_cost_s,
@@ -396,9 +406,11 @@ class DraftTracker:
         for k, g in state.get("row_gens", {}).items():
             self._gen[k].set_state(g)
         self.publisher.good_weights, self.publisher.good_version = state["good_weights"], state["good_version"]
+        self.publisher.tags.update(state.get("version_tags", {}))
         if state["version"] > 0:  # engines serve the last good weights; the drafter may hold newer, rejected ones
-            self.publisher._load_all({k: v.detach().clone() for k, v in state["good_weights"].items()},
-                                     max(state["version"], self.publisher.version + 1))
+            back = max(state["version"], self.publisher.version + 1)
+            self.publisher._load_all({k: v.detach().clone() for k, v in state["good_weights"].items()}, back)
+            self.publisher.tags[back] = self.publisher.tags.get(state["good_version"])
 
 
 def _response_start(given, labels, B: int, T: int) -> torch.Tensor:

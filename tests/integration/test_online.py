@@ -407,6 +407,33 @@ def test_sync_training_is_held_to_its_time_bank(trained, monkeypatch):
     assert tracker.bank_s == pytest.approx(0.005)
 
 
+def test_drafter_lag_counts_policy_updates_since_the_serving_drafter_was_published(trained, monkeypatch):
+    """The time bank skips the third update: the drafter is one policy update behind, and the next publish brings
+    it level again (0). The version counters' difference stayed 1 from then on (the main job's ended at 5 while its
+    drafter was published the step before). A rollback serves older weights: their lag."""
+    clock = _fake_clock(monkeypatch)
+    tracker = _banked_tracker(trained, monkeypatch, clock)
+    tracker._last_update_t = 0.0
+    lags = []
+    for step, rl_s in enumerate((1.0, 0.0, 0.0, 10.0)):  # the bank pays for updates 0, 1 and 3 (the bank test)
+        clock[0] += rl_s
+        tracker.on_policy_update(trained["policy"], step)
+        lags.append((tracker.drafter_lag, tracker.policy_version - tracker.version))
+    assert lags == [(0, 0), (0, 0), (1, 1), (0, 1)]
+    policy = trained["policy"]
+    ids = torch.tensor([p[:3] + [5, 6, 7, 8] for p in trained["prompts"][:2]])
+    with tracker.capture(policy, response_start=3):  # rollouts: the next update has an estimate, its canary
+        policy(input_ids=ids)
+    clock[0] += 10.0
+    out = tracker.on_policy_update(policy, 4)  # v4, published at policy version 5, on probation
+    assert out["published"] and tracker.publisher.pending is not None and tracker.drafter_lag == 0
+    assert tracker.publisher.fail(RuntimeError("NaN draft probabilities"))["rolled_back"]
+    assert tracker.drafter_lag == 1  # the engines serve v3's weights again, published at policy version 4
+    fresh = _banked_tracker(trained, monkeypatch, clock)  # a resumed run keeps the lag
+    fresh.load_state_dict(tracker.state_dict())
+    assert fresh.drafter_lag == 1
+
+
 def test_an_update_with_no_step_is_idle_not_a_nan_alarm(trained, monkeypatch):
     """The bank covered a record when the update began, but not by the time its first step was due (here the
     buffer's sampling took the time): no drafter step ran. That is an idle update, not "all 0 drafter steps had a
