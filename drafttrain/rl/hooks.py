@@ -17,7 +17,9 @@ With online.canary=inline (the default) the loop hands each rollout batch to obs
 batch a new version generated is its canary (no extra generation).
 online.track=false keeps the drafter frozen (the baseline recipe) but still captures for measurement.
 An update whose every step was non-finite publishes nothing; one that diverged (NaN/inf weights or outputs) is
-not published and the drafter goes back to the last good weights.
+not published and the drafter goes back to the last good weights. With online.publish_gate (default) an update
+whose estimate is below the serving drafter's on the same rows is not published either, and training goes on from
+the serving weights: online noise cannot wear down a drafter the policy barely drifts from.
 """
 from __future__ import annotations
 
@@ -49,6 +51,7 @@ class DraftTracker:
                              f"policy ({n_layers} layers)")
         self.frozen = copy.deepcopy(self.drafter).eval().requires_grad_(False)  # the step-0 drafter
         self._frozen_rt = None  # its runtime form, for measure()
+        self._serving_rt = None  # (engine version, runtime form of the weights it serves), for online.publish_gate
         # features serve both training and k-step measurement
         self.steps = max(cfg.drafter.ttt_steps, max_draft_len(cfg.engine))
         self.buffer = FeatureBuffer(int(cfg.online.buffer_mb * 2 ** 20), seed=cfg.run.seed, name="online.buffer_mb",
@@ -276,18 +279,25 @@ class DraftTracker:
         t_fixed = time.perf_counter()
         with self._lock:
             weights = {k: v.detach().clone() for k, v in self.drafter.state_dict().items()}
-            est = None
+            est = serving = None
             if self.latest:
                 rows = _rows(self.latest, self.steps, oc.estimate_rows, self._gen["estimate"])
-                est = teacher_forced_acceptance(self._runtime_form(self.drafter), rows,
-                                                max_draft_len(self.cfg.engine))["mal"]
+                k = max_draft_len(self.cfg.engine)
+                est = teacher_forced_acceptance(self._runtime_form(self.drafter), rows, k)["mal"]
+                if oc.publish_gate and skipped < len(losses):
+                    serving = teacher_forced_acceptance(self._serving_form(), rows, k)["mal"]
         train_s = time.perf_counter() - t0
         params = sampling_params(self.cfg, max_new_tokens=oc.canary_max_new_tokens)
         probe = self.probe_prompts if oc.canary == "probe" else None
         t1 = time.perf_counter()
+        gated = serving is not None and est < serving  # (a NaN estimate goes on to the publisher's check)
         if skipped == len(losses):  # every step was skipped: the weights did not change, nothing new to publish
             self.log(f"[drafttrain] NOT PUBLISHED: all {skipped} drafter steps had a NaN/inf loss or gradient; "
                      f"engines keep v{self.version}")
+            pub = {"published": False}
+        elif gated:  # worse than what the engines serve, on the same rollouts: train on from the serving weights
+            with self._lock:
+                self.drafter.load_state_dict(self._serving_weights())
             pub = {"published": False}
         else:
             pub = self.publisher.publish(weights, est, probe, params, tag=self.policy_version)
@@ -298,7 +308,8 @@ class DraftTracker:
                         "drafter_loss": sum(losses) / max(len(losses), 1),
                         "drafter_steps": len(losses), "drafter_skipped_nonfinite": skipped,
                         "swap_s": pub.get("swap_s"), "canary_mal": pub.get("canary_mal"),
-                        "expected_mal": est, "rolled_back": pub.get("rolled_back", False),
+                        "expected_mal": est, "serving_mal": serving, "gated": gated,
+                        "rolled_back": pub.get("rolled_back", False),
                         "published": pub["published"], "drafter_version": self.version,
                         "capture_s": self._capture_last}
         t_end = time.perf_counter()
@@ -313,6 +324,7 @@ class DraftTracker:
         """No update (frozen, nothing captured, or the time bank in debt): the same keys (report.py's rule)."""
         self._result = {"drafter_train_s": 0.0, "publish_s": 0.0, "drafter_loss": None, "drafter_steps": 0,
                         "drafter_skipped_nonfinite": 0, "swap_s": None, "canary_mal": None, "expected_mal": None,
+                        "serving_mal": None, "gated": False,
                         "rolled_back": False, "published": False, "drafter_version": self.version,
                         "capture_s": self._capture_last,
                         "budget_bank_s": self.bank_s if self.cfg.online.budget_frac > 0 else None}
@@ -347,7 +359,8 @@ class DraftTracker:
                                      tag=self.policy_version)
         self._result = {"drafter_train_s": 0.0, "publish_s": time.perf_counter() - t0, "drafter_loss": None,
                         "drafter_steps": 0, "drafter_skipped_nonfinite": 0, "swap_s": pub.get("swap_s"),
-                        "canary_mal": None, "expected_mal": None, "rolled_back": False,
+                        "canary_mal": None, "expected_mal": None, "serving_mal": None, "gated": False,
+                        "rolled_back": False,
                         "published": pub["published"], "drafter_version": self.version, "capture_s": 0.0}
         return self._result
 
@@ -376,6 +389,19 @@ class DraftTracker:
         return {"live_tf_mal": live["mal"], "live_tf_acc_pos": live["acceptance_per_position"],
                 "frozen_tf_mal": frozen["mal"], "frozen_tf_acc_pos": frozen["acceptance_per_position"],
                 "policy_minus_drafter_version": self.drafter_lag, "measure_s": dt}
+
+    def _serving_weights(self) -> dict:
+        """The weights the engines serve now: the version on probation (inline canary), else the last good one."""
+        p = self.publisher.pending
+        return p["weights"] if p is not None and p["version"] == self.version else self.publisher.good_weights
+
+    def _serving_form(self):
+        """_runtime_form of the serving weights, cached per engine version (publish_gate scores it every update)."""
+        if self._serving_rt is None or self._serving_rt[0] != self.version:
+            d = copy.deepcopy(self.frozen)
+            d.load_state_dict(self._serving_weights())
+            self._serving_rt = (self.version, self._runtime_form(d))
+        return self._serving_rt[1]
 
     def _runtime_form(self, drafter):
         """A copy of `drafter` as the torch engine runs it (fused, int8 linears if engine.drafter_int8): the drafter

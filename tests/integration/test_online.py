@@ -374,9 +374,9 @@ def _slowed(monkeypatch, clock, name: str, seconds: float) -> None:
 
 def _banked_tracker(trained, monkeypatch, clock):
     """A tracker with budget_frac=0.05 whose drafter steps take 5 ms of the fake clock per record (20 ms for a
-    whole batch of 4 equal-length records)."""
+    whole batch of 4 equal-length records); every update with a step publishes (no publish gate)."""
     tracker, _ = _tracker_with_features(trained, _engine(trained), "online.budget_frac=0.05",
-                                        "online.steps_per_update=50")
+                                        "online.steps_per_update=50", "online.publish_gate=false")
     step = tracker.trainer.step
 
     def slow_step(batch):
@@ -432,6 +432,40 @@ def test_drafter_lag_counts_policy_updates_since_the_serving_drafter_was_publish
     fresh = _banked_tracker(trained, monkeypatch, clock)  # a resumed run keeps the lag
     fresh.load_state_dict(tracker.state_dict())
     assert fresh.drafter_lag == 1
+
+
+def test_publish_gate_keeps_the_serving_drafter_when_an_update_scores_worse(trained, monkeypatch):
+    """online.publish_gate: the update's estimate (its weights, on the latest rows) against the serving drafter's on
+    the same rows. Worse: nothing is published and the trainer goes on from the serving weights; as good or
+    better: published. The serving drafter's runtime form is built once per engine version."""
+    from drafttrain.rl import hooks
+
+    engine = _engine(trained)
+    tracker, _ = _tracker_with_features(trained, engine, "online.publish_gate=true")
+    feats = list(tracker.pending)
+    served = {k: v.clone() for k, v in tracker.drafter.state_dict().items()}
+    scores, calls = [], []  # (new, serving) per update; the drafters scored, in order
+    real = hooks.teacher_forced_acceptance
+
+    def scripted(drafter, batch, k):
+        out = real(drafter, batch, k)
+        out["mal"] = scores[-1][len(calls) % 2]  # each update scores its new weights, then the serving ones
+        calls.append(drafter)
+        return out
+
+    monkeypatch.setattr(hooks, "teacher_forced_acceptance", scripted)
+    for new, cur, publish in ((2.5, 3.0, False), (3.0, 3.0, True), (3.5, 3.0, True)):
+        scores.append((new, cur))
+        tracker.pending = list(feats)  # this step's rollouts
+        before = tracker.version
+        out = tracker.on_policy_update(trained["policy"], len(scores))
+        assert out["gated"] == (not publish) and out["published"] == publish, (new, cur, out)
+        assert out["expected_mal"] == new and out["serving_mal"] == cur
+        assert tracker.version == before + publish and engine.drafter_version == tracker.version
+        if not publish:  # the trainer goes on from what the engines serve
+            assert all(torch.equal(v, served[k]) for k, v in tracker.drafter.state_dict().items())
+        served = {k: v.clone() for k, v in tracker._serving_weights().items()}
+    assert len(calls) == 6 and len({id(d) for d in calls[1::2]}) == 2  # rebuilt after the first publish only
 
 
 def test_an_update_with_no_step_is_idle_not_a_nan_alarm(trained, monkeypatch):
