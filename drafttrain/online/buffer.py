@@ -49,8 +49,9 @@ class FeatureBuffer:
     def __len__(self) -> int:
         return len(self.records)
 
-    def add(self, batch: dict[str, torch.Tensor], version: int = 0) -> int:
-        """batch: build_features output, from policy `version`. Returns the number of records stored."""
+    def add(self, batch: dict[str, torch.Tensor], version: int = 0, skip: torch.Tensor | None = None) -> int:
+        """batch: build_features output, from policy `version`; skip [B] bool: rows not to store (held out).
+        Returns the number of records stored."""
         L = batch["lengths"].tolist()
         T = batch["aux"].shape[1]
         s = batch["valid"].shape[1] - T
@@ -61,7 +62,7 @@ class FeatureBuffer:
                              f"ttt_steps={self.steps}")
         n = 0
         for b, n_b in enumerate(L):
-            if not bool(batch["valid"][b].any()):
+            if not bool(batch["valid"][b].any()) or (skip is not None and bool(skip[b])):
                 continue
             rec = {"aux": batch["aux"][b, :n_b].to(self.dtype).clone(),
                    "next_ids": batch["next_ids"][b, :n_b + s - 1].to(torch.int32).clone(),

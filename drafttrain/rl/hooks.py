@@ -80,7 +80,8 @@ class DraftTracker:
         # which rows the estimate and measure() score: a random sample (the captured rows come in the loss's
         # micro-batch order, by advantage and length: the last ones are the longest with no gradient)
         self._gen = {"estimate": torch.Generator().manual_seed(cfg.run.seed + 11),
-                     "measure": torch.Generator().manual_seed(cfg.run.seed + 12)}
+                     "measure": torch.Generator().manual_seed(cfg.run.seed + 12),
+                     "holdout": torch.Generator().manual_seed(cfg.run.seed + 13)}
 
     @classmethod
     def from_recipe(cls, name_or_path, policy, engines, overrides=(), **kw) -> "DraftTracker":
@@ -148,8 +149,11 @@ class DraftTracker:
             if kept < T:
                 rs = rs.clamp_min(T - kept + 1)  # a position's target needs its logits
             feats = build_features(ids.detach(), mask.detach(), cap.features(), logits, self.steps, rs)
+            # rows held out of training: the update's estimate (the publish gate's and the canary's reference)
+            # scores the new weights on rollouts they were not trained on
+            feats["heldout"] = torch.rand(B, generator=self._gen["holdout"]) < self.cfg.online.holdout_frac
             with self._lock:
-                self.buffer.add(feats, version=self.policy_version)
+                self.buffer.add(feats, version=self.policy_version, skip=feats["heldout"])
             self.pending.append(feats)
             self._capture_s += time.perf_counter() - t0
 
@@ -281,7 +285,9 @@ class DraftTracker:
             weights = {k: v.detach().clone() for k, v in self.drafter.state_dict().items()}
             est = serving = None
             if self.latest:
-                rows = _rows(self.latest, self.steps, oc.estimate_rows, self._gen["estimate"])
+                held = [f for f in self.latest if bool(f.get("heldout", torch.zeros(1)).any())]
+                rows = _rows(held or self.latest, self.steps, oc.estimate_rows, self._gen["estimate"],
+                             heldout_only=bool(held))
                 k = max_draft_len(self.cfg.engine)
                 est = teacher_forced_acceptance(self._runtime_form(self.drafter), rows, k)["mal"]
                 if oc.publish_gate and skipped < len(losses):
@@ -459,11 +465,14 @@ def _padded_tokens(group: list[dict]) -> int:
     return len(group) * max(r["aux"].shape[0] for r in group)
 
 
-def _rows(features: list[dict], steps: int, max_rows: int, gen: torch.Generator) -> dict:
-    """max_rows sequences drawn at random (all if fewer) from several build_features batches, in one padded batch."""
+def _rows(features: list[dict], steps: int, max_rows: int, gen: torch.Generator, heldout_only: bool = False) -> dict:
+    """max_rows sequences drawn at random (all if fewer) from several build_features batches, in one padded batch
+    (heldout_only: of the rows held out of training)."""
     recs = []
     for f in features:
         for b in range(f["aux"].shape[0]):
+            if heldout_only and not bool(f["heldout"][b]):
+                continue
             n = int(f["lengths"][b])
             recs.append({"aux": f["aux"][b, :n], "next_ids": f["next_ids"][b, :n + steps - 1],
                          "target_probs": f["target_probs"][b, :n + steps], "valid": f["valid"][b, :n + steps]})

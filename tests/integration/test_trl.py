@@ -33,7 +33,8 @@ def test_grpo_trainer_with_draft_tracker_callback(tmp_path):
     policy, tok = build_policy(TINY), build_tokenizer()
     cfg = load_recipe("eagle3_track", ["drafter.path=null", "online.steps_per_update=2", "train.batch_size=4",
                                        "online.canary_prompts=2", "online.canary_max_new_tokens=8",
-                                       "online.budget_frac=0"])  # every step publishes (no time bank)
+                                       "online.budget_frac=0", "online.publish_gate=false",
+                                       "online.holdout_frac=0"])  # every step publishes; every row trains
     drafter = build_drafter(cfg.drafter, policy)
     engine = build_engine(cfg.engine, policy, drafter)  # embedded engine, kept in sync for measurement
     tracker = DraftTracker(cfg, policy, [engine], drafter)
