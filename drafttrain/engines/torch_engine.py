@@ -34,6 +34,18 @@ def quantize_int8(module: torch.nn.Module) -> torch.nn.Module:
         return quantize_dynamic(module, {torch.nn.Linear}, dtype=torch.qint8)
 
 
+def runtime_copy(drafter, int8: bool, owned: bool = False):
+    """The copy of `drafter` the engine drafts with (owned: a fresh copy already, used as is): fused for inference
+    (int8: torch.ao dynamic int8 linears), or, for a drafter with no fused form, its linears int8-quantized (not a
+    self-drafter's: quantized already). Also what teacher-forced scoring of the engine's drafter scores."""
+    rt = (drafter if owned else copy.deepcopy(drafter)).eval().requires_grad_(False)
+    if hasattr(rt, "fuse_for_inference"):
+        return rt.fuse_for_inference(int8=int8)
+    if int8 and not getattr(drafter, "in_place_update", False):
+        return quantize_int8(rt)
+    return rt
+
+
 class TorchEngine:
     def __init__(self, cfg, policy, drafter=None):
         self.cfg = cfg
@@ -62,12 +74,8 @@ class TorchEngine:
         return self._active[0] if self._active else None
 
     def _runtime(self, drafter, owned: bool = False):
-        """The inference copy of `drafter` (owned: a fresh copy already, used as is)."""
-        rt = (drafter if owned else copy.deepcopy(drafter)).eval().requires_grad_(False)
-        if hasattr(rt, "fuse_for_inference"):
-            rt = rt.fuse_for_inference(int8=self.cfg.drafter_int8)
-        elif self.cfg.drafter_int8 and not getattr(drafter, "in_place_update", False):
-            rt = quantize_int8(rt)  # a self-drafter is quantized already
+        """The inference copy of `drafter` (runtime_copy), with its in-use lock."""
+        rt = runtime_copy(drafter, self.cfg.drafter_int8, owned)
         self._in_use[id(rt)] = threading.Lock()
         return rt
 

@@ -38,18 +38,15 @@ def acceptance_ratios(drafter, batch: dict[str, torch.Tensor], k: int, start: in
     """r [B, T, k]: r[b, t, i] = min(1, q_i(x) / p(x)) for draft i of the chain at position t (it targets token
     t+2+i, the real token x; p at position t+1+i), chained along the real tokens. 0 where the target is padding,
     and at positions t < start, which are not computed (every position still gives the chain its context)."""
-    s = batch["valid"].shape[1] - batch["aux"].shape[1]
-    if s < k:
-        raise ValueError(f"teacher_forced_acceptance: features were built for {s} TTT steps, need k={k}")
+    _check_steps(batch, k)
     B, T = batch["aux"].shape[:2]
     if start >= T:  # no chain starts here (every row's response is a single token)
         return torch.zeros(B, T, k)
     was_training = drafter.training
     drafter.eval()
-    queries = torch.arange(start, T) if start > 0 else None
-    logits = drafter.ttt_logits(batch["aux"], batch["next_ids"][:, : T + k - 1], k, queries)
-    drafter.train(was_training)
     tq = torch.arange(start, T)  # the positions computed
+    logits = drafter.ttt_logits(batch["aux"], batch["next_ids"][:, : T + k - 1], k, tq if start > 0 else None)
+    drafter.train(was_training)
     nxt = batch["next_ids"]
     nxt = torch.cat([nxt, nxt.new_zeros(B, max(0, T + k - nxt.shape[1]))], 1)  # [B, >= T+k]
     # a target token's place in the draft vocabulary (-1: not in it, q = 0)
@@ -66,6 +63,12 @@ def acceptance_ratios(drafter, batch: dict[str, torch.Tensor], k: int, start: in
         ok = batch["valid"][:, 1 + i + tq] & (px > 0)
         r[:, start:, i] = torch.where(ok, (qx / px.clamp_min(1e-30)).clamp_max(1.0), torch.zeros_like(px))
     return r
+
+
+def _check_steps(batch: dict[str, torch.Tensor], k: int) -> None:
+    s = batch["valid"].shape[1] - batch["aux"].shape[1]
+    if s < k:
+        raise ValueError(f"teacher_forced_acceptance: features were built for {s} TTT steps, need k={k}")
 
 
 def length_chunks(batch: dict[str, torch.Tensor], k: int, max_pad: float = 1.25) -> list[tuple[dict, int]]:
@@ -151,9 +154,7 @@ def teacher_forced_acceptance(drafter, batch: dict[str, torch.Tensor], k: int) -
     several batches as the engine pools rows). MAL is 1.0 when no row has a second response token.
     Rows are scored in length_chunks, from their first response position on: the same pooled counts as the whole
     padded batch at every position (a 64-rollout batch padded to its longest row computed ~4x the positions)."""
-    s = batch["valid"].shape[1] - batch["aux"].shape[1]
-    if s < k:
-        raise ValueError(f"teacher_forced_acceptance: features were built for {s} TTT steps, need k={k}")
+    _check_steps(batch, k)  # before length_chunks, whose cuts would hide too few steps
     st = SpecStats()
     for chunk, first in length_chunks(batch, k):
         st = st.merge(expected_spec_stats(acceptance_ratios(drafter, chunk, k, first), chunk["valid"], k))

@@ -32,6 +32,7 @@ import torch
 
 from drafttrain.config import load_recipe, max_draft_len, sampling_params
 from drafttrain.drafters import build_drafter
+from drafttrain.engines.torch_engine import runtime_copy
 from drafttrain.online.acceptance import teacher_forced_acceptance
 from drafttrain.online.buffer import FeatureBuffer, collate
 from drafttrain.online.capture import HiddenCapture, build_features
@@ -283,13 +284,13 @@ class DraftTracker:
         t_fixed = time.perf_counter()
         with self._lock:
             weights = {k: v.detach().clone() for k, v in self.drafter.state_dict().items()}
-            est = serving = None
+            est = serving = new_rt = None
             if self.latest:
-                held = [f for f in self.latest if bool(f.get("heldout", torch.zeros(1)).any())]
-                rows = _rows(held or self.latest, self.steps, oc.estimate_rows, self._gen["estimate"],
-                             heldout_only=bool(held))
+                held = any(bool(f["heldout"].any()) for f in self.latest)  # none held out: every row
+                rows = _rows(self.latest, self.steps, oc.estimate_rows, self._gen["estimate"], heldout_only=held)
                 k = max_draft_len(self.cfg.engine)
-                est = teacher_forced_acceptance(self._runtime_form(self.drafter), rows, k)["mal"]
+                new_rt = self._runtime_form(self.drafter)
+                est = teacher_forced_acceptance(new_rt, rows, k)["mal"]
                 if oc.publish_gate and skipped < len(losses):
                     serving = teacher_forced_acceptance(self._serving_form(), rows, k)["mal"]
         train_s = time.perf_counter() - t0
@@ -307,6 +308,8 @@ class DraftTracker:
             pub = {"published": False}
         else:
             pub = self.publisher.publish(weights, est, probe, params, tag=self.policy_version)
+            if new_rt is not None and pub["published"] and not pub.get("rolled_back"):
+                self._serving_rt = (pub["version"], new_rt)  # the gate's next reference: these very weights
         if pub.get("reason", "").startswith("nonfinite"):  # diverged: train on from the last good weights
             with self._lock:
                 self.trainer.restore(self.publisher.good_weights)
@@ -406,17 +409,15 @@ class DraftTracker:
         if self._serving_rt is None or self._serving_rt[0] != self.version:
             d = copy.deepcopy(self.frozen)
             d.load_state_dict(self._serving_weights())
-            self._serving_rt = (self.version, self._runtime_form(d))
+            self._serving_rt = (self.version, self._runtime_form(d, owned=True))
         return self._serving_rt[1]
 
-    def _runtime_form(self, drafter):
-        """A copy of `drafter` as the torch engine runs it (fused, int8 linears if engine.drafter_int8): the drafter
+    def _runtime_form(self, drafter, owned: bool = False):
+        """`drafter` as the torch engine runs it (runtime_copy; int8 linears if engine.drafter_int8): the drafter
         teacher-forced scoring should score (int8 changes acceptance a little), and 1.7x cheaper to score in int8.
-        vLLM runs the fp32 head: fused fp32 there."""
-        if not hasattr(drafter, "fuse_for_inference"):
-            return drafter
+        vLLM runs the fp32 head: fp32 there."""
         int8 = self.cfg.engine.kind == "torch" and bool(self.cfg.engine.drafter_int8)
-        return copy.deepcopy(drafter).eval().fuse_for_inference(int8)
+        return runtime_copy(drafter, int8, owned)
 
     # ---- checkpointing ------------------------------------------------------------------------------------
     def state_dict(self) -> dict:

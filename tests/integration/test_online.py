@@ -439,7 +439,8 @@ def test_drafter_lag_counts_policy_updates_since_the_serving_drafter_was_publish
 def test_publish_gate_keeps_the_serving_drafter_when_an_update_scores_worse(trained, monkeypatch):
     """online.publish_gate: the update's estimate (its weights, on the latest rows) against the serving drafter's on
     the same rows. Worse: nothing is published and the trainer goes on from the serving weights; as good or
-    better: published. The serving drafter's runtime form is built once per engine version."""
+    better: published. The serving drafter's runtime form is built once per engine version, and after a publish it
+    is the form the update's own estimate scored."""
     from drafttrain.rl import hooks
 
     engine = _engine(trained)
@@ -467,7 +468,8 @@ def test_publish_gate_keeps_the_serving_drafter_when_an_update_scores_worse(trai
         if not publish:  # the trainer goes on from what the engines serve
             assert all(torch.equal(v, served[k]) for k, v in tracker.drafter.state_dict().items())
         served = {k: v.clone() for k, v in tracker._serving_weights().items()}
-    assert len(calls) == 6 and len({id(d) for d in calls[1::2]}) == 2  # rebuilt after the first publish only
+    assert len(calls) == 6 and len({id(d) for d in calls[1::2]}) == 2  # one per served version
+    assert calls[5] is calls[2]  # the second update's estimate form serves as the third's reference
 
 
 def test_the_estimate_scores_rollouts_held_out_of_training(trained, monkeypatch):
