@@ -19,11 +19,14 @@ at 0.92-1.09 of SD-always from B = 8 up); the median of sweep_repeats interleave
 steps the toggle ran SD in. (Until 2026-11-30 the sweep ran without a stop token at a constant batch: past its end
 of text the policy writes junk that no drafter predicts, mean accepted length ~2 against ~4.3, which misstated SD at
 every batch.)
+Ceiling: the AR runs re-priced step by step at the sweep's best of AR and SD-always at each step's active batch
+(ceiling_wall): about what a perfect toggle at k = `k` would take on this machine, next to the toggle's own time.
 Prints tables; writes bench/longtail.json and bench/longtail_trace.png (active batch, SD on/off and k per step).
 """
 from __future__ import annotations
 
 import copy
+import math
 import statistics
 from dataclasses import replace
 
@@ -118,6 +121,8 @@ def main(cfg) -> dict:
                      "steps": sum(len(r.step_ends) for r in runs) / len(runs),
                      "len_p50": lens[len(lens) // 2], "len_max": lens[-1]})
         traces[(dname, mode)] = runs[-1].trace
+        if mode == "ar":
+            ar_runs = runs
     ar = next(r for r in rows if r["mode"] == "ar")
     for r in rows:
         r["vs_ar"] = ar["wall_s"] / r["wall_s"]
@@ -162,17 +167,35 @@ def main(cfg) -> dict:
         sweep.append(row)
         print(format_table([row], list(row)))
 
+    ceil = statistics.fmean(ceiling_wall(b, sweep) for b in ar_runs)
     result = {"ar_wall_s": ar["wall_s"], "toggle_auto_wall_s": best["wall_s"], "ladder_wall_s": ladder["wall_s"],
               "best_drafter": best["drafter"], "toggle_auto_vs_ar_pct": 100 * (1 - best["wall_s"] / ar["wall_s"]),
+              "ceiling_wall_s": ceil, "ceiling_vs_ar_pct": 100 * (1 - ceil / ar["wall_s"]),
               "rows": rows, "sweep": sweep, "config": OmegaConf.to_container(cfg),
               "trace": traces[(best["drafter"], "sd_toggle_auto")]}
     print(format_table(rows, ["drafter", "mode", "wall_s", "vs_ar", "tokens_per_s", "mal", "sd_steps", "steps"]))
     print(format_table(sweep, ["batch", "ar_tps", "sd_tps", "toggle_tps", "toggle_over_best"]))
     print(f"toggle + auto k ({best['drafter']}): {result['toggle_auto_vs_ar_pct']:.1f}% below AR wall time; "
-          f"ladder {ladder['wall_s']:.2f}s vs auto {best['wall_s']:.2f}s")
+          f"ladder {ladder['wall_s']:.2f}s vs auto {best['wall_s']:.2f}s; ceiling at the sweep's speeds "
+          f"{result['ceiling_vs_ar_pct']:.1f}% below AR")
     png = plot_trace(result["trace"], str(cfg.out).replace(".json", "_trace.png"))
     print(f"wrote {write_json(result, cfg.out)} and {png}")
     return result
+
+
+def ceiling_wall(ar_run, sweep: list[dict]) -> float:
+    """What a perfect toggle at the sweep's k would take for AR rollout `ar_run`: its prefill and first step as they
+    were, every later decode step at the best of AR and SD-always at its active batch (the sweep's batch nearest in
+    log scale), i.e. divided by max(1, sd_tps / ar_tps) there. Not a bound over k, nor over noise: a yardstick for
+    the toggle's own time."""
+    gain = {r["batch"]: max(1.0, r["sd_tps"] / r["ar_tps"]) for r in sweep}
+
+    def at(B: int) -> float:
+        return gain[min(gain, key=lambda s: abs(math.log(s) - math.log(B)))]
+
+    e = ar_run.step_ends
+    steps = [(ar_run.step_batch[i], e[i] - e[i - 1]) for i in range(1, len(e))]
+    return ar_run.wall_s - sum(dt for _, dt in steps) + sum(dt / at(B) for B, dt in steps)
 
 
 def at_batch(b, B: int) -> tuple[int, float]:

@@ -51,6 +51,7 @@ def test_bench_longtail(tmp_path):
     assert [r["batch"] for r in js["sweep"]] == [1, 2]
     assert all(_positive(r[k]) for r in js["sweep"] for k in ("ar_tps", "sd_tps", "toggle_tps"))
     assert js["trace"] and {"step", "batch", "on", "k"} <= set(js["trace"][0])
+    assert 0 < js["ceiling_wall_s"] <= js["ar_wall_s"]  # a toggle may always decode AR
     assert (tmp_path / "l_trace.png").stat().st_size > 0
 
 

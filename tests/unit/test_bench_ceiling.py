@@ -1,0 +1,44 @@
+"""bench_longtail's ceiling: an AR rollout's decode steps re-priced at the sweep's best speed at their active batch."""
+from __future__ import annotations
+
+import importlib.util
+import sys
+
+import pytest
+
+from drafttrain.config import PROJECT_ROOT
+from drafttrain.engines.base import RolloutBatch
+from drafttrain.spec import SpecStats
+
+
+@pytest.fixture(scope="module")
+def ceiling_wall():
+    spec = importlib.util.spec_from_file_location("bench_longtail", PROJECT_ROOT / "scripts" / "bench_longtail.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["bench_longtail"] = mod
+    spec.loader.exec_module(mod)
+    return mod.ceiling_wall
+
+
+def _run(prefill, steps):
+    """An AR rollout: `prefill` seconds up to the end of the first step, then (active batch, seconds) per step."""
+    ends, batch = [prefill], [steps[0][0]]
+    for b, dt in steps:
+        ends.append(ends[-1] + dt)
+        batch.append(b)
+    return RolloutBatch([], [], SpecStats(), 0, wall_s=ends[-1] + 0.001, step_ends=ends, step_batch=batch)
+
+
+def test_each_step_is_repriced_at_its_batchs_best_speed(ceiling_wall):
+    sweep = [{"batch": 1, "ar_tps": 100.0, "sd_tps": 200.0}, {"batch": 8, "ar_tps": 400.0, "sd_tps": 500.0},
+             {"batch": 64, "ar_tps": 1000.0, "sd_tps": 800.0}]  # SD loses at 64: the ceiling decodes AR there
+    run = _run(0.05, [(64, 0.010), (40, 0.010), (6, 0.004), (2, 0.003), (1, 0.003)])
+    # 40 is nearer 64 than 8 in log scale; 6 and 2 are nearer 8 and 1
+    want = 0.05 + 0.001 + 0.010 + 0.010 + 0.004 / 1.25 + 0.003 / 2 + 0.003 / 2
+    assert ceiling_wall(run, sweep) == pytest.approx(want)
+
+
+def test_no_gain_anywhere_is_the_ar_time(ceiling_wall):
+    sweep = [{"batch": 1, "ar_tps": 300.0, "sd_tps": 250.0}]
+    run = _run(0.02, [(4, 0.005), (1, 0.003)])
+    assert ceiling_wall(run, sweep) == pytest.approx(run.wall_s)
