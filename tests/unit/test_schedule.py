@@ -368,3 +368,24 @@ def test_cost_model_answers_from_its_points_and_set_draft_replaces_them():
     c.set_draft({1: 0.5, 4: 0.5, 16: 0.9, 64: 0.9})
     assert c.draft(8) == pytest.approx(0.5 + 0.4 * (8 - 4) / 12)
     assert c.draft(1) == pytest.approx(0.5) and c.target(8, 3) == pytest.approx(2.2)  # targets unchanged
+
+
+def test_a_slow_spell_of_the_machine_does_not_set_one_pieces_cost(monkeypatch):
+    """Calibration times its pieces in turns: a spell of slow calls as long as one piece's runs used to set that
+    piece's fastest time (the cost model then priced every longer draft at it). A fake clock: forwards take 2 ms,
+    calls 7-12 take 20."""
+    import types
+
+    from drafttrain.engines import torch_engine
+
+    clock, calls = [0.0], [0]
+
+    def forward(toks, pos, cache, aux_ids):
+        calls[0] += 1
+        clock[0] += 0.020 if 7 <= calls[0] <= 12 else 0.002
+
+    lean = types.SimpleNamespace(forward=forward, new_cache=lambda b, L: None, vocab_size=8, hidden=4)
+    engine = types.SimpleNamespace(lean=lean, drafter=None)
+    monkeypatch.setattr(torch_engine.time, "perf_counter", lambda: clock[0])
+    c = torch_engine.measure_costs(engine, 1, [1, 2, 3], 0, repeats=5)
+    assert c["target_ms"] == pytest.approx({1: 2.0, 2: 2.0, 3: 2.0})
