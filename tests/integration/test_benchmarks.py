@@ -50,6 +50,9 @@ def test_bench_longtail(tmp_path):
                                                                 ("selfquant_int8", "sd_always"), ("-", "ar")}
     assert [r["batch"] for r in js["sweep"]] == [1, 2]
     assert all(_positive(r[k]) for r in js["sweep"] for k in ("ar_tps", "sd_tps", "toggle_tps"))
+    for r in js["sweep"]:  # one repeat: the paired ratio is the ratio of that repeat's throughputs
+        assert r["toggle_over_best"] == pytest.approx(r["toggle_tps"] / max(r["ar_tps"], r["sd_tps"]))
+        assert r["toggle_over_best_of_medians"] == pytest.approx(r["toggle_over_best"])
     assert js["trace"] and {"step", "batch", "on", "k"} <= set(js["trace"][0])
     assert 0 < js["ceiling_wall_s"] <= js["ar_wall_s"]  # a toggle may always decode AR
     assert (tmp_path / "l_trace.png").stat().st_size > 0
