@@ -17,9 +17,9 @@ max(sweep_min_batches, sweep_rows // B) batches per repeat (a batch of 64 keeps 
 steps: one batch per repeat measured noise, and four still left the toggle, running SD in every one of those steps,
 at 0.92-1.09 of SD-always from B = 8 up); the median of sweep_repeats interleaved repeats, and the share of those
 steps the toggle ran SD in. toggle_over_best is the median over repeats of each repeat's toggle / max(AR, SD-always)
-(paired within the repeat); toggle_over_best_of_medians, the ratio of the medians, is kept beside it. (Until 2026-11-30 the sweep ran without a stop token at a constant batch: past its end
-of text the policy writes junk that no drafter predicts, mean accepted length ~2 against ~4.3, which misstated SD at
-every batch.)
+(paired within the repeat); toggle_over_best_of_medians, the ratio of the medians, is kept beside it. (Until
+2026-11-30 the sweep ran without a stop token at a constant batch: past its end of text the policy writes junk that
+no drafter predicts, mean accepted length ~2 against ~4.3, which misstated SD at every batch.)
 Ceiling: the AR runs re-priced step by step at the sweep's best of AR and SD-always at each step's active batch
 (ceiling_wall): about what a perfect toggle at k = `k` would take on this machine, next to the toggle's own time.
 Prints tables; writes bench/longtail.json and bench/longtail_trace.png (active batch, SD on/off and k per step).

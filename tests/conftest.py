@@ -24,6 +24,20 @@ def tiny_policy(vocab=32, hidden=64, layers=4, heads=4, kv_heads=2, inter=128, m
     return m
 
 
+def load_script(name: str):
+    """scripts/<name>.py as a module (registered in sys.modules: its dataclasses look their module up there)."""
+    import importlib.util
+    import sys
+
+    from drafttrain.config import PROJECT_ROOT
+
+    spec = importlib.util.spec_from_file_location(name, PROJECT_ROOT / "scripts" / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[name] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
 def engine_cfg(**kw):
     cfg = OmegaConf.structured(Config).engine
     for k, v in kw.items():

@@ -2,24 +2,19 @@
 its issue names, with values of the right kind. Speed itself is the benchmarks' business, never asserted here."""
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
-import sys
 
 import pytest
 from omegaconf import OmegaConf
 
-from drafttrain.config import PROJECT_ROOT
+from tests.conftest import load_script
 
 pytestmark = pytest.mark.slow
 
 
 def _main(name: str, **over):
-    spec = importlib.util.spec_from_file_location(name, PROJECT_ROOT / "scripts" / f"{name}.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[name] = mod
-    spec.loader.exec_module(mod)
+    mod = load_script(name)
     cfg = OmegaConf.merge(OmegaConf.create(mod.DEFAULTS), over)
     return mod.main(cfg), json.loads(open(cfg.out).read())
 

@@ -1,26 +1,19 @@
 """scripts/pretrain_drafter.py end to end on a tiny random policy: stop at max_steps, resume, export, eval."""
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 
 import pytest
-import torch
 
-from drafttrain.config import PROJECT_ROOT, ConfigError, load_recipe
+from drafttrain.config import ConfigError, load_recipe
 from drafttrain.export import load_drafter
-from tests.conftest import tiny_policy
+from tests.conftest import load_script, tiny_policy
 
 
 
 
 def _script():
-    spec = importlib.util.spec_from_file_location("pretrain_drafter", PROJECT_ROOT / "scripts" / "pretrain_drafter.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["pretrain_drafter"] = mod  # dataclasses look their module up there
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("pretrain_drafter")
 
 
 @pytest.fixture(scope="module")

@@ -1,23 +1,17 @@
 """bench_longtail's ceiling: an AR rollout's decode steps re-priced at the sweep's best speed at their active batch."""
 from __future__ import annotations
 
-import importlib.util
-import sys
 
 import pytest
 
-from drafttrain.config import PROJECT_ROOT
 from drafttrain.engines.base import RolloutBatch
 from drafttrain.spec import SpecStats
+from tests.conftest import load_script
 
 
 @pytest.fixture(scope="module")
 def ceiling_wall():
-    spec = importlib.util.spec_from_file_location("bench_longtail", PROJECT_ROOT / "scripts" / "bench_longtail.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["bench_longtail"] = mod
-    spec.loader.exec_module(mod)
-    return mod.ceiling_wall
+    return load_script("bench_longtail").ceiling_wall
 
 
 def _run(prefill, steps):

@@ -2,22 +2,16 @@
 against the steps around them, not against the whole generation's median step."""
 from __future__ import annotations
 
-import importlib.util
 import itertools
-import sys
 
 import pytest
 
-from drafttrain.config import PROJECT_ROOT
+from tests.conftest import load_script
 
 
 @pytest.fixture(scope="module")
 def stall_steps():
-    spec = importlib.util.spec_from_file_location("bench_tracking", PROJECT_ROOT / "scripts" / "bench_tracking.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["bench_tracking"] = mod
-    spec.loader.exec_module(mod)
-    return mod.stall_steps
+    return load_script("bench_tracking").stall_steps
 
 
 def _ends(durs):
