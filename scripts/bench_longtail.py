@@ -107,8 +107,8 @@ def main(cfg) -> dict:
             engines[(dname if over else "-", mode)] = (eng, over is not None)
     # a seed per repeat, the same for every engine: SD is exact in distribution, not sample for sample, so with one
     # seed AR and SD would each time the same single draw of the batch, whose longest rows set the wall time
-    for (dname, mode), runs in interleaved(engines, prompts, lambda rep: replace(params, seed=cfg.seed + 1000 * rep),
-                                           cfg.repeats).items():
+    all_runs = interleaved(engines, prompts, lambda rep: replace(params, seed=cfg.seed + 1000 * rep), cfg.repeats)
+    for (dname, mode), runs in all_runs.items():
         walls = [r.wall_s for r in runs]
         wall = statistics.fmean(walls)  # the expected rollout time of a batch
         lens = sorted(len(t) for r in runs for t in r.tokens)
@@ -122,8 +122,6 @@ def main(cfg) -> dict:
                      "steps": sum(len(r.step_ends) for r in runs) / len(runs),
                      "len_p50": lens[len(lens) // 2], "len_max": lens[-1]})
         traces[(dname, mode)] = runs[-1].trace
-        if mode == "ar":
-            ar_runs = runs
     ar = next(r for r in rows if r["mode"] == "ar")
     for r in rows:
         r["vs_ar"] = ar["wall_s"] / r["wall_s"]
@@ -173,7 +171,7 @@ def main(cfg) -> dict:
         sweep.append(row)
         print(format_table([row], list(row)))
 
-    ceil = statistics.fmean(ceiling_wall(b, sweep) for b in ar_runs)
+    ceil = statistics.fmean(ceiling_wall(b, sweep) for b in all_runs[("-", "ar")])
     result = {"ar_wall_s": ar["wall_s"], "toggle_auto_wall_s": best["wall_s"], "ladder_wall_s": ladder["wall_s"],
               "best_drafter": best["drafter"], "toggle_auto_vs_ar_pct": 100 * (1 - best["wall_s"] / ar["wall_s"]),
               "ceiling_wall_s": ceil, "ceiling_vs_ar_pct": 100 * (1 - ceil / ar["wall_s"]),

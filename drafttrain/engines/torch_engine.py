@@ -376,26 +376,23 @@ def measure_costs(engine: TorchEngine, batch: int, tokens_per_row: list[int], k:
     L = context + max([1, *tokens_per_row]) + k + 2
     pos = torch.full((batch,), context)
 
-    def timed(fn):
-        fn()
-        ts = []
-        for _ in range(repeats):
-            t0 = time.perf_counter()
+    def fastest(pieces: dict) -> dict:
+        """ms of each piece's fastest run after a warm-up; the pieces take turns, one run of each per round (a
+        single piece: back to back)."""
+        for fn in pieces.values():
             fn()
-            ts.append(time.perf_counter() - t0)
-        return min(ts) * 1e3
+        best = dict.fromkeys(pieces, float("inf"))
+        for _ in range(repeats):
+            for key, fn in pieces.items():
+                t0 = time.perf_counter()
+                fn()
+                best[key] = min(best[key], (time.perf_counter() - t0) * 1e3)
+        return best
 
     cache = lean.new_cache(batch, L)
     fwd = {m: torch.randint(0, lean.vocab_size, (batch, m), generator=gen) for m in tokens_per_row}
-    for toks in fwd.values():
-        lean.forward(toks, pos, cache, ())  # warm-up
-    best = {m: float("inf") for m in fwd}
-    for _ in range(repeats):
-        for m, toks in fwd.items():
-            t0 = time.perf_counter()
-            lean.forward(toks, pos, cache, ())
-            best[m] = min(best[m], (time.perf_counter() - t0) * 1e3)
-    out = {"batch": batch, "target_ms": best}
+    out = {"batch": batch,
+           "target_ms": fastest({m: (lambda t=toks: lean.forward(t, pos, cache, ())) for m, toks in fwd.items()})}
     d = engine.drafter
     if d is not None and k > 0:
         st = d.new_state(batch, L)
@@ -404,6 +401,9 @@ def measure_costs(engine: TorchEngine, batch: int, tokens_per_row: list[int], k:
         aux = torch.randn(batch, k + 1, X, generator=gen)
         params = SamplingParams(temperature=1.0)
         n_new = torch.full((batch,), k + 1)
-        out["draft_ms_per_token"] = timed(lambda: d.propose(st, ids, aux, n_new, pos - k - 1, k, params, False,
-                                                            gen)) / k
+
+        def propose():
+            d.propose(st, ids, aux, n_new, pos - k - 1, k, params, False, gen)
+
+        out["draft_ms_per_token"] = fastest({"propose": propose})["propose"] / k
     return out
