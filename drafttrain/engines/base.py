@@ -26,6 +26,9 @@ class RolloutBatch:
     trace: list[dict] = field(default_factory=list)  # SD schedule per decode step: batch, on, k, predicted speed-up
     step_batch: list[int] = field(default_factory=list)  # active rows in each decode step (embedded engine)
     step_tokens: list[int] = field(default_factory=list)  # response tokens each decode step emitted (embedded engine)
+    # of wall_s, the prompt processing before the first decode step: set-up, prefill and the first token of each row
+    # (embedded engine; 0 where unknown)
+    prefill_s: float = 0.0
 
     @property
     def num_tokens(self) -> int:

@@ -208,6 +208,7 @@ class TorchEngine:
         last = out[:, 0]
         k = 0
         t_prev = time.perf_counter()
+        prefill_s = t_prev - t_start
 
         while True:
             # commit what the last verify emitted; find rows that finished
@@ -275,7 +276,7 @@ class TorchEngine:
 
         return RolloutBatch(resp, lps, stats, self.drafter_version if not versions else versions[0], reasons,
                             time.perf_counter() - t_start, versions, ends,
-                            ctl.trace[trace0:] if ctl is not None else [], step_batch, step_tokens)
+                            ctl.trace[trace0:] if ctl is not None else [], step_batch, step_tokens, prefill_s)
 
     @staticmethod
     def _sample(logits, q, d, params, gen):

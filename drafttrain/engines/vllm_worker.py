@@ -275,8 +275,8 @@ def _rebuild_quantized(model, tensors: dict[str, torch.Tensor]) -> None:
 
 
 def _transfer_engine_cls():
-    """vLLM's WeightTransferEngine for weights in safetensors format, inline or in a file on the worker's host. Like vLLM's
-    IPC engine it reloads layerwise, so layers whose weights the platform repacks after loading (oneDNN on CPU,
+    """vLLM's WeightTransferEngine for weights in safetensors format, inline or in a file on the worker's host.
+    Like vLLM's IPC engine it reloads layerwise, so layers whose weights the platform repacks after loading (oneDNN on CPU,
     quantized kernels) are re-processed; int8-stored quantized layers (a self-drafter's) are rebuilt instead
     (_rebuild_quantized)."""
     from vllm.distributed.weight_transfer.base import WeightTransferEngine
