@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from drafttrain.drafters import build_drafter, check_compatible
+from drafttrain.drafters.weights import check_finite
 from drafttrain.engines import build_engine
 from drafttrain.export import load_drafter, save_drafter
 from drafttrain.modeling import LeanLlama
@@ -463,3 +464,16 @@ def test_ttt_logits_in_the_runtime_form_equal_the_training_form(drafter):
     for r, f, q in zip(ref, fp32, int8):
         torch.testing.assert_close(f, r, atol=1e-4, rtol=1e-4)
         assert (q - r).abs().max() < 0.1 * r.abs().max()
+
+
+def test_finite_check_refuses_nan_and_inf_only():
+    """check_finite sums each tensor: a finite fp16 tensor whose sum overflows (1024 x 128 x 0.6 > 65504) is still
+    finite and loads; NaN or inf anywhere is refused, naming the tensor."""
+    big = torch.full((1024, 128), 0.6, dtype=torch.float16)
+    assert not torch.isfinite(big.sum())  # the overflow the check must see through
+    check_finite({"fc.weight": big})
+    for bad in (float("nan"), float("inf")):
+        w = big.clone()
+        w[3, 7] = bad
+        with pytest.raises(ValueError, match="fc.weight has NaN or inf"):
+            check_finite({"fc.weight": w})
