@@ -2,7 +2,7 @@
 
     trainer = DrafterTrainer(drafter, cfg.train, cfg.drafter, buffer=FeatureBuffer(...))
     out = trainer.step(trainer.buffer.sample(cfg.train.batch_size))   # {loss, acc[steps], grad_norm, nonfinite}
-    trainer.save("runs/x/.state/trainer.pt"); trainer.load(...)        # drafter + optimizer + step + buffer
+    trainer.save("runs/x/.state/trainer.pt"); trainer.load(...)        # drafter + optimizer + step + buffer + rng
 
 The loss is the drafter's own `ttt_loss` (soft cross-entropy against the policy, unrolled cfg.drafter.ttt_steps
 steps, step i weighted ttt_decay**i). Under `accelerate launch` with N processes each process feeds its own shard
@@ -44,8 +44,9 @@ class DrafterTrainer:
         qf = float(getattr(cfg_train, "query_frac", 1.0))
         if not 0.0 < qf <= 1.0:
             raise ValueError(f"train.query_frac must be in (0, 1], got {qf}")
-        self.model, self.opt = self.acc.prepare(
-            _TTTLoss(drafter, self.steps, self.decay, qf, int(getattr(cfg_train, "seed", 0))), opt)
+        # kept unwrapped: its generator (the query positions' draws) is part of the resume state
+        self.ttt = _TTTLoss(drafter, self.steps, self.decay, qf, int(getattr(cfg_train, "seed", 0)))
+        self.model, self.opt = self.acc.prepare(self.ttt, opt)
         self.params = params
         self.step_count = 0
 
@@ -81,10 +82,11 @@ class DrafterTrainer:
         return path if r == 0 else path.with_name(f"{path.stem}.rank{r}{path.suffix}")
 
     def save(self, path: str | Path, extra: dict | None = None) -> None:
-        """Drafter weights + optimizer + step (process 0) and each process's buffer shard; atomic per file.
-        `extra`: the caller's own resume state (e.g. a data cursor), returned by load()."""
+        """Drafter weights + optimizer + step (process 0) and each process's buffer shard and query-position
+        generator; atomic per file. `extra`: the caller's own resume state (e.g. a data cursor), returned by load()."""
         path = Path(path)
-        state: dict = {"step": self.step_count, "world": self.acc.num_processes, "extra": extra or {}}
+        state: dict = {"step": self.step_count, "world": self.acc.num_processes, "extra": extra or {},
+                       "ttt_gen": self.ttt.gen.get_state()}
         if self.acc.is_main_process:
             state.update(drafter=self.drafter.state_dict(), optimizer=self.opt.state_dict())
         if self.buffer is not None:
@@ -106,9 +108,12 @@ class DrafterTrainer:
         self.drafter.load_state_dict(main["drafter"])
         self.opt.load_state_dict(main["optimizer"])
         self.step_count = int(main["step"])
+        own = main  # a process without a buffer writes no file of its own: it takes process 0's generator
         if self.buffer is not None:
             own = main if self.acc.is_main_process else torch.load(self._rank_path(path), map_location="cpu",
                                                                    weights_only=False)
             if "buffer" in own:
                 self.buffer.load_state_dict(own["buffer"])
+        if "ttt_gen" in own:  # absent from states written before it was saved: the generator stays as it is
+            self.ttt.gen.set_state(own["ttt_gen"])
         return main["extra"]
