@@ -236,6 +236,9 @@ class LeanLlama:
 
     def __init__(self, model: torch.nn.Module, max_len: int):
         cfg = model.config
+        act = getattr(cfg, "hidden_act", "silu")
+        if act != "silu":  # the forward's MLP is silu-gated, as in every Llama/Qwen2/Qwen3 checkpoint shipped
+            raise ValueError(f"policy.hidden_act: {act!r} is not supported by the embedded engine (silu only)")
         self.model, self.config = model, cfg
         self.n_layers = cfg.num_hidden_layers
         self.n_heads = cfg.num_attention_heads
@@ -268,8 +271,16 @@ class LeanLlama:
             snap[f"{i}.gate_up"] = fold_norm(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]),
                                              layer.post_attention_layernorm.weight)
             snap[f"{i}.o"], snap[f"{i}.down"] = a.o_proj.weight, mlp.down_proj.weight
+            # biases (Qwen2's q/k/v; Llama's attention_bias and mlp_bias; Qwen3's attention_bias): each packed
+            # linear holds its own (PackedLinear.wrap)
             if a.q_proj.bias is not None:
                 snap[f"{i}.qkv_b"] = torch.cat([a.q_proj.bias, a.k_proj.bias, a.v_proj.bias])
+            if a.o_proj.bias is not None:
+                snap[f"{i}.o_b"] = a.o_proj.bias
+            if mlp.gate_proj.bias is not None:
+                snap[f"{i}.gate_up_b"] = torch.cat([mlp.gate_proj.bias, mlp.up_proj.bias])
+            if mlp.down_proj.bias is not None:
+                snap[f"{i}.down_b"] = mlp.down_proj.bias
             if getattr(a, "q_norm", None) is not None:
                 snap[f"{i}.q_norm"], snap[f"{i}.k_norm"] = a.q_norm.weight, a.k_norm.weight
         if not self.weights:

@@ -360,7 +360,8 @@ def check_backend(quant: str, backend: str, group: int, sizes: dict[str, tuple[i
 def _hf_names(i: int) -> dict[str, str]:
     a, m = f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp."
     return {"q": a + "q_proj.weight", "k": a + "k_proj.weight", "v": a + "v_proj.weight", "o": a + "o_proj.weight",
-            "qb": a + "q_proj.bias", "kb": a + "k_proj.bias", "vb": a + "v_proj.bias",
+            "qb": a + "q_proj.bias", "kb": a + "k_proj.bias", "vb": a + "v_proj.bias", "ob": a + "o_proj.bias",
+            "gb": m + "gate_proj.bias", "ub": m + "up_proj.bias", "db": m + "down_proj.bias",
             "q_norm": a + "q_norm.weight", "k_norm": a + "k_norm.weight",
             "gate": m + "gate_proj.weight", "up": m + "up_proj.weight", "down": m + "down_proj.weight",
             "ln1": f"model.layers.{i}.input_layernorm.weight",
@@ -369,7 +370,8 @@ def _hf_names(i: int) -> dict[str, str]:
 
 def _lean_parts(sd: dict, n_layers: int) -> dict:
     """HF policy state_dict -> LeanLlama's names: a linear ("lm_head", "0.qkv", "0.gate_up", ...) as its list of row
-    blocks ([q, k, v], [gate, up]); "0.qkv_b" concatenated; norms and the embedding as tensors. No copies."""
+    blocks ([q, k, v], [gate, up]); biases "0.qkv_b", "0.o_b", ... (concatenated as their linear); norms and the
+    embedding as tensors. No copies (the biases are small copies)."""
     embed = sd["model.embed_tokens.weight"]
     out = {"embed": embed, "norm": sd["model.norm.weight"], "lm_head": [sd.get("lm_head.weight", embed)]}
     for i in range(n_layers):
@@ -380,6 +382,11 @@ def _lean_parts(sd: dict, n_layers: int) -> dict:
         out[f"{i}.ln1"], out[f"{i}.ln2"] = sd[n["ln1"]], sd[n["ln2"]]
         if n["qb"] in sd:
             out[f"{i}.qkv_b"] = torch.cat([sd[n["qb"]], sd[n["kb"]], sd[n["vb"]]]).float()
+        if n["ob"] in sd:  # Llama's attention_bias, Qwen3's
+            out[f"{i}.o_b"] = sd[n["ob"]].float()
+        if n["gb"] in sd:  # Llama's mlp_bias
+            out[f"{i}.gate_up_b"] = torch.cat([sd[n["gb"]], sd[n["ub"]]]).float()
+            out[f"{i}.down_b"] = sd[n["db"]].float()
         if n["q_norm"] in sd:
             out[f"{i}.q_norm"], out[f"{i}.k_norm"] = sd[n["q_norm"]], sd[n["k_norm"]]
     return out

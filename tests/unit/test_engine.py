@@ -142,6 +142,48 @@ def hf_logits_and_aux(policy, seq: list[int], aux_ids):
     return out.logits[0], torch.cat([out.hidden_states[i][0] for i in aux_ids], -1)
 
 
+def biased_policy(family: str, seed: int = 0, **bias):
+    """A tiny policy with `bias` flags (attention_bias, mlp_bias) and large random biases: dropping one shows."""
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(seed)
+    cfg_cls, cls = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen3": (Qwen3Config, Qwen3ForCausalLM)}[family]
+    m = cls(cfg_cls(vocab_size=32, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, head_dim=16,
+                    num_key_value_heads=2, intermediate_size=128, max_position_embeddings=64,
+                    tie_word_embeddings=False, **bias)).eval()
+    with torch.no_grad():
+        for name, p in m.named_parameters():
+            if name.endswith("bias"):
+                p.normal_(0, 0.5)
+        m.lm_head.weight.mul_(8.0)
+    return m
+
+
+@pytest.mark.parametrize("family,bias", [("llama", "attention_bias"), ("llama", "mlp_bias"),
+                                         ("qwen3", "attention_bias")])
+def test_lean_forward_keeps_every_bias(family, bias):
+    """o_proj and MLP biases (Llama's attention_bias / mlp_bias, Qwen3's attention_bias) are part of the forward,
+    also after refresh() takes new weights in place (they were dropped: logits off by ~4 against HF)."""
+    pol = biased_policy(family, **{bias: True})
+    lean = LeanLlama(pol, 64)
+    ids = torch.tensor([[3, 5, 7, 9, 11]])
+    for _ in range(2):
+        logits, _ = lean.forward(ids, torch.zeros(1, dtype=torch.long), lean.new_cache(1, 16))
+        with torch.no_grad():
+            torch.testing.assert_close(logits, pol(ids).logits, atol=1e-4, rtol=1e-4)
+            for name, p in pol.named_parameters():  # an RL step moved every bias: refresh must follow
+                if name.endswith("bias"):
+                    p.add_(0.3)
+        lean.refresh()
+
+
+def test_unsupported_activation_fails_with_its_name():
+    pol = tiny_policy()
+    pol.config.hidden_act = "gelu"
+    with pytest.raises(ValueError, match="policy.hidden_act: 'gelu'"):
+        LeanLlama(pol, 64)
+
+
 @pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
 def test_kv_cache_equals_full_recompute(policy, family):
     pol = policy if family == "llama" else C.family_policy(family)

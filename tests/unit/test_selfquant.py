@@ -82,6 +82,23 @@ def test_requantize_in_place_equals_fresh(policy, qwen2, family, quant, backend)
     assert all(torch.equal(d2.state_dict()[k], fresh[k]) for k in fresh)
 
 
+@pytest.mark.parametrize("family,bias", [("llama", "attention_bias"), ("llama", "mlp_bias"),
+                                         ("qwen3", "attention_bias")])
+def test_self_drafter_keeps_every_bias(family, bias):
+    """The o_proj and MLP biases reach the quantized forward, and a requantize takes their new values: int8 logits
+    within quantization error of the policy's (with a bias dropped they were off by ~4)."""
+    from tests.unit.test_engine import biased_policy
+
+    pol = biased_policy(family, **{bias: True})
+    d = SelfQuantDrafter(pol, "int8", "ref", group_size=64)
+    ids = torch.tensor([[3, 5, 7, 9, 11]])
+    for p_ in (pol, updated(pol, scale=0.5)):
+        d.requantize(p_)
+        logits = d.body.forward(ids, torch.zeros(1, dtype=torch.long), d.new_state(1, 16).cache)[0]
+        with torch.no_grad():
+            assert (logits - p_(ids).logits).abs().max() < 0.1
+
+
 def test_ao_int4_is_the_ref_int4_quantization():
     """aten's int4 kernel (packed 64 rows at a time) computes with exactly the ref path's int4 weights: probed with
     the identity (bf16 activations are exact for it; its bf16 output is the tolerance)."""
