@@ -12,7 +12,8 @@ online.budget_frac x its own time (measured between on_policy_update calls, draf
 (capturing features in the loss forward, training steps, the acceptance estimate, publishing) spends it, so on
 average it adds at most budget_frac to the RL step time. An update the bank cannot pay for (one record's step
 plus the estimate and publish) trains and publishes nothing. online.mode=async trains and publishes in a background
-thread (call wait() before reading its result; the next on_policy_update waits by itself).
+thread (call wait() before reading its result: it raises what the update raised; the next on_policy_update waits
+by itself).
 With online.canary=inline (the default) the loop hands each rollout batch to observe_rollout(batch): the first
 batch a new version generated is its canary (no extra generation).
 online.track=false keeps the drafter frozen (the baseline recipe) but still captures for measurement.
@@ -76,6 +77,7 @@ class DraftTracker:
         self._fixed_cost_s: float | None = None  # moving average of an update's estimate + publish (for the bank)
         self._thread: threading.Thread | None = None
         self._result: dict = {}
+        self._error: BaseException | None = None  # what the background update raised, for wait() to raise
         self._lock = threading.Lock()  # guards the drafter and the buffer against a background update
         self._capture: tuple[HiddenCapture, list] | None = None  # start_capture's hooks, until stop_capture
         # which rows the estimate and measure() score: a random sample (the captured rows come in the loss's
@@ -182,6 +184,7 @@ class DraftTracker:
     def on_policy_update(self, policy=None, step: int | None = None, background: bool | None = None) -> dict:
         """The policy just changed: train the drafter on buffered features and publish v+1 to every engine."""
         self.wait()
+        self._result = {}  # until this update sets it: a failed update must not leave the last one's record
         self.latest, self.pending = self.pending, []
         self._capture_last, self._capture_s = self._capture_s, 0.0
         measured, self._measure_s = self._measure_s, 0.0
@@ -195,7 +198,7 @@ class DraftTracker:
         rl_s = now - (self._last_update_t if self._last_update_t is not None else now) - self._capture_last - measured
         bg = self.cfg.online.mode == "async" if background is None else background
         if bg:
-            self._thread = threading.Thread(target=self._update, args=(None,), daemon=True)
+            self._thread = threading.Thread(target=self._background, daemon=True)
             self._thread.start()
             self._last_update_t = time.perf_counter()
             return {}
@@ -215,10 +218,20 @@ class DraftTracker:
                 self._last_update_t += time.perf_counter() - t
 
     def wait(self) -> dict:
+        """The background update's result, once it is done; what it raised is raised here (its traceback kept)."""
         if self._thread is not None:
             self._thread.join()
             self._thread = None
+        if self._error is not None:
+            err, self._error = self._error, None
+            raise err
         return self._result
+
+    def _background(self) -> None:
+        try:
+            self._update(None)
+        except BaseException as err:  # a thread's exception reaches no caller: wait() raises it in the RL loop
+            self._error = err
 
     def _update(self, rl_s: float | None) -> dict:
         """Train up to online.steps_per_update steps, then publish. Sync mode (rl_s = the RL step's own time):
