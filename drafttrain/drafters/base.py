@@ -69,12 +69,19 @@ def build_drafter(cfg, policy):
 
 
 def check_compatible(drafter, policy) -> None:
-    """A drafter built for another policy fails here, with the mismatching field named."""
-    c, pc = drafter.config, policy.config
+    """A drafter built for another policy fails here, with the mismatching field named: any drafter with a config
+    of sizes (EAGLE-3's; a self-drafter's is its policy's own; the Drafter protocol does not require one), and
+    its aux layers where it takes them."""
+    c, pc = getattr(drafter, "config", None), policy.config
+    if c is None or not hasattr(c, "hidden_size"):
+        return
     if c.hidden_size != pc.hidden_size:
         raise ValueError(f"drafter hidden_size {c.hidden_size} != policy hidden_size {pc.hidden_size}")
     if c.vocab_size != pc.vocab_size:
         raise ValueError(f"drafter vocab_size {c.vocab_size} != policy vocab_size {pc.vocab_size}")
-    if c.target_num_layers != pc.num_hidden_layers or max(drafter.aux_layer_ids) >= pc.num_hidden_layers:
+    if not drafter.aux_layer_ids:
+        return
+    if getattr(c, "target_num_layers", pc.num_hidden_layers) != pc.num_hidden_layers or max(
+            drafter.aux_layer_ids) >= pc.num_hidden_layers:
         raise ValueError(f"drafter aux_layer_ids {list(drafter.aux_layer_ids)} do not fit the policy's "
                          f"{pc.num_hidden_layers} layers")

@@ -19,6 +19,7 @@ import warnings
 
 import torch
 
+from drafttrain.drafters.base import check_compatible
 from drafttrain.engines.base import RolloutBatch, StaleVersionError
 from drafttrain.engines.schedule import CostModel, SpecController
 from drafttrain.modeling import LeanLlama, keep_order, share_prompts
@@ -62,6 +63,7 @@ class TorchEngine:
         self._ctl: SpecController | None = None
         self._draft_cost_stale = False
         if drafter is not None:
+            check_compatible(drafter, policy)  # at build, not as a torch error at the first SD step
             self._active = (self._runtime(drafter), 0)
 
     # ---- drafter hot-swap ---------------------------------------------------------------------------------
@@ -132,6 +134,8 @@ class TorchEngine:
     def update_policy(self, policy=None) -> None:
         """The policy's weights changed (an RL step): refresh the packed copies in place."""
         if policy is not None and policy is not self.policy:
+            if self._template is not None:
+                check_compatible(self._template, policy)
             self.policy = policy
             self.lean = LeanLlama(policy, self.cfg.max_len)
         else:

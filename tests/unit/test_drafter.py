@@ -278,6 +278,13 @@ def test_policy_drafter_mismatch(tmp_path, drafter):
             check_compatible(drafter, other)
         with pytest.raises(ValueError, match=field):
             build_drafter(drafter_cfg(path=str(tmp_path / "d")), other)
+        # handed to an engine directly, or left behind by a policy update: the same one line, not a torch error at
+        # the first SD step
+        with pytest.raises(ValueError, match=field):
+            build_engine(engine_cfg(), other, drafter)
+        eng = build_engine(engine_cfg(), tiny_policy(), drafter)
+        with pytest.raises(ValueError, match=field):
+            eng.update_policy(other)
 
 
 @pytest.mark.parametrize("aux", [[0, 9], [1, 1, 2], [3, 1], [-1, 2]])
