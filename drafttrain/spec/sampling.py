@@ -6,6 +6,7 @@ acceptance estimates all call `processed_probs`, so the SD output distribution i
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -21,15 +22,22 @@ class SamplingParams:
     seed: int | None = None
 
     def __post_init__(self):
-        if self.temperature < 0:
-            raise ValueError(f"SamplingParams.temperature must be >= 0, got {self.temperature}")
+        if not (math.isfinite(self.temperature) and self.temperature >= 0):  # NaN passed `< 0` and sampled zeros
+            raise ValueError(f"SamplingParams.temperature must be a finite number >= 0, got {self.temperature}")
         if self.top_k < 0:
             raise ValueError(f"SamplingParams.top_k must be >= 0, got {self.top_k}")
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"SamplingParams.top_p must be in (0, 1], got {self.top_p}")
         if self.max_new_tokens < 1:
             raise ValueError(f"SamplingParams.max_new_tokens must be >= 1, got {self.max_new_tokens}")
-        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+        stop = self.stop_token_ids
+        if isinstance(stop, int):  # one stop token
+            stop = (stop,)
+        try:
+            stop = tuple(int(t) for t in stop)
+        except (TypeError, ValueError):
+            raise ValueError(f"SamplingParams.stop_token_ids must be token ids (ints), got {self.stop_token_ids!r}")
+        object.__setattr__(self, "stop_token_ids", stop)
 
     @property
     def greedy(self) -> bool:

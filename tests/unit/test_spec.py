@@ -392,10 +392,15 @@ def test_processed_probs_is_a_distribution(params):
 
 
 def test_sampling_params_validation():
-    for kw in ({"temperature": -0.1}, {"top_k": -1}, {"top_p": 0.0}, {"top_p": 1.5}, {"max_new_tokens": 0}):
+    # NaN temperature passed `< 0` and generated all-zero tokens with NaN log-probs; a bare int as stop ids raised a
+    # TypeError naming no field
+    for kw in ({"temperature": -0.1}, {"temperature": float("nan")}, {"temperature": float("inf")}, {"top_k": -1},
+               {"top_p": 0.0}, {"top_p": 1.5}, {"top_p": float("nan")}, {"max_new_tokens": 0},
+               {"stop_token_ids": ["eos"]}, {"stop_token_ids": None}):
         with pytest.raises(ValueError, match=next(iter(kw))):
             SamplingParams(**kw)
     assert SamplingParams(stop_token_ids=[3, 4]).stop_token_ids == (3, 4)
+    assert SamplingParams(stop_token_ids=2).stop_token_ids == (2,)
     assert SamplingParams(temperature=0).greedy and not SamplingParams().greedy
 
 
