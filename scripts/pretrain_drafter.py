@@ -11,9 +11,9 @@ through the embedded engine (AR, the recipe's sampling); one teacher-forced poli
 rollouts (grouped by length) under HiddenCapture yields the aux states and the policy's distributions, which
 enter a FeatureBuffer. The drafter, always a fresh one (DrafterTrainer, ttt_loss), trains after each chunk
 until each rollout so far has been drawn `epochs` times on average (warmup, then cosine lr).
-Training state (drafter, optimizer, step, buffer, data cursor) is checkpointed to `<out>.state/` every
-`save_every` steps and at `max_steps`; a rerun with resume=true and the same settings continues there (other
-settings: a one-line error). At the end the drafter is
+Training state (drafter, optimizer, step, buffer, data cursor, batches drawn ahead) is checkpointed to
+`<out>.state/` every `save_every` steps and at `max_steps`; a rerun with resume=true and the same settings continues
+there exactly (other settings: a one-line error). At the end the drafter is
 scored on fresh rollouts (speculative, the recipe's engine and k) and the mean accepted length is printed and
 stored under drafttrain.extra in the saved config.json.
 
@@ -46,6 +46,7 @@ from drafttrain.drafters import build_drafter
 from drafttrain.engines import build_engine
 from drafttrain.export import save_drafter
 from drafttrain.online import DrafterTrainer, FeatureBuffer, teacher_forced_features
+from drafttrain.online.buffer import collate
 from drafttrain.policy import encode_prompt, load_policy, make_prompts
 from drafttrain.spec import SpecStats
 
@@ -87,19 +88,19 @@ def main(pc: PretrainConfig) -> dict:
     buffer = FeatureBuffer(pc.buffer_mb << 20, torch.bfloat16, seed=pc.seed * 7919 + rank, name="buffer_mb")
     trainer = DrafterTrainer(drafter, cfg.train, cfg.drafter, acc, buffer)
     out, state = Path(pc.out), Path(f"{pc.out}.state") / "trainer.pt"
-    chunks_done, run_key = 0, resume_key(pc, cfg, world)
+    chunks_done, run_key, queue = 0, resume_key(pc, cfg, world), []
     if pc.resume and state.is_file():
         saved = trainer.load(state)
         if saved.get("run_key") != run_key:
             raise ConfigError(f"resume: {state} was written by a run with other settings ({saved.get('run_key')}); "
                               f"rerun with those, or with resume=false to start over")
-        chunks_done = saved["chunks_done"]
+        chunks_done, queue = saved["chunks_done"], saved.get("queue", [])
         if main_proc:
             print(f"resumed from {state} at step {trainer.step_count}, chunk {chunks_done}")
     n_chunks = math.ceil(pc.prompts / (pc.chunk * world))
     total = math.ceil(pc.epochs * n_chunks * pc.chunk / cfg.train.batch_size)  # steps; each takes one batch
     gen_engine = build_engine(cfg.engine, policy)  # AR for data: no drafter
-    t0, last, bad, queue = time.time(), {}, 0, []
+    t0, last, bad = time.time(), {}, 0
     bar = tqdm(total=total, initial=trainer.step_count, desc="drafter", disable=not main_proc)
     stop = pc.max_steps or total
     while trainer.step_count < stop:
@@ -109,15 +110,16 @@ def main(pc: PretrainConfig) -> dict:
             continue
         s = trainer.step_count
         trainer.set_lr(cfg.train.lr * lr_factor(s, total, pc.warmup))
-        queue = queue or buffer.sample_batches(cfg.train.batch_size, pc.bucket)
-        last = trainer.step(queue.pop())
+        # record groups drawn ahead: the buffer's generator is already past them, so they are saved with the state
+        queue = queue or buffer.sample_groups(cfg.train.batch_size, pc.bucket)
+        last = trainer.step(collate(queue.pop(), buffer.steps))
         bad = bad + 1 if last["nonfinite"] else 0
         if bad >= 10:
             raise FloatingPointError(f"pretrain_drafter: {bad} non-finite drafter steps in a row at step {s}")
         bar.update(trainer.step_count - s)
         bar.set_postfix(loss=f"{last['loss']:.3f}", acc="/".join(f"{a:.2f}" for a in last["acc"]), chunk=chunks_done)
         if trainer.step_count % pc.save_every == 0 or trainer.step_count == stop:
-            trainer.save(state, extra={"chunks_done": chunks_done, "run_key": run_key})
+            trainer.save(state, extra={"chunks_done": chunks_done, "run_key": run_key, "queue": queue})
     bar.close()
     done = trainer.step_count >= total
     train_s = time.time() - t0

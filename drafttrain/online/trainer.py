@@ -83,7 +83,8 @@ class DrafterTrainer:
 
     def save(self, path: str | Path, extra: dict | None = None) -> None:
         """Drafter weights + optimizer + step (process 0) and each process's buffer shard and query-position
-        generator; atomic per file. `extra`: the caller's own resume state (e.g. a data cursor), returned by load()."""
+        generator; atomic per file. `extra`: the caller's own resume state (e.g. a data cursor), per process, returned
+        by load() to the process that saved it."""
         path = Path(path)
         state: dict = {"step": self.step_count, "world": self.acc.num_processes, "extra": extra or {},
                        "ttt_gen": self.ttt.gen.get_state()}
@@ -108,7 +109,7 @@ class DrafterTrainer:
         self.drafter.load_state_dict(main["drafter"])
         self.opt.load_state_dict(main["optimizer"])
         self.step_count = int(main["step"])
-        own = main  # a process without a buffer writes no file of its own: it takes process 0's generator
+        own = main  # a process without a buffer writes no file of its own: it takes process 0's generator and extra
         if self.buffer is not None:
             own = main if self.acc.is_main_process else torch.load(self._rank_path(path), map_location="cpu",
                                                                    weights_only=False)
@@ -116,4 +117,4 @@ class DrafterTrainer:
                 self.buffer.load_state_dict(own["buffer"])
         if "ttt_gen" in own:  # absent from states written before it was saved: the generator stays as it is
             self.ttt.gen.set_state(own["ttt_gen"])
-        return main["extra"]
+        return own["extra"]

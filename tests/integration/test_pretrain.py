@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from drafttrain.config import ConfigError, load_recipe
 from drafttrain.export import load_drafter
@@ -51,6 +52,21 @@ def test_pretrain_stops_resumes_and_exports(policy_dir, tmp_path, capsys):
     assert ev["k"] == k and ev["mean_accepted_length"] >= 1.0 and len(ev["acceptance_per_position"]) == k
     assert cfg["speculators_config"]["verifier"]["name_or_path"] == str(policy_dir)
     assert d.aux_layer_ids == (1, 2, 3)
+
+
+def test_pretrain_resume_mid_bucket_is_exact(policy_dir, tmp_path):
+    """Stopped with length-grouped batches still queued (bucket=4, stop at 3): the resumed run trains on those
+    first, so 3 + 3 steps end on the weights of 6 uninterrupted ones."""
+    from safetensors.torch import load_file
+
+    P = _script()
+    args = [f"policy.path={policy_dir}", "sampling.max_new_tokens=12", "train.batch_size=2", "prompts=8", "chunk=8",
+            "bucket=4", "warmup=1"]
+    P.main(P.parse([*args, f"out={tmp_path / 'a'}", "max_steps=6"]))
+    P.main(P.parse([*args, f"out={tmp_path / 'b'}", "max_steps=3"]))
+    P.main(P.parse([*args, f"out={tmp_path / 'b'}", "max_steps=6"]))
+    a, b = load_file(tmp_path / "a" / "model.safetensors"), load_file(tmp_path / "b" / "model.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
 def test_pretrain_missing_policy_names_path(tmp_path):
