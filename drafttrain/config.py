@@ -8,6 +8,8 @@ Unknown keys and wrong types fail at load time with a one-line `ConfigError` nam
 """
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
@@ -208,16 +210,22 @@ def validate(cfg: Config) -> None:
     """Checks that types alone cannot express; each error names its key."""
     checks = [
         (cfg.engine.kind in ("torch", "vllm"), "engine.kind", f"must be torch or vllm, got {cfg.engine.kind!r}"),
-        (cfg.engine.k in ("auto", "ladder") or (isinstance(cfg.engine.k, int) and cfg.engine.k >= 1), "engine.k",
+        (cfg.engine.k in ("auto", "ladder") or (isinstance(cfg.engine.k, int) and not isinstance(cfg.engine.k, bool)
+                                                 and cfg.engine.k >= 1), "engine.k",
          f"must be an int >= 1, auto or ladder, got {cfg.engine.k!r}"),
         (cfg.engine.k_max >= 1, "engine.k_max", f"must be >= 1, got {cfg.engine.k_max}"),
         (len(cfg.engine.ladder) > 0 and min(cfg.engine.ladder) >= 1, "engine.ladder",
          f"must be a non-empty list of ints >= 1, got {list(cfg.engine.ladder)}"),
         (cfg.engine.max_batch >= 1, "engine.max_batch", f"must be >= 1, got {cfg.engine.max_batch}"),
+        (cfg.engine.max_len >= 2, "engine.max_len", f"must be >= 2 (prompt + response), got {cfg.engine.max_len}"),
         (cfg.engine.draft_sampling in ("sample", "greedy"), "engine.draft_sampling",
          f"must be sample or greedy, got {cfg.engine.draft_sampling!r}"),
-        (cfg.sampling.temperature >= 0, "sampling.temperature", f"must be >= 0, got {cfg.sampling.temperature}"),
+        (math.isfinite(cfg.sampling.temperature) and cfg.sampling.temperature >= 0, "sampling.temperature",
+         f"must be a finite number >= 0, got {cfg.sampling.temperature}"),
         (0 < cfg.sampling.top_p <= 1, "sampling.top_p", f"must be in (0, 1], got {cfg.sampling.top_p}"),
+        (cfg.sampling.top_k >= 0, "sampling.top_k", f"must be >= 0 (0 = off), got {cfg.sampling.top_k}"),
+        (cfg.sampling.max_new_tokens >= 1, "sampling.max_new_tokens",
+         f"must be >= 1, got {cfg.sampling.max_new_tokens}"),
         (cfg.online.mode in ("sync", "async"), "online.mode", f"must be sync or async, got {cfg.online.mode!r}"),
         (cfg.online.canary in ("inline", "probe"), "online.canary",
          f"must be inline or probe, got {cfg.online.canary!r}"),
@@ -235,6 +243,21 @@ def validate(cfg: Config) -> None:
         (cfg.rl.group_size >= 2, "rl.group_size",
          f"must be >= 2 (group-normalized advantages), got {cfg.rl.group_size}"),
         (cfg.drafter.ttt_steps >= 1, "drafter.ttt_steps", f"must be >= 1, got {cfg.drafter.ttt_steps}"),
+        # step i weighs ttt_decay**i; a negative decay can make the weights sum to 0 (a -inf loss)
+        (cfg.drafter.ttt_decay > 0, "drafter.ttt_decay", f"must be > 0, got {cfg.drafter.ttt_decay}"),
+        (cfg.train.lr > 0, "train.lr", f"must be > 0, got {cfg.train.lr}"),
+        (cfg.train.batch_size >= 1, "train.batch_size", f"must be >= 1, got {cfg.train.batch_size}"),
+        (0 < cfg.train.query_frac <= 1, "train.query_frac", f"must be in (0, 1], got {cfg.train.query_frac}"),
+        (cfg.online.steps_per_update >= 1, "online.steps_per_update",
+         f"must be >= 1, got {cfg.online.steps_per_update}"),
+        (cfg.online.time_budget_s > 0, "online.time_budget_s", f"must be > 0, got {cfg.online.time_budget_s}"),
+        (cfg.online.canary_prompts >= 1, "online.canary_prompts", f"must be >= 1, got {cfg.online.canary_prompts}"),
+        (cfg.online.canary_max_new_tokens >= 1, "online.canary_max_new_tokens",
+         f"must be >= 1, got {cfg.online.canary_max_new_tokens}"),
+        (cfg.rl.steps >= 0, "rl.steps", f"must be >= 0, got {cfg.rl.steps}"),
+        (cfg.rl.prompts_per_step >= 1, "rl.prompts_per_step", f"must be >= 1, got {cfg.rl.prompts_per_step}"),
+        (cfg.rl.micro_batch >= 1, "rl.micro_batch", f"must be >= 1, got {cfg.rl.micro_batch}"),
+        (cfg.rl.lr > 0, "rl.lr", f"must be > 0, got {cfg.rl.lr}"),
         (cfg.drafter.quant in ("int8", "int4"), "drafter.quant", f"must be int8 or int4, got {cfg.drafter.quant!r}"),
         (cfg.drafter.backend in ("ao", "bnb", "ref"), "drafter.backend",
          f"must be ao, bnb or ref, got {cfg.drafter.backend!r}"),

@@ -72,6 +72,25 @@ def test_overrides_and_defaults(tmp_path):
     ("sampling.top_p=0", "sampling.top_p"),
     ("engine.kind=tpu", "engine.kind"),
     ("drafter.ttt_steps=0", "drafter.ttt_steps"),
+    # ranges that were accepted and failed later under another name, or silently (a -inf TTT loss, one query)
+    ("engine.k=true", "engine.k"),
+    ("engine.max_len=-5", "engine.max_len"),
+    ("sampling.temperature=nan", "sampling.temperature"),
+    ("sampling.top_k=-1", "sampling.top_k"),
+    ("sampling.max_new_tokens=0", "sampling.max_new_tokens"),
+    ("drafter.ttt_decay=-1", "drafter.ttt_decay"),
+    ("train.lr=0", "train.lr"),
+    ("train.batch_size=0", "train.batch_size"),
+    ("train.query_frac=0", "train.query_frac"),
+    ("train.query_frac=2", "train.query_frac"),
+    ("online.steps_per_update=0", "online.steps_per_update"),
+    ("online.time_budget_s=0", "online.time_budget_s"),
+    ("online.canary_prompts=0", "online.canary_prompts"),
+    ("online.canary_max_new_tokens=0", "online.canary_max_new_tokens"),
+    ("rl.steps=-1", "rl.steps"),
+    ("rl.prompts_per_step=0", "rl.prompts_per_step"),
+    ("rl.micro_batch=0", "rl.micro_batch"),
+    ("rl.lr=-1e-4", "rl.lr"),
 ])
 def test_bad_override_names_the_key(tmp_path, override, key):
     with pytest.raises(ConfigError) as e:
