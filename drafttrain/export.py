@@ -113,6 +113,15 @@ def _config_from_speculators(cfg: dict, path: Path, target_num_layers: int | Non
     aux = cfg.get("eagle_aux_hidden_state_layer_ids")
     if not aux:
         raise ValueError(f"drafter checkpoint {path}: eagle_aux_hidden_state_layer_ids is required")
+    # settings that change the forward and that this drafter does not implement: refused, not silently dropped
+    rope = t.get("rope_scaling") or t.get("rope_parameters") or {}
+    unsupported = [("norm_before_residual", cfg.get("norm_before_residual", False), False),
+                   ("transformer_layer_config.hidden_act", t.get("hidden_act", "silu"), "silu"),
+                   ("transformer_layer_config rope type", rope.get("rope_type", rope.get("type", "default")),
+                    "default")]
+    for key, got, want in unsupported:
+        if got != want:
+            raise ValueError(f"drafter checkpoint {path}: {key} = {got!r} is not supported (only {want!r})")
     theta = (t.get("rope_parameters") or {}).get("rope_theta", t.get("rope_theta", 10000.0))
     return dict(hidden_size=t["hidden_size"], num_attention_heads=t["num_attention_heads"],
                 num_key_value_heads=t.get("num_key_value_heads", t["num_attention_heads"]),

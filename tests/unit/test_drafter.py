@@ -226,6 +226,26 @@ def test_load_speculators_checkpoint_without_drafttrain_block(tmp_path, drafter)
     assert torch.equal(t1, t2) and torch.equal(q1, q2)
 
 
+@pytest.mark.parametrize("edit,key", [
+    (lambda c: c.update(norm_before_residual=True), "norm_before_residual"),
+    (lambda c: c["transformer_layer_config"].update(hidden_act="gelu"), "hidden_act"),
+    (lambda c: c["transformer_layer_config"].update(rope_parameters={"rope_type": "yarn", "factor": 4.0}),
+     "rope type"),
+])
+def test_foreign_checkpoint_with_an_unsupported_setting_fails(tmp_path, drafter, edit, key):
+    """A speculators checkpoint whose forward differs from this drafter's (norm_before_residual: the residual is
+    the normed hidden; another activation or rope type) is refused with one line, not loaded into a drafter that
+    computes something else."""
+    out = save_drafter(drafter, tmp_path / "ext")
+    cfg = json.loads((out / "config.json").read_text())
+    del cfg["drafttrain"]
+    edit(cfg)
+    (out / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match=key) as e:
+        load_drafter(out)
+    assert "\n" not in str(e.value)
+
+
 def test_speculators_checkpoint_builds_for_its_policy(tmp_path, policy):
     """An external speculators checkpoint does not record the target's depth; aux ids that leave out the last layer
     (vLLM's default (2, n//2, n-3) always does) must still load for the policy they fit."""
