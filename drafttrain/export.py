@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+from drafttrain.atomic import recover_dir, replace_dir
 from drafttrain.drafters import eagle3
 
 FORMAT_VERSION = 1
@@ -69,14 +70,7 @@ def save_drafter(d: eagle3.Eagle3Drafter, path: str | Path, verifier: str | Path
         (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
         for p, mode in ((tmp, 0o755), (tmp / "model.safetensors", 0o644)):  # mkdtemp/safetensors give 0700/0600
             os.chmod(p, mode)
-        old = None
-        if path.exists():
-            old = path.with_name(f".{path.name}.old")
-            shutil.rmtree(old, ignore_errors=True)
-            os.replace(path, old)
-        os.replace(tmp, path)
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
+        replace_dir(tmp, path)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return path
@@ -86,6 +80,7 @@ def load_drafter(path: str | Path, target_num_layers: int | None = None) -> eagl
     """target_num_layers: the policy's depth, used only for a speculators checkpoint made elsewhere (the format
     does not record it; without it, max(aux ids) + 1 is assumed)."""
     path = Path(path)
+    recover_dir(path)
     cfg_file, w_file = path / "config.json", path / "model.safetensors"
     if not cfg_file.is_file() or not w_file.is_file():
         raise FileNotFoundError(f"drafter checkpoint {path}: missing config.json or model.safetensors")
@@ -142,6 +137,7 @@ def weights_fingerprint(weights: dict[str, torch.Tensor]) -> float:
 def read_speculators_config(path: str | Path) -> dict:
     """config.json of a speculators folder; FileNotFoundError naming what is missing."""
     path = Path(path)
+    recover_dir(path)
     if not (path / "config.json").is_file() or not (path / "model.safetensors").is_file():
         raise FileNotFoundError(f"drafter checkpoint {path}: missing config.json or model.safetensors")
     return json.loads((path / "config.json").read_text())

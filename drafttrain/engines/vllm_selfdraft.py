@@ -27,13 +27,13 @@ draft model runs in the engine's fp32 (NotImplementedError: "cpu_gemm_wna16" not
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import tempfile
 from pathlib import Path
 
 import torch
 
+from drafttrain.atomic import replace_dir
 from drafttrain.drafters.selfquant import unpack_int4
 
 _ACTIVATIONS = {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "token", "dynamic": True}
@@ -135,8 +135,7 @@ def save_checkpoint(drafter, policy_dir: str | Path, out: str | Path) -> Path:
     try:
         save_file(tensors, str(tmp / "model.safetensors"))
         (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
-        shutil.rmtree(out, ignore_errors=True)
-        os.replace(tmp, out)
+        replace_dir(tmp, out)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return out

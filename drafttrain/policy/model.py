@@ -30,6 +30,7 @@ from dataclasses import asdict, dataclass
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
+from drafttrain.atomic import recover_dir, replace_dir
 from drafttrain.policy.tokenizer import VOCAB_SIZE, build_tokenizer, load_tokenizer
 
 REQUIRED_FILES = ("config.json", "model.safetensors", "tokenizer.json")
@@ -89,14 +90,7 @@ def save_policy(
         for name, text in (extra or {}).items():
             with open(os.path.join(tmp, name), "w") as f:
                 f.write(text)
-        old = None
-        if os.path.exists(path):
-            old = tempfile.mkdtemp(prefix=os.path.basename(path) + ".old-", dir=parent)
-            os.rmdir(old)
-            os.rename(path, old)
-        os.rename(tmp, path)
-        if old is not None:
-            shutil.rmtree(old)
+        replace_dir(tmp, path)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -104,6 +98,7 @@ def save_policy(
 
 def check_checkpoint(path: str) -> None:
     """Raise FileNotFoundError naming `path` if it is not a complete policy checkpoint."""
+    recover_dir(path)
     if not os.path.isdir(path):
         raise FileNotFoundError(f"policy checkpoint not found: {path}")
     missing = [f for f in REQUIRED_FILES if not os.path.isfile(os.path.join(path, f))]
