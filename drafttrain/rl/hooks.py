@@ -191,7 +191,12 @@ class DraftTracker:
         self.policy_version = step + 1 if step is not None else self.policy_version + 1
         if self.self_drafter and self.cfg.online.track:
             return self._requantize(policy)
-        if not self.cfg.online.track or len(self.buffer) == 0:  # no update
+        if not self.cfg.online.track:
+            return self._idle()
+        # every go/no-go before a drafter step is agreed by all processes (_everywhere). This first one also lines
+        # them up: the time waiting here for a slower process is RL time (its own collectives would wait as long),
+        # so every process earns the same bank instead of charging the wait to its first drafter step
+        if not self._everywhere(len(self.buffer) > 0):  # no update
             return self._idle()
         now = time.perf_counter()
         # the RL step's own time since the last update (its drafter work and measure() excluded) earns the budget
@@ -273,13 +278,14 @@ class DraftTracker:
 
         if bank:
             self.bank_s = min(self.bank_s + oc.budget_frac * rl_s, oc.time_budget_s) - self._capture_last
-            if self.bank_s <= 0 or fit(groups[-1], budget(0.0)) is None:
+            if not self._everywhere(self.bank_s > 0 and fit(groups[-1], budget(0.0)) is not None):
                 return self._idle()
         losses, skipped = [], 0
         unmeasured = self._tok_cost_s is None or self._fixed_cost_s is None  # the bank's first update: one batch
-        while groups and len(losses) < oc.steps_per_update and not (unmeasured and bank and losses):
-            group = fit(groups.pop(), budget(time.perf_counter() - t0))
-            if group is None:  # not one record of it fits what is left
+        while True:
+            go = groups and len(losses) < oc.steps_per_update and not (unmeasured and bank and losses)
+            group = fit(groups.pop(), budget(time.perf_counter() - t0)) if go else None  # None: not one record fits
+            if not self._everywhere(group is not None):  # every process takes this step, or none does
                 break
             ts = time.perf_counter()
             with self._lock:  # per step, so captures and measurements wait at most one drafter step
@@ -341,6 +347,13 @@ class DraftTracker:
             self.bank_s -= t_end - t0
         self._result["budget_bank_s"] = self.bank_s if bank else None
         return self._result
+
+    def _everywhere(self, ok: bool) -> bool:
+        """`ok` on every process (one process: `ok`). A drafter step is a collective (DDP backward, the trainer's
+        reduce), so each decision to take one is agreed: processes decide on their own clocks, banks and buffers,
+        and one that stepped alone would hang or break the others."""
+        bad = torch.tensor([float(not ok)], device=self.trainer.acc.device)
+        return not bool(self.trainer.acc.reduce(bad, "max").item())
 
     def _idle(self) -> dict:
         """No update (frozen, nothing captured, or the time bank in debt): the same keys (report.py's rule)."""

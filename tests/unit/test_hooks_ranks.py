@@ -3,9 +3,11 @@ tiny sizes) every process takes the same drafter steps and the same publish deci
 from __future__ import annotations
 
 import os
+import time
 
 import pytest
 import torch
+import torch.multiprocessing as mp
 
 from drafttrain.config import load_recipe
 from tests.conftest import tiny_policy
@@ -50,3 +52,62 @@ def test_async_update_error_is_raised_by_wait():
         tr.wait()
     assert any(e.name == "boom" for e in err.traceback)  # the background thread's traceback, kept
     assert tr.wait() == {}  # raised once; no stale record of step 0 either
+
+
+def _rank_main(rank: int, store: str, out: str, case: str) -> None:
+    """One of 2 gloo processes: a few RL steps whose data (and, for "bank", RL-step time) differ by process."""
+    # the process group comes from a file store (no port to pick); accelerate only checks that MASTER_* are set
+    os.environ.update(RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), ACCELERATE_USE_CPU="1",
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT="0")
+    torch.set_num_threads(1)
+    torch.distributed.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
+    from accelerate import Accelerator
+
+    over = {"buffer": ["online.budget_frac=0", "online.publish_gate=false"],
+            "bank": ["online.budget_frac=0.5", "online.publish_gate=false"],
+            "gate": ["online.budget_frac=0", "train.lr=3e-2"]}[case]
+    policy, tr = _tracker(_cfg("online.holdout_frac=0.0", *over), Accelerator(cpu=True))
+    gen = torch.Generator().manual_seed(100 + rank)  # each process its own rollouts
+    recs = []
+    for step in range(4 if case == "gate" else 3):
+        if case == "bank":
+            time.sleep(1.0 if rank == 0 else 0.0)  # process 0's rollouts take longer: the other waits for it
+        if case == "buffer" and rank == 1 and step == 0:
+            recs.append(tr.on_policy_update(policy, step))  # nothing captured here yet: an empty buffer
+        else:
+            recs.append(_rl_step(tr, policy, step, gen))
+    torch.save({"recs": recs, "weights": tr.drafter.state_dict(), "version": tr.version}, f"{out}/rank{rank}.pt")
+    torch.distributed.destroy_process_group()
+
+
+def _run_ranks(case: str, tmp_path, timeout_s: float = 240.0) -> list[dict]:
+    """Both processes' results; fails (instead of hanging) when one errs or they are not both done in time."""
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=_rank_main, args=(r, str(tmp_path / "store"), str(tmp_path), case)) for r in range(2)]
+    for p in procs:
+        p.start()
+    deadline = time.monotonic() + timeout_s
+    while any(p.is_alive() for p in procs) and time.monotonic() < deadline:
+        if any(p.exitcode not in (None, 0) for p in procs):  # one failed: the other would wait on it for good
+            break
+        time.sleep(0.2)
+    alive = [r for r, p in enumerate(procs) if p.is_alive()]
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+        p.join()
+    codes = [p.exitcode for p in procs]
+    assert not alive and codes == [0, 0], f"processes still running: {alive}, exit codes: {codes}"
+    return [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
+
+
+@pytest.mark.parametrize("case", ["buffer", "bank"])
+def test_processes_take_the_same_drafter_steps(case, tmp_path):
+    """A drafter step is a collective: processes whose buffers ("buffer": one has captured nothing yet) or time
+    banks ("bank": one waits for the other, a wait its own clock would charge to the bank) differ still take the
+    same steps, and their drafters stay equal."""
+    r0, r1 = _run_ranks(case, tmp_path)
+    steps = [[r["drafter_steps"] for r in res["recs"]] for res in (r0, r1)]
+    assert steps[0] == steps[1] and sum(steps[0]) > 0, steps
+    assert r0["weights"].keys() == r1["weights"].keys()
+    assert all(torch.equal(r0["weights"][k], r1["weights"][k]) for k in r0["weights"])
