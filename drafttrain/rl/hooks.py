@@ -303,15 +303,18 @@ class DraftTracker:
         t_fixed = time.perf_counter()
         with self._lock:
             weights = {k: v.detach().clone() for k, v in self.drafter.state_dict().items()}
-            est = serving = new_rt = None
+            est = serving = new_rt = None  # teacher_forced_acceptance here, then the MAL pooled over the processes
             if self.latest:
                 held = any(bool(f["heldout"].any()) for f in self.latest)  # none held out: every row
                 rows = _rows(self.latest, self.steps, oc.estimate_rows, self._gen["estimate"], heldout_only=held)
                 k = max_draft_len(self.cfg.engine)
                 new_rt = self._runtime_form(self.drafter)
-                est = teacher_forced_acceptance(new_rt, rows, k)["mal"]
+                est = teacher_forced_acceptance(new_rt, rows, k)
                 if oc.publish_gate and skipped < len(losses):
-                    serving = teacher_forced_acceptance(self._serving_form(), rows, k)["mal"]
+                    serving = teacher_forced_acceptance(self._serving_form(), rows, k)
+        # every process gates (and publishes or resets) alike: a decision on its own rows alone would leave the
+        # processes' drafters different (one published the trained weights, another reset to the serving ones)
+        est, serving = self._pooled_mal(est, serving)
         train_s = time.perf_counter() - t0
         params = sampling_params(self.cfg, max_new_tokens=oc.canary_max_new_tokens)
         probe = self.probe_prompts if oc.canary == "probe" else None
@@ -347,6 +350,18 @@ class DraftTracker:
             self.bank_s -= t_end - t0
         self._result["budget_bank_s"] = self.bank_s if bank else None
         return self._result
+
+    def _pooled_mal(self, *scores) -> list[float | None]:
+        """The MAL of each teacher_forced_acceptance result (None: not scored here) pooled over every process's
+        rows (weighted by verify rows: emitted / verify rows, as it pools chunks; 1.0 with none), None where no
+        process scored; one process: its own. A NaN anywhere is NaN everywhere: the publisher's check decides alike."""
+        if self.trainer.acc.num_processes == 1:
+            return [None if s is None else s["mal"] for s in scores]
+        x = []  # per result: (scored here, MAL x verify rows, verify rows)
+        for s in scores:
+            x += [0.0, 0.0, 0.0] if s is None else [1.0, s["mal"] * s["stats"].verify_rows, s["stats"].verify_rows]
+        x = self.trainer.acc.reduce(torch.tensor(x, dtype=torch.float64, device=self.trainer.acc.device), "sum")
+        return [None if n == 0 else w / rows if rows else 1.0 for n, w, rows in x.cpu().view(-1, 3).tolist()]
 
     def _everywhere(self, ok: bool) -> bool:
         """`ok` on every process (one process: `ok`). A drafter step is a collective (DDP backward, the trainer's

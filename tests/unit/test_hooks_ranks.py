@@ -111,3 +111,15 @@ def test_processes_take_the_same_drafter_steps(case, tmp_path):
     assert steps[0] == steps[1] and sum(steps[0]) > 0, steps
     assert r0["weights"].keys() == r1["weights"].keys()
     assert all(torch.equal(r0["weights"][k], r1["weights"][k]) for k in r0["weights"])
+
+
+def test_processes_take_the_same_publish_decision(tmp_path):
+    """online.publish_gate: each process scores its own rollouts, but the estimate and the serving drafter's score
+    are pooled over all of them, so every process gates (resets to the serving weights) or publishes alike."""
+    r0, r1 = _run_ranks("gate", tmp_path)
+    decisions = [[(r["gated"], r["published"], r["expected_mal"], r["serving_mal"]) for r in res["recs"]]
+                 for res in (r0, r1)]
+    assert decisions[0] == decisions[1], decisions
+    assert all(d[3] is not None for d in decisions[0])  # the gate scored every update
+    assert r0["version"] == r1["version"]
+    assert all(torch.equal(r0["weights"][k], r1["weights"][k]) for k in r0["weights"])
