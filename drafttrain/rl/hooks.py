@@ -60,6 +60,11 @@ class DraftTracker:
                                     half_life=cfg.online.buffer_half_life)
         self.trainer = None if self.self_drafter else DrafterTrainer(self.drafter, cfg.train, cfg.drafter,
                                                                      accelerator, buffer=self.buffer)
+        if self.trainer is not None and cfg.online.mode == "async" and self.trainer.acc.num_processes > 1:
+            # a background update's collectives (DDP backward, reduces) would run beside the RL loop's on the same
+            # process group, in no agreed order: a hang or a mismatched reduce
+            raise ValueError(f"online.mode: async runs with one process only (got {self.trainer.acc.num_processes}"
+                             "); use online.mode=sync under accelerate launch with several processes")
         self.publisher = Publisher(self.engines, self.drafter.state_dict(), cfg.online, log, tag=0)
         self.pending: list[dict] = []  # features captured since the last on_policy_update
         self.latest: list[dict] = []  # the previous step's: the background update reads only these

@@ -65,8 +65,13 @@ def _rank_main(rank: int, store: str, out: str, case: str) -> None:
 
     over = {"buffer": ["online.budget_frac=0", "online.publish_gate=false"],
             "bank": ["online.budget_frac=0.5", "online.publish_gate=false"],
-            "gate": ["online.budget_frac=0", "train.lr=3e-2"]}[case]
-    policy, tr = _tracker(_cfg("online.holdout_frac=0.0", *over), Accelerator(cpu=True))
+            "gate": ["online.budget_frac=0", "train.lr=3e-2"], "async": ["online.mode=async"]}[case]
+    try:
+        policy, tr = _tracker(_cfg("online.holdout_frac=0.0", *over), Accelerator(cpu=True))
+    except ValueError as e:
+        torch.save({"error": str(e)}, f"{out}/rank{rank}.pt")
+        torch.distributed.destroy_process_group()
+        return
     gen = torch.Generator().manual_seed(100 + rank)  # each process its own rollouts
     recs = []
     for step in range(4 if case == "gate" else 3):
@@ -123,3 +128,10 @@ def test_processes_take_the_same_publish_decision(tmp_path):
     assert all(d[3] is not None for d in decisions[0])  # the gate scored every update
     assert r0["version"] == r1["version"]
     assert all(torch.equal(r0["weights"][k], r1["weights"][k]) for k in r0["weights"])
+
+
+def test_async_mode_with_several_processes_fails_at_start(tmp_path):
+    """online.mode=async under DDP: the background update's collectives would interleave with the RL loop's on the
+    same process group (a hang or a mismatched reduce): refused at start-up with one line naming the key."""
+    errors = [r.get("error", "") for r in _run_ranks("async", tmp_path)]
+    assert all(e.startswith("online.mode: async runs with one process only") and "\n" not in e for e in errors)
