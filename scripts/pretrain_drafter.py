@@ -90,7 +90,10 @@ def main(pc: PretrainConfig) -> dict:
     out, state = Path(pc.out), Path(f"{pc.out}.state") / "trainer.pt"
     chunks_done, run_key, queue = 0, resume_key(pc, cfg, world), []
     if pc.resume and state.is_file():
-        saved = trainer.load(state)
+        try:
+            saved = trainer.load(state)
+        except ValueError as e:  # resumed with another number of processes: bad input, one line
+            raise ConfigError(f"resume: {e}") from None
         if saved.get("run_key") != run_key:
             raise ConfigError(f"resume: {state} was written by a run with other settings ({saved.get('run_key')}); "
                               f"rerun with those, or with resume=false to start over")

@@ -93,7 +93,10 @@ def main(cfg) -> list[dict]:
     start = 0
     if state is not None:
         if tracker.trainer is not None:
-            tracker.trainer.load(last / "trainer.pt")
+            try:
+                tracker.trainer.load(last / "trainer.pt")
+            except ValueError as e:  # resumed with another number of processes: bad input, one line
+                raise ConfigError(f"run.resume: {e}") from None
         tracker.load_state_dict(state["tracker"])
         grpo.opt.load_state_dict(state["opt"])
         torch.set_rng_state(state["rng"])

@@ -841,3 +841,24 @@ def test_bad_input_one_line_error_nothing_lost(first_run, policy_dir, tmp_path, 
     msg = str(e.value.code)
     assert msg.startswith("error: ") and "\n" not in msg and expect in msg, msg
     assert _files(first_run) == before  # the first run's config, metrics and checkpoint are untouched
+
+
+def test_resume_with_another_number_of_processes_is_one_line(first_run, policy_dir, tmp_path):
+    """The drafter trainer's state holds one buffer shard per process: resuming it with another number of
+    processes is bad input (it was a ValueError traceback), and the checkpoint stays as it was."""
+    import shutil
+
+    from drafttrain.online.run import cli
+
+    run = tmp_path / "run"
+    shutil.copytree(first_run, run)
+    tpath = run / "ckpt" / (run / "ckpt" / "latest").read_text().strip() / "trainer.pt"
+    state = torch.load(tpath, weights_only=False)
+    state["world"] = 2  # as written by a 2-process run
+    torch.save(state, tpath)
+    before = _files(run)
+    with pytest.raises(SystemExit) as e:
+        cli([*overrides(policy_dir, run), "recipe=eagle3_track"])
+    msg = str(e.value.code)
+    assert msg.startswith("error: run.resume: ") and "2 processes" in msg and "\n" not in msg, msg
+    assert _files(run) == before

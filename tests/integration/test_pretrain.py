@@ -39,6 +39,13 @@ def test_pretrain_stops_resumes_and_exports(policy_dir, tmp_path, capsys):
     load_drafter(out)  # a stopped run still exports what it has
 
     pc.max_steps = 0
+    tpath = tmp_path / "eagle3.state" / "trainer.pt"
+    saved = tpath.read_bytes()
+    state = torch.load(tpath, weights_only=False)
+    torch.save({**state, "world": 2}, tpath)  # as a 2-process run writes it: one line, not a ValueError traceback
+    with pytest.raises(ConfigError, match="resume: .*saved with 2 processes"):
+        P.main(pc)
+    tpath.write_bytes(saved)
     with pytest.raises(ConfigError, match="resume: .*other settings"):  # a changed schedule does not resume
         P.main(P.parse([*pc.overrides, f"out={out}", "prompts=16", "chunk=8", "epochs=2"]))
     r2 = P.main(pc)
