@@ -19,6 +19,10 @@ Two canaries (online.canary):
   (outputs stay exact: SD is lossless; only slower) before the rollback. Batches of an older version, or of mixed
   versions, leave the check pending. A publish while a check is pending leaves the pending weights unverified:
   rollbacks go to the last verified weights.
+Several processes (pool: a sum over processes): each sees its own rollouts, and a verdict one process reached alone
+would roll back its engines only (versions and, through the publish gate's reset, drafter weights diverge). There
+observe() and fail() only record, and settle(), which every process calls at the same point (the tracker: at each
+policy update), judges on the MAL pooled over all of them; the probe canary pools its probes too.
 """
 from __future__ import annotations
 
@@ -37,8 +41,10 @@ def first_nonfinite(weights: dict[str, torch.Tensor]) -> str | None:
 
 
 class Publisher:
-    def __init__(self, engines, initial_weights: dict, cfg_online, log=print, tag=0):
+    def __init__(self, engines, initial_weights: dict, cfg_online, log=print, tag=0, pool=None):
         self.engines, self.cfg, self.log = list(engines), cfg_online, log
+        self.pool = pool  # several processes: list[float] -> its elementwise sum over them (a collective)
+        self._seen = [0.0, 0.0, 0.0]  # pooled mode, since the last settle(): MAL x verify rows, verify rows, failures
         self.version = max([e.drafter_version for e in self.engines] + [0])
         # version -> the caller's tag of the weights it serves (the tracker: the policy version they were published
         # at); a rollback's new version carries the tag of the weights it restores
@@ -78,17 +84,23 @@ class Publisher:
         rec = {"published": True, "version": v, "swap_s": swap_s, "rolled_back": False, "canary_mal": None,
                "expected_mal": expected_mal}
         self.pending = None
+        self._seen = [0.0, 0.0, 0.0]
         judged = self.engines and expected_mal is not None
         if judged and self.cfg.canary == "inline":
             self.pending = {"version": v, "weights": weights, "expected": expected_mal}
             return rec
         if judged and probe_prompts and params is not None:
+            error = None
             try:
                 mal = min(e.generate(probe_prompts, params, speculative=True).stats.mean_accepted_length
                           for e in self.engines)
-                rec.update(self._judge(v, weights, expected_mal, mal))
             except (RuntimeError, ValueError) as err:  # e.g. NaN draft probabilities from broken weights
-                rec.update(self._judge(v, weights, expected_mal, float("nan"), str(err).splitlines()[0]))
+                mal, error = float("nan"), str(err).splitlines()[0]
+            if self.pool is not None:  # every process judges the mean of all processes' probes
+                total, n, failed = self.pool([0.0 if error else mal, 0.0 if error else 1.0, float(bool(error))])
+                mal = float("nan") if failed else total / n
+                error = error or ("an engine failed with it in another process" if failed else None)
+            rec.update(self._judge(v, weights, expected_mal, mal, error))
             return rec
         self.good_weights, self.good_version = weights, v
         return rec
@@ -101,17 +113,45 @@ class Publisher:
             p = self.pending
             if p is None or any(x != p["version"] for x in versions) or batch.stats.drafted == 0:
                 return {}
+            if self.pool is not None:  # recorded; settle() judges with every process
+                rows = batch.stats.verify_rows
+                self._seen[0] += batch.stats.mean_accepted_length * rows
+                self._seen[1] += rows
+                return {}
             self.pending = None
             return self._judge(p["version"], p["weights"], p["expected"], batch.stats.mean_accepted_length)
 
     def fail(self, error: BaseException) -> dict:
         """Inline canary: the engine failed while the pending version served (e.g. NaN draft probabilities): roll
-        back now. {} if nothing is pending (the failure is not the new drafter's; the caller re-raises)."""
+        back now. {} if nothing is pending (the failure is not the new drafter's; the caller re-raises). Several
+        processes: recorded for settle(), which rolls every process back; {"deferred": True} (the caller decodes
+        this batch without the drafter)."""
         with self._lock:
-            p, self.pending = self.pending, None
-            if p is None:
+            if self.pending is None:
                 return {}
+            if self.pool is not None:
+                self._seen[2] += 1
+                return {"deferred": True}
+            p, self.pending = self.pending, None
             return self._judge(p["version"], p["weights"], p["expected"], float("nan"), str(error).splitlines()[0])
+
+    def settle(self) -> dict:
+        """Several processes: judge the pending version on what every process's engines recorded since it was
+        published (a collective: call it on every process at the same point). {} with one process, with nothing
+        pending (alike everywhere: publishing is decided alike), or with nothing recorded anywhere yet."""
+        with self._lock:
+            p = self.pending
+            if self.pool is None or p is None:
+                return {}
+            total, rows, failed = self.pool(self._seen)
+            self._seen = [0.0, 0.0, 0.0]
+            if not failed and rows == 0:
+                return {}
+            self.pending = None
+            if failed:
+                return self._judge(p["version"], p["weights"], p["expected"], float("nan"),
+                                   f"the engines of {int(failed)} batch(es) failed with it")
+            return self._judge(p["version"], p["weights"], p["expected"], total / rows)
 
     def _judge(self, v: int, weights: dict, expected_mal: float, mal: float, error: str | None = None) -> dict:
         """Keep v as the last good version, or roll every engine back to the last good weights."""

@@ -65,7 +65,12 @@ class DraftTracker:
             # process group, in no agreed order: a hang or a mismatched reduce
             raise ValueError(f"online.mode: async runs with one process only (got {self.trainer.acc.num_processes}"
                              "); use online.mode=sync under accelerate launch with several processes")
-        self.publisher = Publisher(self.engines, self.drafter.state_dict(), cfg.online, log, tag=0)
+        pool = None
+        if self.trainer is not None and self.trainer.acc.num_processes > 1:  # canary verdicts alike everywhere
+            acc = self.trainer.acc
+            pool = lambda xs: acc.reduce(torch.tensor(xs, dtype=torch.float64, device=acc.device),  # noqa: E731
+                                         "sum").cpu().tolist()
+        self.publisher = Publisher(self.engines, self.drafter.state_dict(), cfg.online, log, tag=0, pool=pool)
         self.pending: list[dict] = []  # features captured since the last on_policy_update
         self.latest: list[dict] = []  # the previous step's: the background update reads only these
         self.probe_prompts: list[list[int]] = []
@@ -189,6 +194,17 @@ class DraftTracker:
     def on_policy_update(self, policy=None, step: int | None = None, background: bool | None = None) -> dict:
         """The policy just changed: train the drafter on buffered features and publish v+1 to every engine."""
         self.wait()
+        # several processes: the inline canary of the version published last is judged here, on every process's
+        # rollouts at once (Publisher.settle; one process: judged as its first batch came, {} here)
+        verdict = self.publisher.settle()
+        out = self._on_policy_update(policy, step, background)
+        if verdict:
+            out["canary_mal"], out["rolled_back"] = verdict["canary_mal"], verdict["rolled_back"] or out.get(
+                "rolled_back", False)
+            out["drafter_version"] = self.version
+        return out
+
+    def _on_policy_update(self, policy, step, background) -> dict:
         self._result = {}  # until this update sets it: a failed update must not leave the last one's record
         self.latest, self.pending = self.pending, []
         self._capture_last, self._capture_s = self._capture_s, 0.0
@@ -400,6 +416,8 @@ class DraftTracker:
             verdict = self.publisher.fail(err)
             if not verdict:
                 raise
+            if verdict.get("deferred"):  # several processes: rolled back at the next update, everywhere alike;
+                return engine.generate(prompts, params, speculative=False), {}  # this batch decodes without it
             return engine.generate(prompts, params, speculative=speculative), verdict
         return batch, self.observe_rollout(batch)
 

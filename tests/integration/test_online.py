@@ -300,6 +300,42 @@ def test_inline_canary_waits_for_a_batch_of_the_new_version(trained):
     assert pub.observe(engine.generate(probe, params)) == {}  # nothing pending any more
 
 
+def test_pooled_canary_judges_with_every_process(trained):
+    """Several processes (Publisher pool; here a second process simulated by what it adds to the sums): observe
+    and fail only record, and settle judges on what every process recorded, so all take the same verdict."""
+    from drafttrain.online.hotswap import Publisher
+
+    engine, cfg, probe = _engine(trained), trained["cfg"], trained["prompts"][:2]
+    params = sampling_params(cfg, max_new_tokens=16)
+    other = [0.0, 0.0, 0.0]  # the other process's MAL x verify rows, verify rows, failures
+    pub = Publisher([engine], engine.drafter.state_dict(), cfg.online, log=lambda m: None,
+                    pool=lambda xs: [a + b for a, b in zip(xs, other)])
+    assert pub.publish(_corrupt(trained["good"], "zeroed"), trained["expected"])["published"]  # v1
+    assert pub.observe(engine.generate(probe, params)) == {} and pub.pending is not None  # recorded, not judged
+    other[:] = [6.0 * 1000, 1000.0, 0.0]  # there, v1 accepted everything over 1000 verify steps
+    rec = pub.settle()
+    assert rec["canary_mal"] > 5.0 and not rec["rolled_back"] and pub.good_version == 1 == engine.drafter_version
+    assert pub.settle() == {}  # nothing pending
+    assert pub.publish(trained["good"], trained["expected"])["published"]  # v2
+    other[:] = [0.0, 0.0, 0.0]
+    assert pub.settle() == {} and pub.pending is not None  # nothing recorded anywhere yet: still pending
+    other[:] = [0.0, 0.0, 1.0]  # an engine failed with v2 in the other process: this one rolls back too
+    rec = pub.settle()
+    assert rec["rolled_back"] and engine.drafter_version == 3 and pub.good_version == 1
+    assert pub.publish(trained["good"], trained["expected"])["published"]  # v4
+    other[:] = [0.0, 0.0, 0.0]
+    assert pub.fail(RuntimeError("boom")) == {"deferred": True} and engine.drafter_version == 4  # not alone
+    assert pub.settle()["rolled_back"] and engine.drafter_version == 5
+    # the probe canary pools its probes: good weights here, but the other process's engine failed with them
+    probe_cfg = cfg.copy()
+    probe_cfg.online.canary = "probe"
+    engine2 = _engine(trained)
+    pub2 = Publisher([engine2], trained["good"], probe_cfg.online, log=lambda m: None,
+                     pool=lambda xs: [a + b for a, b in zip(xs, [0.0, 0.0, 1.0])])
+    rec = pub2.publish(trained["good"], trained["expected"], probe, params)
+    assert rec["rolled_back"] and engine2.drafter_version == 2
+
+
 @pytest.mark.parametrize("canary", ["probe", "inline"])
 def test_canary_rolls_back_a_drafter_that_crashes_the_engine(trained, canary):
     """Huge (finite) weights make the int8 drafter's kernels fail: a failed canary, not a dead RL job. Inline, the

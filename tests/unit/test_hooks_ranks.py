@@ -18,14 +18,34 @@ def _cfg(*over):
                                         "online.steps_per_update=2", "sampling.max_new_tokens=16", *over])
 
 
-def _tracker(c, accelerator=None):
+def _tracker(c, accelerator=None, engines=()):
     from drafttrain.drafters import build_drafter
     from drafttrain.rl.hooks import DraftTracker
 
     policy = tiny_policy()
     torch.manual_seed(1)
-    return policy, DraftTracker(c, policy, [], build_drafter(c.drafter, policy), accelerator=accelerator,
+    return policy, DraftTracker(c, policy, list(engines), build_drafter(c.drafter, policy), accelerator=accelerator,
                                 log=lambda m: None)
+
+
+class _Engine:
+    """Just what the publisher needs of an engine: versioned loads."""
+
+    def __init__(self):
+        self.drafter_version = 0
+
+    def load_drafter(self, weights, version):
+        self.drafter_version = version
+
+
+def _batch(version: int, mal: int):
+    """A rollout batch of 4 rows that drafter `version` generated, every verify step accepting mal - 1 drafts."""
+    from drafttrain.engines.base import RolloutBatch
+    from drafttrain.spec import SpecStats
+
+    st = SpecStats()
+    st.update(torch.full((4,), mal - 1), k=5)
+    return RolloutBatch([], [], st, version, drafter_versions=[version])
 
 
 def _rl_step(tr, policy, step, gen):
@@ -65,9 +85,11 @@ def _rank_main(rank: int, store: str, out: str, case: str) -> None:
 
     over = {"buffer": ["online.budget_frac=0", "online.publish_gate=false"],
             "bank": ["online.budget_frac=0.5", "online.publish_gate=false"],
-            "gate": ["online.budget_frac=0", "train.lr=3e-2"], "async": ["online.mode=async"]}[case]
+            "gate": ["online.budget_frac=0", "train.lr=3e-2"], "async": ["online.mode=async"],
+            "canary": ["online.budget_frac=0", "online.publish_gate=false", "online.canary=inline"]}[case]
     try:
-        policy, tr = _tracker(_cfg("online.holdout_frac=0.0", *over), Accelerator(cpu=True))
+        policy, tr = _tracker(_cfg("online.holdout_frac=0.0", *over), Accelerator(cpu=True),
+                              [_Engine()] if case == "canary" else ())
     except ValueError as e:
         torch.save({"error": str(e)}, f"{out}/rank{rank}.pt")
         torch.distributed.destroy_process_group()
@@ -81,6 +103,9 @@ def _rank_main(rank: int, store: str, out: str, case: str) -> None:
             recs.append(tr.on_policy_update(policy, step))  # nothing captured here yet: an empty buffer
         else:
             recs.append(_rl_step(tr, policy, step, gen))
+        if case == "canary" and step == 0:  # v1's first rollouts: nothing accepted here, all accepted there
+            recs.append({"verdict": tr.observe_rollout(_batch(tr.version, 1 if rank == 0 else 6)),
+                         "version": tr.version})
     torch.save({"recs": recs, "weights": tr.drafter.state_dict(), "version": tr.version}, f"{out}/rank{rank}.pt")
     torch.distributed.destroy_process_group()
 
@@ -135,3 +160,17 @@ def test_async_mode_with_several_processes_fails_at_start(tmp_path):
     same process group (a hang or a mismatched reduce): refused at start-up with one line naming the key."""
     errors = [r.get("error", "") for r in _run_ranks("async", tmp_path)]
     assert all(e.startswith("online.mode: async runs with one process only") and "\n" not in e for e in errors)
+
+
+def test_processes_take_the_same_canary_verdict(tmp_path):
+    """online.canary=inline: each process sees its own rollouts (here: one drafted nothing accepted, the other
+    everything). A process that judged alone rolled back its engines only (versions, then drafter weights, apart);
+    the verdict is now taken at the next update on the MAL pooled over all processes, alike everywhere."""
+    r0, r1 = _run_ranks("canary", tmp_path)
+    assert [r.get("version") for r in r0["recs"]] == [r.get("version") for r in r1["recs"]]
+    assert r0["recs"][1]["verdict"] == r1["recs"][1]["verdict"] == {}  # recorded, not judged alone
+    settled = r0["recs"][2]
+    assert settled["canary_mal"] == r1["recs"][2]["canary_mal"] == 3.5  # (1 x 4 + 6 x 4) / 8 verify rows
+    assert settled["rolled_back"] is r1["recs"][2]["rolled_back"] is False
+    assert r0["version"] == r1["version"]
+    assert all(torch.equal(r0["weights"][k], r1["weights"][k]) for k in r0["weights"])
