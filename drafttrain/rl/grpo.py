@@ -22,6 +22,7 @@ import torch
 
 from drafttrain.config import sampling_params
 from drafttrain.policy import decode, encode_prompt, make_prompts, reward
+from drafttrain.spec import processed_logprobs
 
 
 @dataclass
@@ -86,6 +87,7 @@ class GRPO:
         rewards were all equal) adds no gradient, so those go last and run without autograd (their forward still
         feeds the tracker); under DDP every process must run the same backward passes, so there all of them do."""
         rl, T = self.cfg.rl, self.cfg.sampling.temperature or 1.0
+        params = sampling_params(self.cfg, temperature=T)  # the rollouts' top-k / top-p (greedy rollouts: T = 1)
         adv = self.advantages(ro.rewards)  # [N]
         n_tok = sum(len(r) for r in ro.responses)
         ddp = self.acc is not None and self.acc.num_processes > 1
@@ -111,7 +113,8 @@ class GRPO:
             ctx = self.tracker.capture(self.policy, response_start=starts) if self.tracker else contextlib.nullcontext()
             with ctx, torch.set_grad_enabled(grad):
                 logits = self.model(input_ids=ids, attention_mask=mask).logits  # [b, L, V]
-            logp = (logits.float() / T).log_softmax(-1)[:, :-1].gather(-1, ids[:, 1:].unsqueeze(-1)).squeeze(-1)
+            # the distribution the engine sampled from (its top-k / top-p support too): ratio 1 on fresh rollouts
+            logp = processed_logprobs(logits, params)[:, :-1].gather(-1, ids[:, 1:].unsqueeze(-1)).squeeze(-1)
             m = resp[:, :-1]
             ratio = (logp - old[:, :-1]).exp()
             a = adv[idx].view(-1, 1)

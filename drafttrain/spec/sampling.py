@@ -67,6 +67,22 @@ def processed_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tenso
     return probs
 
 
+def processed_logprobs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """log(processed_probs), differentiable in `logits`: what the RL loss takes its current log-probs from, so
+    that on fresh rollouts the ratio to the engine's log-probs is exactly 1. Temperature, then -inf outside the
+    support processed_probs keeps (top-k, top-p), renormalized. Greedy (temperature 0) has no log-probs to train."""
+    if params.greedy:
+        raise ValueError("processed_logprobs: temperature 0 (greedy) samples no distribution to train on")
+    x = logits.float()
+    if params.temperature != 1.0:
+        x = x / params.temperature
+    if 0 < params.top_k < x.shape[-1] or params.top_p < 1.0:
+        with torch.no_grad():
+            keep = processed_probs(logits.detach(), params) > 0
+        x = x.masked_fill(~keep, float("-inf"))
+    return x.log_softmax(-1)
+
+
 def race_noise(shape, generator: torch.Generator | None = None) -> torch.Tensor:
     """Exp(1) draws for `sample`, clamped away from 0: an Exp(1) draw of exactly 0 (probability ~2^-24) would
     otherwise turn a zero weight into 0/0 = NaN. A chain of k draws takes its noise in one call."""

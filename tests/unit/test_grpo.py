@@ -80,3 +80,22 @@ def test_evaluate_scores_fixed_held_out_problems(setup):
     first, again = grpo.evaluate(), grpo.evaluate()
     assert first == again and set(first) == {"eval_sampled_acc", "eval_greedy_acc"}  # seeded: repeatable
     assert all(0.0 <= v <= 1.0 for v in first.values())
+
+
+@pytest.mark.parametrize("over", ["sampling.top_k=4", "sampling.top_p=0.5", "sampling.temperature=0.7"])
+def test_fresh_rollouts_have_ratio_one_under_truncated_sampling(over):
+    """The loss's current log-probs come from the distribution the engine sampled (processed_probs: temperature,
+    top-k, top-p). From the full softmax, top-k / top-p rollouts read ratio = the kept mass < 1 on fresh rollouts,
+    and every negative-advantage token was clipped (clip_frac 1.0)."""
+    from drafttrain.engines import build_engine
+    from drafttrain.policy import build_policy, build_tokenizer
+    from drafttrain.rl.grpo import GRPO
+
+    torch.manual_seed(0)
+    policy, tok = build_policy(TINY).eval(), build_tokenizer()
+    cfg = load_recipe("eagle3_track", ["drafter.path=null", "rl.prompts_per_step=2", "rl.group_size=2",
+                                       "rl.micro_batch=4", "sampling.max_new_tokens=12", over])
+    grpo = GRPO(cfg, policy, tok, build_engine(cfg.engine, policy))
+    ro = grpo.rollout(0)
+    ro.rewards = [1.0, 0.0, 0.0, 1.0]
+    assert grpo.train_step(ro)["clip_frac"] == 0.0

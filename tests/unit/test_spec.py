@@ -391,6 +391,24 @@ def test_processed_probs_is_a_distribution(params):
     assert torch.allclose(pr.sum(-1), torch.ones(3, 5), atol=1e-5)
 
 
+@pytest.mark.parametrize("name", list(PARAMS))
+def test_processed_logprobs_is_the_log_of_processed_probs(name):
+    """The RL loss's log-probs: log(processed_probs) on its support, -inf off it, with gradients to the logits."""
+    from drafttrain.spec import processed_logprobs
+
+    params = PARAMS[name]
+    logits = torch.randn(3, 7, 20, generator=torch.Generator().manual_seed(1), requires_grad=True)
+    lp = processed_logprobs(logits, params)
+    p = processed_probs(logits.detach(), params)
+    on = p > 0
+    torch.testing.assert_close(lp[on].exp(), p[on], atol=1e-6, rtol=1e-5)
+    assert torch.isneginf(lp[~on]).all()
+    lp.masked_fill(~on, 0.0).sum().backward()
+    assert torch.isfinite(logits.grad).all() and logits.grad.abs().sum() > 0
+    with pytest.raises(ValueError, match="temperature 0"):
+        processed_logprobs(logits, SamplingParams(temperature=0.0))
+
+
 def test_sampling_params_validation():
     # NaN temperature passed `< 0` and generated all-zero tokens with NaN log-probs; a bare int as stop ids raised a
     # TypeError naming no field
