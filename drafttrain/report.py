@@ -48,7 +48,8 @@ class RunLogger:
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
-            self.tb = SummaryWriter(str(self.out / "tb"))
+            # purge_step: the event files' records at or after resume_step are dropped too (as the JSONL's are)
+            self.tb = SummaryWriter(str(self.out / "tb"), purge_step=resume_step if resume_step else None)
 
     def log(self, rec: dict) -> None:
         self.records.append(rec)

@@ -1,0 +1,28 @@
+"""RunLogger on resume: a step logged before the kill but after the checkpoint is logged again by the resumed run;
+neither the JSONL nor TensorBoard may then hold it twice."""
+from __future__ import annotations
+
+import collections
+import time
+
+from drafttrain.report import RunLogger, read_jsonl
+
+
+def test_resumed_logger_logs_no_step_twice(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    lg = RunLogger(tmp_path, tensorboard=True)
+    for s in range(3):  # the first run logged steps 0-2; its last checkpoint holds step 2's start
+        lg.log({"step": s, "reward_mean": float(s)})
+    lg.close()
+    time.sleep(1.1)  # TensorBoard names event files by the second: the resumed run writes a new one
+    lg = RunLogger(tmp_path, tensorboard=True, resume_step=2)
+    for s in range(2, 4):
+        lg.log({"step": s, "reward_mean": 10.0 + s})
+    lg.close()
+    assert [r["step"] for r in read_jsonl(tmp_path / "metrics.jsonl")] == [0, 1, 2, 3]
+    ea = EventAccumulator(str(tmp_path / "tb"))
+    ea.Reload()
+    events = [(e.step, e.value) for e in ea.Scalars("reward_mean")]
+    assert max(collections.Counter(s for s, _ in events).values()) == 1, events  # step 2 was there twice
+    assert dict(events) == {0: 0.0, 1: 1.0, 2: 12.0, 3: 13.0}
