@@ -1,8 +1,9 @@
 """A TRL GRPOTrainer callback built on DraftTracker: the drafter keeps up while TRL trains the policy.
 
     tracker = DraftTracker.from_recipe("eagle3_track", policy=model, engines=[])
-    trainer = trl.GRPOTrainer(model=model, ..., callbacks=[DraftTrackerCallback(tracker)])
-    trainer.train()
+    callback = DraftTrackerCallback(tracker)
+    trainer = trl.GRPOTrainer(model=model, ..., callbacks=[callback])
+    callback.train(trainer)        # trainer.train(), and the capture hooks come off even if it raises
     tracker.drafter, tracker.version, callback.history                # the fresh drafter, its version, metrics
 
 Capture: the tracker's hooks are on the model from on_step_begin to on_step_end, with grad_only=True, so they keep
@@ -51,6 +52,15 @@ class DraftTrackerCallback(TrainerCallback):
         rec.update(self.tracker.on_policy_update(model, state.global_step - 1))
         rec["drafter_version"] = self.tracker.version
         self.history.append(rec)
+
+    def train(self, trainer, **kwargs):
+        """trainer.train(**kwargs), with the capture hooks removed however it ends: HF calls no callback when a
+        step raises (a reward function, an OOM), so hooks that on_step_begin put on would stay on the model and
+        every later grad-enabled forward of it would feed the tracker's buffer."""
+        try:
+            return trainer.train(**kwargs)
+        finally:
+            self.tracker.stop_capture()
 
     def on_train_end(self, args, state, control, **kw):
         self.tracker.stop_capture()

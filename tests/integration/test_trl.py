@@ -56,7 +56,7 @@ def test_grpo_trainer_with_draft_tracker_callback(tmp_path):
     cb = DraftTrackerCallback(tracker)
     trainer = GRPOTrainer(model=policy, reward_funcs=digits, args=args, processing_class=tok,
                           train_dataset=Dataset.from_dict({"prompt": [p.prompt for p in problems]}), callbacks=[cb])
-    trainer.train()
+    cb.train(trainer)
 
     # features: exactly the rows of TRL's grad-enabled loss forwards, none of its no-grad generation forwards
     grad_rows = sum(n for n, g in loss_forwards if g)
@@ -70,3 +70,29 @@ def test_grpo_trainer_with_draft_tracker_callback(tmp_path):
     assert all(r["frozen_tf_mal"] >= 1.0 and r["canary_mal"] is not None for r in cb.history)
     after = tracker.drafter.state_dict()
     assert any(not torch.equal(before[k], after[k]) for k in before)
+
+
+def test_capture_hooks_come_off_when_training_raises():
+    """HF calls no callback when a step raises: callback.train(trainer) removes the hooks on_step_begin put on, so
+    a later grad-enabled forward of the model feeds nothing to the tracker."""
+    from drafttrain.config import load_recipe
+    from drafttrain.policy import build_policy
+    from drafttrain.rl.hooks import DraftTracker
+    from drafttrain.rl.trl import DraftTrackerCallback
+
+    torch.manual_seed(0)
+    policy = build_policy(TINY)
+    tracker = DraftTracker(load_recipe("eagle3_track", ["drafter.path=null"]), policy, [], log=lambda m: None)
+    cb = DraftTrackerCallback(tracker)
+
+    class Trainer:  # a step began (hooks on), then the reward function raised
+        def train(self):
+            cb.on_step_begin(None, None, None, model=policy)
+            raise RuntimeError("reward function failed")
+
+    with pytest.raises(RuntimeError, match="reward function failed"):
+        cb.train(Trainer())
+    assert tracker._capture is None and not policy.model.layers[1]._forward_pre_hooks
+    ids = torch.randint(1, 30, (2, 12))
+    policy(input_ids=ids, attention_mask=torch.ones_like(ids)).logits.sum().backward()
+    assert tracker.buffer.added == 0
