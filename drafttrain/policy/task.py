@@ -31,7 +31,7 @@ MAX_TERMS = 16
 EXTRA_TERM_P = 0.7  # P(one more term): extra terms ~ Geometric, mean 0.7/0.3 ~ 2.3
 MAX_OPERAND = 9
 
-_ANSWER_RE = re.compile(r"A:(-?\d+)")
+_NUMBER_RE = re.compile(r"-?\d+")
 
 
 @dataclass(frozen=True)
@@ -81,9 +81,13 @@ def make_prompts(n: int, seed: int) -> list[Problem]:
 
 
 def extract_answer(text: str) -> str | None:
-    """The number after the last `A:` in `text`, or None if there is none."""
-    found = _ANSWER_RE.findall(text)
-    return found[-1] if found else None
+    """What follows the last `A:` in `text` if it is exactly a number, else None (no `A:`, or a malformed answer:
+    `A:29;A:`, `A:2<pad>9`, `A:29=30` score nothing; an earlier well-formed `A:` does not rescue a later one)."""
+    at = text.rfind("A:")
+    if at < 0:
+        return None
+    tail = text[at + 2:]
+    return tail if _NUMBER_RE.fullmatch(tail) else None
 
 
 def reward(problem_or_answer: Problem | str, response_text: str) -> float:

@@ -56,8 +56,11 @@ def encode_prompt(tok: PreTrainedTokenizerFast, text: str) -> list[int]:
 
 
 def decode(tok: PreTrainedTokenizerFast, ids: list[int]) -> str:
-    """Characters of `ids`, cut at the first EOS, special tokens dropped."""
+    """Characters of `ids`, cut at the first EOS, a leading BOS (a prompt's) dropped. Any other special token stays,
+    as its name (`<pad>`): dropped, it let `A:2 <pad> 9` pass the reward check as `A:29`."""
     ids = list(ids)
     if tok.eos_token_id in ids:
         ids = ids[: ids.index(tok.eos_token_id)]
-    return tok.decode(ids, skip_special_tokens=True)
+    if ids and ids[0] == tok.bos_token_id:
+        ids = ids[1:]
+    return tok.decode(ids, skip_special_tokens=False)

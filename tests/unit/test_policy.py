@@ -74,6 +74,20 @@ def test_reward_exact_match():
     assert reward(p, "A:5;A:132") == 1.0  # the last A: counts
     assert extract_answer("x;A:77") == "77"
     assert extract_answer("no answer") is None
+    # malformed answers score nothing (they scored 1.0: the last *well-formed* A: counted, trailing text ignored)
+    for bad in ("A:132;A:", "A:132;A:-", "A:132=133", "A:132;", "A:13 2"):
+        assert reward(p, bad) == 0.0, bad
+
+
+def test_reward_sees_special_tokens_inside_the_answer():
+    """decode keeps special tokens other than EOS (as their names): dropped, A:2 <pad> 9 read as A:29."""
+    from drafttrain.policy.tokenizer import build_tokenizer, decode
+
+    tok = build_tokenizer()
+    enc = lambda s: tok.encode(s, add_special_tokens=False)  # noqa: E731
+    assert reward("29", decode(tok, enc("A:29") + [tok.eos_token_id] + enc("junk"))) == 1.0  # cut at EOS
+    for special in (tok.pad_token_id, tok.bos_token_id, tok.unk_token_id, tok.convert_tokens_to_ids("<unused_3>")):
+        assert reward("29", decode(tok, enc("A:2") + [special] + enc("9"))) == 0.0, special
 
 
 # --- tokenizer --------------------------------------------------------------------------------
