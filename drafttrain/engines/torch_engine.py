@@ -20,6 +20,7 @@ import warnings
 import torch
 
 from drafttrain.drafters.base import check_compatible
+from drafttrain.drafters.weights import check_finite
 from drafttrain.engines.base import RolloutBatch, StaleVersionError
 from drafttrain.engines.schedule import CostModel, SpecController
 from drafttrain.modeling import LeanLlama, keep_order, share_prompts
@@ -64,6 +65,7 @@ class TorchEngine:
         self._draft_cost_stale = False
         if drafter is not None:
             check_compatible(drafter, policy)  # at build, not as a torch error at the first SD step
+            check_finite(drafter.state_dict())  # no corrupt drafter reaches an engine (load_drafter checks too)
             self._active = (self._runtime(drafter), 0)
 
     # ---- drafter hot-swap ---------------------------------------------------------------------------------

@@ -307,6 +307,16 @@ def test_policy_drafter_mismatch(tmp_path, drafter):
             eng.update_policy(other)
 
 
+def test_engine_refuses_a_nonfinite_drafter_at_build(drafter):
+    """No corrupt drafter reaches an engine: load_drafter refused NaN weights, the one an engine was built with
+    was taken as it came."""
+    bad = perturbed(drafter, seed=3)
+    with torch.no_grad():
+        bad.fc.weight[0, 0] = float("nan")
+    with pytest.raises(ValueError, match="fc.weight has NaN or inf"):
+        build_engine(engine_cfg(), tiny_policy(), bad)
+
+
 @pytest.mark.parametrize("aux", [[0, 9], [1, 1, 2], [3, 1], [-1, 2]])
 def test_bad_aux_layer_ids(policy, aux):
     with pytest.raises(ValueError, match=r"drafter\.aux_layer_ids"):
