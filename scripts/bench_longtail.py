@@ -156,8 +156,8 @@ def main(cfg) -> dict:
                     n, t = at_batch(b, B)
                     tot[name][0] += n
                     tot[name][1] += t
-                    if name == "toggle":
-                        on += [tr["on"] for tr, nb in zip(b.trace, b.step_batch) if 4 * nb >= 3 * B]
+                    if name == "toggle":  # the very steps at_batch times (the first, a probe, is not one)
+                        on += [b.trace[i]["on"] for i in counted_steps(b, B)]
             for name, (n, t) in tot.items():
                 tps[name].append(n / max(t, 1e-9))
         row = {"batch": B, **{f"{name}_tps": statistics.median(v) for name, v in tps.items()}}
@@ -202,15 +202,16 @@ def ceiling_wall(ar_run, sweep: list[dict]) -> float:
     return ar_run.wall_s - sum(dt for _, dt in steps) + sum(dt / at(B) for B, dt in steps)
 
 
+def counted_steps(b, B: int) -> list[int]:
+    """Indices of rollout b's decode steps that ran at least 3/4 of B rows, the first step left out: a step's time
+    is from the end of the one before, and the first follows the prefill."""
+    return [i for i in range(1, len(b.step_ends)) if 4 * b.step_batch[i] >= 3 * B]
+
+
 def at_batch(b, B: int) -> tuple[int, float]:
-    """(tokens, seconds) of rollout b's decode steps that ran at least 3/4 of B rows: a step's time is from the end
-    of the one before (the first step, which follows the prefill, is left out)."""
-    n = t = 0
-    for i in range(1, len(b.step_ends)):
-        if 4 * b.step_batch[i] >= 3 * B:
-            n += b.step_tokens[i]
-            t += b.step_ends[i] - b.step_ends[i - 1]
-    return n, t
+    """(tokens, seconds) of rollout b's counted_steps."""
+    steps = counted_steps(b, B)
+    return sum(b.step_tokens[i] for i in steps), sum(b.step_ends[i] - b.step_ends[i - 1] for i in steps)
 
 
 def plot_trace(trace: list[dict], path: str) -> str:

@@ -3,7 +3,7 @@
     python scripts/check_acceptance.py                                   # shipped policy + drafter, 64 rollouts
     python scripts/check_acceptance.py rollouts=256 seed=3 overrides=[engine.drafter_int8=true]
 
-1. The recipe's engine (default eagle3_track: k=4, T=1, the shipped policy and EAGLE-3 drafter; int8 drafter off,
+1. The recipe's engine (default eagle3_track: k=5, T=1, the shipped policy and EAGLE-3 drafter; int8 drafter off,
    so that both sides run the same weights) generates `rollouts` responses with speculative decoding and records
    its SpecStats: MAL (response tokens per verify step) and acceptance per position.
 2. One teacher-forced policy forward over the same prompt + response pairs (teacher_forced_features), and

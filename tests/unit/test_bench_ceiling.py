@@ -36,3 +36,18 @@ def test_no_gain_anywhere_is_the_ar_time(ceiling_wall):
     sweep = [{"batch": 1, "ar_tps": 300.0, "sd_tps": 250.0}]
     run = _run(0.02, [(4, 0.005), (1, 0.003)])
     assert ceiling_wall(run, sweep) == pytest.approx(run.wall_s)
+
+
+def test_the_sweeps_sd_share_counts_the_steps_it_times():
+    """toggle_sd_steps_pct is the share of the timed steps (at_batch's) that ran SD: the first step, the forced
+    probe after the prefill, is not timed and was counted (a batch of 10 steps, SD only in the first two: 20%
+    where the timed steps read 1 of 9)."""
+    bench = load_script("bench_longtail")
+    on = [True, True] + [False] * 8
+    ends = [0.01 * (i + 1) for i in range(10)]
+    b = RolloutBatch([], [], SpecStats(), 0, step_ends=ends, step_batch=[4] * 10, step_tokens=[4] * 10,
+                     trace=[{"on": x} for x in on])
+    steps = bench.counted_steps(b, 4)
+    assert steps == list(range(1, 10))
+    assert [b.trace[i]["on"] for i in steps].count(True) == 1
+    assert bench.at_batch(b, 4) == (36, pytest.approx(0.09))
