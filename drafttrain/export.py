@@ -174,3 +174,5 @@ def check_vllm_target(cfg: dict, target: dict, where: str = "drafter") -> None:
     if block and (list(block["aux_layer_ids"]) != aux or int(block["draft_vocab_size"]) != dv):
         raise ValueError(f"{where}: eagle_aux_hidden_state_layer_ids/draft_vocab_size {aux}/{dv} disagree with "
                          f"the drafttrain block {list(block['aux_layer_ids'])}/{block['draft_vocab_size']}")
+    if block and int(block.get("target_num_layers", n)) != n:  # built for another depth (the embedded engine's
+        raise ValueError(f"{where}: built for a policy of {block['target_num_layers']} layers, the target has {n}")

@@ -68,6 +68,7 @@ from pathlib import Path
 
 import torch
 
+from drafttrain.drafters.weights import check_finite
 from drafttrain.engines.base import RolloutBatch, StaleVersionError
 from drafttrain.engines.vllm_worker import EXTENSION, TRANSFER_BACKEND, probe, unpack, vllm_name
 from drafttrain.spec import SamplingParams, SpecStats
@@ -188,6 +189,7 @@ class VllmEngine:
         if getattr(drafter, "kind", None) != "eagle3":
             raise ValueError(f"drafter: the vLLM engine runs EAGLE-3 drafters and self-drafters (selfquant), "
                              f"got kind {getattr(drafter, 'kind', type(drafter).__name__)!r}")
+        check_finite(drafter.state_dict())  # no corrupt drafter reaches an engine (load_drafter checks too)
         out = self._tmp / "drafter"
         export.save_drafter(drafter, out, verifier=policy_dir, k=int(self.cfg.k))
         export.check_vllm_target(export.read_speculators_config(out), self.target, "drafter")
@@ -311,6 +313,8 @@ class VllmEngine:
                 raise ValueError("update_policy: this engine was built from a checkpoint folder; pass the policy "
                                  "module or its state dict")
             policy = self._module
+        elif hasattr(policy, "state_dict"):
+            self._module = policy  # the module a later update_policy() re-reads (as the embedded engine does)
         sd = policy.state_dict() if hasattr(policy, "state_dict") else dict(policy)
         with self._lock:
             t0 = time.perf_counter()

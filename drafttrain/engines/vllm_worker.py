@@ -274,6 +274,16 @@ def _rebuild_quantized(model, tensors: dict[str, torch.Tensor]) -> None:
         layer.quant_method.process_weights_after_loading(layer)
 
 
+def _repack_tied_head(model, model_config) -> None:
+    """A tied output head shares its weight with the input embedding, so the reload (which re-processes only the
+    modules that received weights) updated the embedding's weight but not the head's own packed copy that vLLM-CPU
+    multiplies with (built at load): the head kept computing with the old weights. Re-run its post-load step."""
+    hf = getattr(model_config, "hf_config", None)
+    head = getattr(model, "lm_head", None)
+    if getattr(hf, "tie_word_embeddings", False) and head is not None and hasattr(head, "quant_method"):
+        head.quant_method.process_weights_after_loading(head)
+
+
 def _transfer_engine_cls():
     """vLLM's WeightTransferEngine for weights in safetensors format, inline or in a file on the worker's host.
     Like vLLM's IPC engine it reloads layerwise, so layers whose weights the platform repacks after loading (oneDNN on CPU,
@@ -301,6 +311,7 @@ def _transfer_engine_cls():
             quant, self._quantized = self._quantized, {}
             if quant:
                 _rebuild_quantized(self.model, quant)
+            _repack_tied_head(self.model, self.model_config)
 
         def update_weights(self, update_info: dict) -> None:
             self.receive_weights(self.parse_update_info(update_info))

@@ -75,12 +75,26 @@ def test_bad_exported_drafter_refused_before_start(exported, vpolicy, fields, ma
     assert {p.pid for p in engine_processes()} <= before, "an engine was started for a bad drafter"
 
 
-def test_drafter_for_another_policy_refused_before_start(vpolicy):
+def _nan_drafter(policy):
+    d = C.fresh_drafter(policy)
+    with torch.no_grad():
+        d.fc.weight[0, 0] = float("nan")
+    return d
+
+
+@pytest.mark.parametrize("make, match", [
+    (lambda: C.fresh_drafter(vllm_policy(vocab=48)), "vocab"),  # same layers, larger vocabulary
+    # built for a 6-layer policy with ids that fit 4 layers too: vLLM served it (the embedded engine refused it)
+    (lambda: C.fresh_drafter(vllm_policy(layers=6), aux_layer_ids=[0, 1, 2]), "6 layers, the target has 4"),
+    (lambda: _nan_drafter(vllm_policy()), "fc.weight has NaN or inf"),  # served: sampled SD was not lossless
+], ids=["vocab", "depth", "nan"])
+def test_drafter_for_another_policy_refused_before_start(vpolicy, make, match):
     pytest.importorskip("vllm")
-    wide = C.fresh_drafter(vllm_policy(vocab=48))  # same layers, larger vocabulary
-    with pytest.raises(ValueError, match="vocab") as e:
-        build_engine(engine_cfg(kind="vllm"), vpolicy, wide)
+    before = {p.pid for p in engine_processes()}
+    with pytest.raises(ValueError, match=match) as e:
+        build_engine(engine_cfg(kind="vllm"), vpolicy, make())
     one_line(e.value)
+    assert {p.pid for p in engine_processes()} <= before, "an engine was started for a bad drafter"
 
 
 # ---- a user's path: plain vLLM --------------------------------------------------------------------------------
@@ -216,6 +230,44 @@ def test_policy_update_changes_outputs(make_engine, vpolicy, vdrafter):
         eng.update_policy(vpolicy)
     assert eng.generate(C.RAGGED_PROMPTS, params).tokens == before
     assert eng.last_policy_update_s > 0
+
+
+def test_policy_update_of_a_tied_policy_reaches_the_output_head(make_engine):
+    """tie_word_embeddings: the output head shares the input embedding's weight, and vLLM-CPU multiplies with a
+    packed copy of it built at load. An update refreshed the embedding only: the head kept the old weights and the
+    sampled log-probs were the new body's under the old head (off by ~0.3 against the new policy). update_policy(B)
+    then update_policy() re-reads B, as the embedded engine does (it re-read the module built from)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    pol = LlamaForCausalLM(LlamaConfig(vocab_size=32, hidden_size=64, num_hidden_layers=4, num_attention_heads=2,
+                                       num_key_value_heads=1, intermediate_size=128, max_position_embeddings=256,
+                                       tie_word_embeddings=True)).eval()
+    with torch.no_grad():
+        pol.model.embed_tokens.weight.mul_(8.0)
+    new = copy.deepcopy(pol)
+    with torch.no_grad():
+        for p in new.parameters():
+            p.add_(torch.randn_like(p) * 0.3 * p.std())
+    eng = make_engine(pol)
+    sp = SamplingParams(temperature=1.0, max_new_tokens=12, seed=2)
+
+    def off(model):
+        b = eng.generate(C.RAGGED_PROMPTS, sp, speculative=False)
+        return max(float((C.teacher_forced_logprobs(model, p, r, sp) - torch.tensor(lp)).abs().max())
+                   for p, r, lp in zip(C.RAGGED_PROMPTS, b.tokens, b.logprobs))
+
+    eng.engine.update_policy(new)
+    try:
+        assert off(new) < 1e-4
+        eng.engine.update_policy(new)  # re-pushing the same weights changes nothing
+        assert off(new) < 1e-4
+    finally:
+        eng.engine.update_policy(pol)
+    assert off(pol) < 1e-4
+    eng.engine.update_policy(new)
+    eng.engine.update_policy()  # the module last pushed, not the one the engine was built from
+    assert off(new) < 1e-4
 
 
 OWNER = """
