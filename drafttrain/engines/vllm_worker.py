@@ -286,9 +286,9 @@ def _repack_tied_head(model, model_config) -> None:
 
 def _transfer_engine_cls():
     """vLLM's WeightTransferEngine for weights in safetensors format, inline or in a file on the worker's host.
-    Like vLLM's IPC engine it reloads layerwise, so layers whose weights the platform repacks after loading (oneDNN on CPU,
-    quantized kernels) are re-processed; int8-stored quantized layers (a self-drafter's) are rebuilt instead
-    (_rebuild_quantized)."""
+    Like vLLM's IPC engine it reloads layerwise, so layers whose weights the platform repacks after loading (oneDNN
+    on CPU, quantized kernels) are re-processed; int8-stored quantized layers (a self-drafter's) are rebuilt
+    instead (_rebuild_quantized), and a tied output head is re-processed (_repack_tied_head)."""
     from vllm.distributed.weight_transfer.base import WeightTransferEngine
     from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
 
