@@ -426,8 +426,8 @@ def test_ragged_catch_up_drafts_as_each_row_alone(drafter, fused):
         for b in range(B):
             st1 = d.new_state(1, 32)
             s = int(start[b].clamp_min(1))
-            d.propose(st1, pre_ids[b:b + 1, :s], pre_aux[b:b + 1, :s], torch.tensor([s]), torch.zeros(1, dtype=torch.long),
-                      1, params, True)
+            d.propose(st1, pre_ids[b:b + 1, :s], pre_aux[b:b + 1, :s], torch.tensor([s]),
+                      torch.zeros(1, dtype=torch.long), 1, params, True)
             n = int(n_new[b])
             t1, _ = d.propose(st1, ids[b:b + 1, :n], aux[b:b + 1, :n], n_new[b:b + 1], start[b:b + 1], k, params, True)
             assert torch.equal(t1[0], toks[b]), b
