@@ -142,7 +142,7 @@ class VllmEngine:
                 self._procs = [p for p in _children() if p.pid not in before]
             self._finalizer.detach()
             self._finalizer = weakref.finalize(self, _shutdown, self._llm, self._tmp, self._procs)
-            self.worker_info = self._rpc("dt_setup", os.getpid())
+            self.worker_info = self._rpc("dt_setup", os.getpid(), str(self._tmp))
             try:  # some failures (an unsupported head size on CPU, say) only surface at the first step
                 self.generate([[0]], SamplingParams(temperature=0, max_new_tokens=2))
             except Exception as e:

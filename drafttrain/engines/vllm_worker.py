@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import shutil
 import threading
 import time
 from dataclasses import dataclass
@@ -89,10 +90,10 @@ def probe(t: torch.Tensor, scale: torch.Tensor | None = None, asym: bool = False
 class DrafttrainWorkerExtension:
     """Mixed into vLLM's Worker (parallel_config.worker_extension_cls); called through collective_rpc."""
 
-    def dt_setup(self, owner_pid: int) -> dict:
+    def dt_setup(self, owner_pid: int, owner_tmp: str | None = None) -> dict:
         """Once after start-up: the owner watchdog, the vLLM-CPU sampler fixes, and what the drafter shares with
         the target."""
-        _watch_owner(owner_pid)
+        _watch_owner(owner_pid, owner_tmp)
         info = {"fixed_cpu_expand_kernel": _fix_cpu_expand_kernel()}
         # a partial update (the drafter without the embedding it shares, rotary caches) leaves some layers
         # unloaded; vLLM restores them and logs "Failed to load weights" each time. The read-back checks instead.
@@ -161,10 +162,11 @@ class DrafttrainWorkerExtension:
         runner.propose_draft_token_ids = no_drafts
 
 
-def _watch_owner(owner_pid: int, interval_s: float = 1.0) -> None:
+def _watch_owner(owner_pid: int, owner_tmp: str | None = None, interval_s: float = 1.0) -> None:
     """If the process that owns the engine dies without closing it (SIGKILL, say: no atexit, no finalizer), the
-    engine core would live on as an orphan. A thread in the worker notices within interval_s and takes the engine
-    core (its parent, identity checked) and itself down."""
+    engine core would live on as an orphan, and the owner's temporary folder (a full policy copy) would stay on
+    disk. A thread in the worker notices within interval_s, removes that folder (only one the engine made: named
+    drafttrain-vllm-*) and takes the engine core (its parent, identity checked) and itself down."""
     import signal
 
     import psutil
@@ -180,6 +182,8 @@ def _watch_owner(owner_pid: int, interval_s: float = 1.0) -> None:
     def watch() -> None:
         while alive(owner):
             time.sleep(interval_s)
+        if owner_tmp and os.path.basename(os.path.normpath(owner_tmp)).startswith("drafttrain-vllm-"):
+            shutil.rmtree(owner_tmp, ignore_errors=True)
         if alive(core):  # is_running() also checks the start time: never a recycled pid
             core.send_signal(signal.SIGKILL)
         os._exit(1)

@@ -279,6 +279,7 @@ if __name__ == "__main__":
     from tests.vllm.conftest import vllm_policy
     pol = vllm_policy()
     eng = VllmEngine(engine_cfg(kind="vllm"), pol, C.fresh_drafter(pol))
+    print("TMP", eng._tmp, flush=True)
     print("PIDS", *[p.pid for p in eng._procs], flush=True)
     time.sleep(600)
 """
@@ -286,7 +287,8 @@ if __name__ == "__main__":
 
 def test_killed_owner_leaves_no_engine_processes(tmp_path):
     """SIGKILL of the process that owns an engine runs no atexit or finalizer; the worker's watchdog still takes
-    the engine processes down (vLLM alone leaves its engine core running as an orphan)."""
+    the engine processes down (vLLM alone leaves its engine core running as an orphan) and removes the owner's
+    temporary folder (a full policy copy: every killed owner left one in /tmp)."""
     pytest.importorskip("vllm")
     import os
     import signal
@@ -303,10 +305,13 @@ def test_killed_owner_leaves_no_engine_processes(tmp_path):
     proc = subprocess.Popen([sys.executable, str(script)], cwd=PROJECT_ROOT, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.DEVNULL, text=True)
     try:
-        line = ""
+        line, tmp = "", None
         while not line.startswith("PIDS"):
             line = proc.stdout.readline()
             assert line or proc.poll() is None, "the owner process died before its engine started"
+            if line.startswith("TMP"):
+                tmp = line.split(maxsplit=1)[1].strip()
+        assert tmp and os.path.isdir(tmp)
         pids = [int(x) for x in line.split()[1:]]
         engine = [psutil.Process(p) for p in pids]
         assert any("VLLM" in p.name() for p in engine)
@@ -314,6 +319,7 @@ def test_killed_owner_leaves_no_engine_processes(tmp_path):
         proc.wait(timeout=10)
         _, alive = psutil.wait_procs(engine, timeout=20)
         assert not alive, f"orphaned engine processes: {[p.pid for p in alive]}"
+        assert not os.path.exists(tmp), f"the killed owner's temporary folder {tmp} was left behind"
     finally:
         if proc.poll() is None:
             proc.kill()
