@@ -250,15 +250,20 @@ class SpecController:
             self._off_steps = 0 if self.on else self._off_steps + 1
             if self.on:
                 self._probe_gap = self.probe_every
-            elif (self.probe_every > 0 and self._off_steps >= self._probe_gap
-                  and self._best_speedup(batch, k) >= self.threshold):  # only where a very good drafter could pay
-                probe = True
-                self._off_steps = 0
-                # near the threshold a probe is worth repeating soon (acceptance drifts back across it); far
-                # below it (a poor drafter) back off. Steps where no drafter could pay (a large batch) neither
-                # probe nor back off: the probe comes as soon as the batch has shrunk to where one could
-                near = pred >= PROBE_NEAR * self.threshold
-                self._probe_gap = self.probe_every if near else min(2 * self._probe_gap, 16 * self.probe_every)
+            elif self.probe_every > 0 and self._off_steps >= self._probe_gap:
+                # auto k: the k a very good drafter would draft here, as the first step's probe takes it (the argmax
+                # under the current, low estimates is often k=1, where no drafter could pay on a step-shaped curve)
+                kp = k if self.mode != "auto" else max(range(1, self.k_max + 1),
+                                                       key=lambda kk: self._best_speedup(batch, kk))
+                if self._best_speedup(batch, kp) >= self.threshold:  # only where a very good drafter could pay
+                    probe, k = True, kp
+                    self._off_steps = 0
+                    # near the threshold a probe is worth repeating soon (acceptance drifts back across it); far
+                    # below it (a poor drafter) back off. Steps where no drafter could pay (a large batch) neither
+                    # probe nor back off: the probe comes as soon as the batch has shrunk to where one could
+                    near = pred >= PROBE_NEAR * self.threshold
+                    self._probe_gap = self.probe_every if near else min(2 * self._probe_gap,
+                                                                        16 * self.probe_every)
         run = self.on or probe
         self.trace.append({"step": self.step, "batch": batch, "on": run, "k": k if run else 0,
                            "predicted_speedup": pred, "probe": probe})

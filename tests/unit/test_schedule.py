@@ -225,6 +225,20 @@ def test_probes_back_off_and_skip_where_sd_cannot_pay():
     assert probes(12, acc=0.05) == []
 
 
+def test_auto_k_probes_at_the_k_a_good_drafter_would_draft():
+    """Auto k, SD off within a batch: the periodic probe asks whether a very good drafter could pay at any k (as
+    the first step's probe does) and drafts that k. It asked at the argmax under the current low estimates (k=1);
+    on a step-shaped cost curve (every verify of 2+ tokens costs the same, as at batch 1 here) k=1 never pays, so
+    it never probed again, while k=8 would (2.4x with a very good drafter)."""
+    ms = range(1, 10)
+    cost = CostModel({b: {m: (1.0 if m == 1 else 1.8) for m in ms} for b in (1, 64)}, {1: 0.1, 64: 0.1})
+    ctl = SpecController("auto", 8, toggle=True, cost=cost, acc=AcceptanceEstimate(8, prior=0.05), probe_every=4)
+    best = max(range(1, 9), key=lambda kk: ctl._best_speedup(1, kk))
+    assert best == 8 and ctl._best_speedup(1, best) > 2.0 > 1.05 > ctl._best_speedup(1, 1)
+    ks = [ctl.decide(1) for _ in range(200)]
+    assert [k for k in ks if k] and all(k == best for k in ks if k)
+
+
 def test_the_probe_bar():
     """A drafter that costs 0.8 of a decode step per token pays at batch 1 only if nearly every draft is accepted.
     Its estimate still at the prior (never measured): probed under a 0.98 bar (probe_alpha), never under the default
