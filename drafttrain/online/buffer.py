@@ -4,7 +4,8 @@
     buf.add(build_features(...))          # splits a padded batch into per-row records, evicts the oldest
     buf.add(build_features(...), version=policy_step)   # the policy version the features came from
     batch = buf.sample(16)                # padded float32 batch: aux, next_ids, target_probs, valid, lengths
-    batches = buf.sample_batches(16, 8)   # 8 such batches of similar-length records (less padding)
+    groups = buf.sample_groups(16, 8)     # 8 groups of 16 similar-length records (less padding) ...
+    batch = collate(groups[0], buf.steps)  # ... each collated as sample() returns it, when it is used
 
 A record is one row of build_features trimmed to its length L: aux [L, X] and target_probs [L+s, V] in reduced
 precision, next_ids [L+s-1] (int32), valid [L+s] (bool), where s is the TTT unroll the features were built for.
@@ -86,16 +87,13 @@ class FeatureBuffer:
             raise ValueError("FeatureBuffer.sample: the buffer is empty")
         return collate([self.records[i] for i in self._draw(n)], self.steps)
 
-    def sample_batches(self, n: int, count: int) -> list[dict[str, torch.Tensor]]:
-        """Up to `count` batches of n records: min(n*count, len) records drawn as in sample(), grouped by length
-        (less padding: each record is used once, so long rollouts are not under-drawn), in random order."""
-        return [collate(g, self.steps) for g in self.sample_groups(n, count)]
-
     def sample_groups(self, n: int, count: int) -> list[list[dict]]:
-        """sample_batches before collation: lists of records (references: still valid after an eviction), so a
-        caller that may stop early collates only the batches it uses."""
+        """Up to `count` groups of n records: min(n*count, len) records drawn as in sample(), grouped by length
+        (less padding: each record is used once, so long rollouts are not under-drawn), in random order. Lists of
+        records (references: still valid after an eviction), so a caller that may stop early, or save the groups
+        it has not used yet, collates (collate(group, steps)) only the batches it uses."""
         if not self.records:
-            raise ValueError("FeatureBuffer.sample_batches: the buffer is empty")
+            raise ValueError("FeatureBuffer.sample_groups: the buffer is empty")
         idx = self._draw(n * count)
         idx.sort(key=lambda i: self.records[i]["aux"].shape[0])
         groups = [idx[j:j + n] for j in range(0, len(idx), n)]

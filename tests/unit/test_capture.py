@@ -7,6 +7,7 @@ from omegaconf import OmegaConf
 
 from drafttrain.config import Config
 from drafttrain.online import DrafterTrainer, FeatureBuffer, HiddenCapture, build_features
+from drafttrain.online.buffer import collate
 from drafttrain.online.capture import teacher_forced_features
 
 STEPS = 2
@@ -120,10 +121,10 @@ def test_buffer_cap_eviction_sampling_and_state(policy, drafter):
     assert all(torch.equal(x[k], y[k]) for k in x)
 
 
-def test_buffer_sample_batches_groups_by_length(policy, drafter):
+def test_buffer_sample_groups_groups_by_length(policy, drafter):
     buf = FeatureBuffer(1 << 30, seed=0)
     buf.add(_features(policy, drafter, n=8))
-    bs = buf.sample_batches(3, 4)  # 8 records -> groups of 3, 3, 2
+    bs = [collate(g, buf.steps) for g in buf.sample_groups(3, 4)]  # 8 records -> groups of 3, 3, 2
     assert sorted(len(b["lengths"]) for b in bs) == [2, 3, 3]
     lengths = sorted(L for b in bs for L in b["lengths"].tolist())
     assert lengths == sorted(r["aux"].shape[0] for r in buf.records)  # each record exactly once
