@@ -65,11 +65,8 @@ class DraftTracker:
             # process group, in no agreed order: a hang or a mismatched reduce
             raise ValueError(f"online.mode: async runs with one process only (got {self.trainer.acc.num_processes}"
                              "); use online.mode=sync under accelerate launch with several processes")
-        pool = None
-        if self.trainer is not None and self.trainer.acc.num_processes > 1:  # canary verdicts alike everywhere
-            acc = self.trainer.acc
-            pool = lambda xs: acc.reduce(torch.tensor(xs, dtype=torch.float64, device=acc.device),  # noqa: E731
-                                         "sum").cpu().tolist()
+        # several processes: canary verdicts on what every process saw, alike everywhere
+        pool = self._sum_over_processes if self.trainer is not None and self.trainer.acc.num_processes > 1 else None
         self.publisher = Publisher(self.engines, self.drafter.state_dict(), cfg.online, log, tag=0, pool=pool)
         self.pending: list[dict] = []  # features captured since the last on_policy_update
         self.latest: list[dict] = []  # the previous step's: the background update reads only these
@@ -381,15 +378,22 @@ class DraftTracker:
         x = []  # per result: (scored here, MAL x verify rows, verify rows)
         for s in scores:
             x += [0.0, 0.0, 0.0] if s is None else [1.0, s["mal"] * s["stats"].verify_rows, s["stats"].verify_rows]
-        x = self.trainer.acc.reduce(torch.tensor(x, dtype=torch.float64, device=self.trainer.acc.device), "sum")
-        return [None if n == 0 else w / rows if rows else 1.0 for n, w, rows in x.cpu().view(-1, 3).tolist()]
+        x = self._sum_over_processes(x)
+        return [None if n == 0 else w / rows if rows else 1.0 for n, w, rows in zip(x[0::3], x[1::3], x[2::3])]
 
     def _everywhere(self, ok: bool) -> bool:
         """`ok` on every process (one process: `ok`). A drafter step is a collective (DDP backward, the trainer's
         reduce), so each decision to take one is agreed: processes decide on their own clocks, banks and buffers,
         and one that stepped alone would hang or break the others."""
-        bad = torch.tensor([float(not ok)], device=self.trainer.acc.device)
-        return not bool(self.trainer.acc.reduce(bad, "max").item())
+        return self._sum_over_processes([float(not ok)])[0] == 0  # no process said no
+
+    def _sum_over_processes(self, values: list[float]) -> list[float]:
+        """Elementwise sum of `values` over every process, through the trainer's accelerator (a collective: every
+        process calls it at the same point); one process: `values`."""
+        acc = self.trainer.acc
+        if acc.num_processes == 1:
+            return list(values)
+        return acc.reduce(torch.tensor(values, dtype=torch.float64, device=acc.device), "sum").cpu().tolist()
 
     def _idle(self) -> dict:
         """No update (frozen, nothing captured, or the time bank in debt): the same keys (report.py's rule)."""
