@@ -1,0 +1,283 @@
+"""A roofline simulator of drafttrain at scale: the cost of AR and SD decode steps, rollouts with a long tail, and the
+RL step around them (training, drafter training, weight sync, sync or async). Pure math: no torch, no engine.
+
+    forward(B, t, ctx) = max(bytes / (HBM bandwidth x mbu), FLOPs / (peak x mfu)) + overhead
+    bytes  = weights read (MoE: the non-expert weights + the distinct experts the B*t tokens touch, per layer)
+             + KV cache read (B rows x ctx tokens) + KV written (B x t)
+    FLOPs  = 2 x active params x B t + 4 x layers x q-width x ctx x B t          (matmuls; attention QK^T and AV)
+    SD step = k drafter forwards (t = 1) + one verify forward (t = k + 1) + sd_overhead
+    L(k)    = 1 + sum_{i<k} prod_{j<=i} a_j                    (expected tokens per SD step; a_j conditional)
+
+A rollout is integrated over the response position s: rows finish at their lengths, so the active batch B(s) shrinks
+(the long tail); each stretch costs (its tokens) x (step time / tokens per step) of the mode chosen there. A tensor-
+parallel replica of tp GPUs has tp x the bandwidth and FLOPs of one; the all-reduces go into its per-step overhead.
+Simplifications, on purpose: uniform MoE routing; the drafter's fc over the aux states is priced at every draft
+step; a row's last SD step is not cut; prefill is one compute-bound pass; no CPU/scheduler stalls beyond overhead.
+"""
+from __future__ import annotations
+
+import math
+import statistics
+from dataclasses import dataclass, replace
+
+
+@dataclass(frozen=True)
+class Gpu:
+    hbm_bytes_s: float  # HBM bandwidth, bytes/s
+    flops_s: float  # peak dense BF16 tensor FLOP/s (without sparsity)
+    link_bytes_s: float  # NVLink bandwidth per direction, bytes/s (weight sync inside a node)
+
+
+# Vendor datasheets (SXM / HGX parts, per GPU): H100 SXM 3.35 TB/s HBM3, 989 TFLOPS dense BF16 (1,979 with
+# sparsity), NVLink 900 GB/s total; H200 SXM 4.8 TB/s HBM3e, 989 TFLOPS, NVLink 900 GB/s; B200 (HGX) 8 TB/s HBM3e,
+# 2.25 PFLOPS dense BF16 (4.5 sparse), NVLink 5 1.8 TB/s; GB200 NVL72 per GPU 8 TB/s, 2.5 PFLOPS dense BF16, 1.8 TB/s.
+GPUS = {
+    "H100": Gpu(3.35e12, 989e12, 450e9),
+    "H200": Gpu(4.8e12, 989e12, 450e9),
+    "B200": Gpu(8.0e12, 2.25e15, 900e9),
+    "GB200": Gpu(8.0e12, 2.5e15, 900e9),
+}
+
+
+@dataclass(frozen=True)
+class Model:
+    layers: int
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int  # dense MLP width, or one expert's width in an MoE
+    vocab: int
+    experts: int = 0  # 0: dense
+    active_experts: int = 0
+    head_intermediate: int = 0  # the EAGLE-3 head's dense MLP width (0: intermediate)
+
+    @property
+    def attn_params(self) -> int:  # q, o: hidden x heads*head_dim; k, v: hidden x kv_heads*head_dim (per layer)
+        return 2 * self.hidden * self.heads * self.head_dim + 2 * self.hidden * self.kv_heads * self.head_dim
+
+    @property
+    def expert_params(self) -> int:  # gate, up, down of one expert (or the dense MLP), per layer
+        return 3 * self.hidden * self.intermediate
+
+    def params(self, active: bool = False) -> int:
+        """All parameters (active=True: those one token uses; lm_head and embedding included, untied)."""
+        n = self.active_experts if (active and self.experts) else max(self.experts, 1)
+        return self.layers * (self.attn_params + n * self.expert_params) + 2 * self.vocab * self.hidden
+
+    def kv_bytes_per_token(self, kv_bytes: float = 2.0) -> float:
+        return 2 * self.layers * self.kv_heads * self.head_dim * kv_bytes
+
+
+# Public configs: Llama-3-8B, Llama-3-70B, Qwen3-235B-A22B (94 layers, 128 experts of width 1536, 8 active). The MoE's
+# EAGLE-3 head is a dense layer of width 12288 (an assumption: the shape of the 8B's own head class).
+MODELS = {
+    "8b": Model(32, 4096, 32, 8, 128, 14336, 128256),
+    "70b": Model(80, 8192, 64, 8, 128, 28672, 128256),
+    "235b_a22b": Model(94, 4096, 64, 4, 128, 1536, 151936, experts=128, active_experts=8, head_intermediate=12288),
+}
+
+DRAFT_VOCAB = 32000  # EAGLE-3's reduced draft vocabulary (its lm_head rows)
+WEIGHT_BYTES = {"bf16": 2.0, "int8": 1.0 + 2 / 128, "int4": 0.5 + 2 / 64}  # + a bf16 scale per group (128 / 64)
+
+
+def expected_distinct_experts(n_tokens: float, experts: int, active: int) -> float:
+    """E[distinct experts] that n tokens touch in one layer, each picking `active` of `experts` uniformly:
+    E (1 - (1 - a/E)^n). n = 1 gives a; n large gives E."""
+    return experts * (1.0 - (1.0 - active / experts) ** n_tokens)
+
+
+def expected_tokens(acc: list[float], k: int) -> float:
+    """L(k) = 1 + sum_{i<k} prod_{j<=i} a_j: tokens per SD step (the accepted drafts, then one bonus/resampled)."""
+    e, surv = 1.0, 1.0
+    for a in acc[:k]:
+        surv *= a
+        e += surv
+    return e
+
+
+def roofline_s(n_bytes: float, flops: float, gpu: Gpu, n_gpus: int = 1, mbu: float = 1.0, mfu: float = 1.0,
+               overhead_s: float = 0.0) -> float:
+    """max(memory time, compute time) + a fixed overhead, for work spread evenly over n_gpus."""
+    return max(n_bytes / (gpu.hbm_bytes_s * mbu * n_gpus), flops / (gpu.flops_s * mfu * n_gpus)) + overhead_s
+
+
+def policy_forward(m: Model, batch: float, t: float, ctx: float, wbytes: float = 2.0) -> tuple[float, float]:
+    """(bytes, FLOPs) of one forward of the policy (or its quantized copy): batch rows of t new tokens at ctx."""
+    n = batch * t
+    experts = expected_distinct_experts(n, m.experts, m.active_experts) if m.experts else 1
+    weights = m.layers * (m.attn_params + experts * m.expert_params) + m.vocab * m.hidden  # + lm_head
+    kv = m.kv_bytes_per_token() * batch * (ctx + t)
+    flops = 2 * (m.params(active=True) - m.vocab * m.hidden) * n + 4 * m.layers * m.heads * m.head_dim * ctx * n
+    return weights * wbytes + kv, flops
+
+
+def eagle3_forward(m: Model, batch: float, ctx: float) -> tuple[float, float]:
+    """(bytes, FLOPs) of one EAGLE-3 draft step: fc [H, 3H], one decoder layer (input 2H: q/k/v read 2H), the draft
+    lm_head [32000, H], and the head's one-layer KV cache."""
+    h = m.hidden
+    inter = m.head_intermediate or m.intermediate
+    layer = 2 * m.attn_params - 2 * h * m.heads * m.head_dim + 3 * h * inter  # q/k/v on 2H, o on H
+    weights = 3 * h * h + layer + DRAFT_VOCAB * h
+    kv = 2 * m.kv_heads * m.head_dim * 2.0 * batch * (ctx + 1)
+    flops = 2 * weights * batch + 4 * m.heads * m.head_dim * ctx * batch
+    return weights * 2.0 + kv, flops
+
+
+@dataclass(frozen=True)
+class Replica:
+    """One rollout engine replica: a model on tp GPUs, with achievable fractions of the roofline."""
+
+    model: Model
+    gpu: Gpu
+    tp: int = 1
+    mbu: float = 0.8  # achieved / peak HBM bandwidth in decode
+    mfu: float = 0.6  # achieved / peak FLOPs in decode and verify GEMMs
+    overhead_s: float = 4e-4  # per forward: launch, sampling, scheduling
+    allreduce_s: float = 8e-6  # per all-reduce (2 per layer) when tp > 1
+    sd_overhead_s: float = 4e-4  # per SD step: rejection sampling, draft bookkeeping
+
+    def _t(self, n_bytes, flops, layers) -> float:
+        comm = 2 * layers * self.allreduce_s if self.tp > 1 else 0.0
+        return roofline_s(n_bytes, flops, self.gpu, self.tp, self.mbu, self.mfu, self.overhead_s + comm)
+
+    def forward_s(self, batch: float, t: float, ctx: float, wbytes: float = 2.0) -> float:
+        return self._t(*policy_forward(self.model, batch, t, ctx, wbytes), self.model.layers)
+
+    def draft_s(self, kind: str, batch: float, ctx: float) -> float:
+        """One drafted token for every row: an EAGLE-3 head step, or a forward of the int8/int4 policy copy."""
+        if kind == "eagle3":
+            return self._t(*eagle3_forward(self.model, batch, ctx), 1)
+        return self.forward_s(batch, 1, ctx, WEIGHT_BYTES[kind])
+
+    def sd_step_s(self, kind: str, batch: float, k: int, ctx: float) -> float:
+        return k * self.draft_s(kind, batch, ctx) + self.forward_s(batch, k + 1, ctx) + self.sd_overhead_s
+
+    def speedup(self, kind: str, acc: list[float], batch: float, k: int, ctx: float) -> float:
+        """SD over AR per token: L(k) x T_ar / T_sd = L / (k r + v), r and v the draft and verify costs in AR steps."""
+        return expected_tokens(acc, k) * self.forward_s(batch, 1, ctx) / self.sd_step_s(kind, batch, k, ctx)
+
+
+def toggle_on(speedup: float, threshold: float = 1.05) -> bool:
+    """The EfficientRollout / drafttrain toggle: speculate only where the predicted speed-up reaches the threshold."""
+    return speedup >= threshold
+
+
+def ladder_k(acc: list[float], ladder=(2, 4, 6, 8), up: float = 0.94, down: float = 0.85) -> int:
+    """The rung the EfficientRollout ladder settles on under a steady acceptance curve: it climbs while the accepted
+    fraction (L(k) - 1) / k of the drafts is >= up, and stays at the bottom when it is <= down."""
+    i = 0
+    while i + 1 < len(ladder) and (expected_tokens(acc, ladder[i]) - 1) / ladder[i] >= up:
+        i += 1
+    return ladder[i]
+
+
+def lognormal_lengths(n: int, mean: float, sigma: float, cap: int) -> list[int]:
+    """n response lengths: the (i + 1/2)/n quantiles of a lognormal of this mean and sigma, cut at cap."""
+    mu = math.log(mean) - sigma * sigma / 2
+    nd = statistics.NormalDist()
+    return sorted(min(cap, max(1, round(math.exp(mu + sigma * nd.inv_cdf((i + 0.5) / n))))) for i in range(n))
+
+
+def sigma_from_mean_p90(mean: float, p90: float) -> float:
+    """The lognormal sigma whose p90 / mean ratio is this one: p90/mean = exp(z90 s - s^2/2) (the smaller root)."""
+    z = statistics.NormalDist().inv_cdf(0.9)
+    c = math.log(min(max(p90 / mean, 1.0), math.exp(z * z / 2)))
+    return z - math.sqrt(max(z * z - 2 * c, 0.0))
+
+
+@dataclass(frozen=True)
+class Mode:
+    """How a rollout decodes. kinds: the drafters it may use ({} = AR), each with its acceptance curve; k: an int,
+    "auto" (argmax of the speed-up over 1..k_max) or "ladder"; toggle: SD only where toggle_on; several kinds = the
+    drafter chooser (the fastest per stretch of active batch)."""
+
+    kinds: dict  # kind -> acceptance per position
+    k: int | str = 5
+    toggle: bool = False
+    k_max: int = 8
+    threshold: float = 1.05
+
+    def plan(self, rep: Replica, batch: float, ctx: float) -> tuple[float, bool]:
+        """(seconds per token, SD used) at this active batch and context."""
+        ar = rep.forward_s(batch, 1, ctx)
+        steps = []
+        for kind, acc in self.kinds.items():
+            ks = range(1, self.k_max + 1) if self.k == "auto" else [ladder_k(acc) if self.k == "ladder" else self.k]
+            steps += [rep.sd_step_s(kind, batch, k, ctx) / expected_tokens(acc, k) for k in ks]
+        if not steps:
+            return ar, False
+        sd = min(steps)
+        if self.toggle and not toggle_on(ar / sd, self.threshold):
+            return ar, False
+        return sd, True
+
+
+def rollout_s(rep: Replica, lengths: list[int], prompt_len: int, mode: Mode, chunk: int = 512,
+              refill: bool = False) -> dict:
+    """Wall time of one replica's rollout of rows of these response lengths: prefill, then decode integrated over the
+    position s with B(s) = rows still running. refill: rows of the next step take the slots finished rows free
+    (continuous generation), so every token is decoded at the full batch, at the mean context. Returns seconds and
+    the share of decode tokens generated under SD."""
+    lengths = sorted(lengths)
+    n = len(lengths)
+    total = rep._t(0.0, 2 * rep.model.params(active=True) * n * prompt_len, rep.model.layers)  # prefill
+    if refill:
+        per_tok, sd = mode.plan(rep, n, prompt_len + statistics.fmean(lengths) / 2)
+        return {"seconds": total + sum(lengths) / n * per_tok, "sd_share": float(sd)}
+    sd_tok = all_tok = 0.0
+    s, i = 0, 0
+    while i < n:
+        end = min(lengths[i], s + chunk)
+        if end > s:
+            batch = n - i
+            per_tok, sd = mode.plan(rep, batch, prompt_len + (s + end) / 2)
+            total += (end - s) * per_tok
+            all_tok += (end - s) * batch
+            sd_tok += (end - s) * batch * sd
+            s = end
+        if s >= lengths[i]:
+            i += 1
+    return {"seconds": total, "sd_share": sd_tok / max(all_tok, 1.0)}
+
+
+@dataclass(frozen=True)
+class Workload:
+    """An RL step's batch and cluster: rows = prompts x group, split evenly over the rollout replicas."""
+
+    n_gpus: int
+    prompts: int
+    group: int
+    prompt_len: int
+    mean_len: float
+    max_len: int
+    train_mfu: float = 0.35  # policy training (fwd + bwd) and log-prob recompute, at this MFU over all GPUs
+    logprob_passes: int = 1  # forward passes re-scoring the rollouts (old policy; 2 with a reference model)
+
+    def rows_per_replica(self, tp: int) -> int:
+        return max(1, self.prompts * self.group * tp // self.n_gpus)
+
+
+def rl_step(rep: Replica, wl: Workload, mode: Mode, sigma: float, drafter_budget: float = 0.0,
+            requant: str | None = None, refill: bool = False) -> dict:
+    """One RL step: rollout (one replica's, all in parallel), training 6N + 2N x logprob_passes FLOPs per token (+
+    causal attention),
+    drafter training (drafter_budget x the rest of the sync step: drafttrain's time bank), weight sync (each GPU
+    receives its shard), a self-drafter's requantize (read bf16, write the quantized copy). Sync: the sum; async:
+    the rollout of step t+1 overlaps training of step t, step = max(rollout, train + drafter) + sync."""
+    m = rep.model
+    lengths = lognormal_lengths(wl.rows_per_replica(rep.tp), wl.mean_len, sigma, wl.max_len)
+    roll = rollout_s(rep, lengths, wl.prompt_len, mode, refill=refill)
+    tokens = wl.prompts * wl.group * (wl.prompt_len + statistics.fmean(lengths))
+    ctx = wl.prompt_len + statistics.fmean(lengths)  # causal attention: ctx/2 keys per token on average
+    per_tok = 2 * m.params(active=True) + 4 * m.layers * m.heads * m.head_dim * ctx / 2  # forward FLOPs per token
+    flops = (3 + wl.logprob_passes) * per_tok * tokens  # training = fwd + bwd (3 forwards); each logprob pass 1
+    train = flops / (rep.gpu.flops_s * wl.train_mfu * wl.n_gpus)
+    sync = m.params() * 2.0 / rep.tp / rep.gpu.link_bytes_s
+    if requant:
+        sync += m.params() * (2.0 + WEIGHT_BYTES[requant]) / rep.tp / rep.gpu.hbm_bytes_s
+    drafter = drafter_budget * (roll["seconds"] + train + sync)
+    return {"rollout_s": roll["seconds"], "sd_share": roll["sd_share"], "train_s": train, "drafter_s": drafter,
+            "sync_s": sync, "step_sync_s": roll["seconds"] + train + drafter + sync,
+            "step_async_s": max(roll["seconds"], train + drafter) + sync}
+

@@ -1,0 +1,132 @@
+"""The roofline simulator: each term against its formula on hand-computed cases, and the papers' numbers reproduced
+from the committed bench inputs."""
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+from omegaconf import OmegaConf
+
+from drafttrain.config import ConfigError
+from drafttrain.simulate import (Gpu, Mode, Model, Replica, Workload, expected_distinct_experts, expected_tokens,
+                                 ladder_k, lognormal_lengths, policy_forward, rl_step, rollout_s, roofline_s,
+                                 sigma_from_mean_p90, toggle_on)
+from tests.conftest import load_script
+
+GPU = Gpu(hbm_bytes_s=1e12, flops_s=1e15, link_bytes_s=1e11)
+# 1 layer, hidden 4, 2 heads of 2, 1 kv head, MLP 8, vocab 10
+TINY = Model(layers=1, hidden=4, heads=2, kv_heads=1, head_dim=2, intermediate=8, vocab=10)
+
+
+def test_roofline_is_the_max_of_memory_and_compute_plus_overhead():
+    assert roofline_s(2e12, 1e15, GPU) == pytest.approx(2.0)  # memory-bound: 2 s against 1 s
+    assert roofline_s(1e12, 3e15, GPU) == pytest.approx(3.0)  # compute-bound
+    assert roofline_s(2e12, 1e15, GPU, n_gpus=2, overhead_s=0.5) == pytest.approx(1.5)
+    assert roofline_s(1e12, 0, GPU, mbu=0.5) == pytest.approx(2.0)
+
+
+def test_policy_forward_bytes_and_flops_by_hand():
+    # attention: q, o 4x4 each, k, v 4x2 each = 48; MLP 3*4*8 = 96; lm_head 40; embedding 40 (not read)
+    assert TINY.attn_params == 48 and TINY.expert_params == 96 and TINY.params() == 48 + 96 + 80
+    n_bytes, flops = policy_forward(TINY, batch=3, t=2, ctx=5)
+    kv_per_token = 2 * 1 * 1 * 2 * 2.0  # k and v, 1 layer, 1 kv head of 2, bf16
+    assert n_bytes == pytest.approx((48 + 96 + 40) * 2.0 + kv_per_token * 3 * (5 + 2))
+    assert flops == pytest.approx(2 * (48 + 96 + 40) * 6 + 4 * 1 * 4 * 5 * 6)  # matmuls + QK^T, AV over ctx 5
+    int4_bytes, _ = policy_forward(TINY, 3, 2, 5, wbytes=0.5)
+    assert n_bytes - int4_bytes == pytest.approx((48 + 96 + 40) * 1.5)
+
+
+def test_moe_expected_distinct_experts():
+    assert expected_distinct_experts(1, 128, 8) == pytest.approx(8.0)  # one token: its own 8
+    assert expected_distinct_experts(2, 128, 8) == pytest.approx(128 * (1 - (120 / 128) ** 2))
+    assert expected_distinct_experts(10_000, 128, 8) == pytest.approx(128.0)
+    moe = Model(1, 4, 2, 1, 2, 8, 10, experts=16, active_experts=2)
+    one, _ = policy_forward(moe, 1, 1, 0)
+    many, _ = policy_forward(moe, 1000, 1, 0)
+    kv = 2 * 2 * 2.0
+    assert one - kv == pytest.approx((48 + 2 * 96 + 40) * 2.0)  # B=1 reads its 2 experts
+    assert many - 1000 * kv == pytest.approx((48 + 16 * 96 + 40) * 2.0, rel=1e-6)  # a large batch reads all 16
+
+
+def test_expected_accepted_length():
+    assert expected_tokens([0.5, 0.5, 0.5], 3) == pytest.approx(1 + 0.5 + 0.25 + 0.125)
+    assert expected_tokens([0.9, 0.0, 1.0], 3) == pytest.approx(1.9)  # a rejection stops the chain
+    assert expected_tokens([0.8, 0.8], 1) == pytest.approx(1.8)
+
+
+def test_toggle_rule_and_ladder():
+    rep = Replica(TINY, GPU, overhead_s=1e-3, sd_overhead_s=0.0)
+    acc = [0.9] * 4
+    t_ar, d, v = rep.forward_s(1, 1, 8), rep.draft_s("int4", 1, 8), rep.forward_s(1, 4, 8)
+    # speedup = L / (k r + v) with r = D / T_ar and v = T_verify / T_ar
+    assert rep.speedup("int4", acc, 1, 3, 8) == pytest.approx(expected_tokens(acc, 3) / (3 * d / t_ar + v / t_ar))
+    assert toggle_on(1.05) and not toggle_on(1.049) and toggle_on(1.2, threshold=1.1)
+    assert ladder_k([1.0] * 8) == 8  # every draft accepted: climb to the top rung
+    assert ladder_k([0.5] * 8) == 2  # (L-1)/k well under 0.94: stay at the bottom
+    assert ladder_k([0.97] * 8) == 4  # 2: 0.955 >= 0.94 -> 4: 0.928 < 0.94
+
+
+def test_toggle_turns_sd_off_where_it_loses():
+    rep = Replica(TINY, GPU)
+    slow = Mode({"int8": [0.01] * 8}, k=4, toggle=True)
+    per_tok, sd = slow.plan(rep, 1, 8)
+    assert not sd and per_tok == pytest.approx(rep.forward_s(1, 1, 8))
+    always = Mode({"int8": [0.01] * 8}, k=4)
+    assert always.plan(rep, 1, 8)[1] and always.plan(rep, 1, 8)[0] > per_tok
+
+
+def test_long_tail_rollout_integrates_the_shrinking_batch():
+    rep = Replica(TINY, GPU, overhead_s=1.0)  # overhead-bound: every forward costs 1 s
+    r = rollout_s(rep, [3, 10], prompt_len=0, mode=Mode({}))
+    assert r["seconds"] == pytest.approx(1.0 + 10.0)  # prefill + 10 decode steps (2 rows for 3, then 1 for 7)
+    full = rollout_s(rep, [3, 10], prompt_len=0, mode=Mode({}), refill=True)
+    assert full["seconds"] == pytest.approx(1.0 + 6.5)  # 13 tokens at a full batch of 2
+
+
+def test_async_overlaps_rollout_and_training_sync_adds_them():
+    rep = Replica(TINY, GPU, overhead_s=1.0)
+    wl = Workload(n_gpus=1, prompts=1, group=2, prompt_len=4, mean_len=8, max_len=16)
+    r = rl_step(rep, wl, Mode({}), sigma=0.5, drafter_budget=0.05)
+    assert r["drafter_s"] == pytest.approx(0.05 * (r["rollout_s"] + r["train_s"] + r["sync_s"]))
+    assert r["step_sync_s"] == pytest.approx(r["rollout_s"] + r["train_s"] + r["drafter_s"] + r["sync_s"])
+    assert r["step_async_s"] == pytest.approx(max(r["rollout_s"], r["train_s"] + r["drafter_s"]) + r["sync_s"])
+    assert r["step_async_s"] < r["step_sync_s"]
+
+
+def test_lengths_follow_the_fitted_lognormal():
+    s = sigma_from_mean_p90(100.0, 100.0 * math.exp(1.2816 * 0.6 - 0.18))
+    assert s == pytest.approx(0.6, abs=1e-3)
+    ls = lognormal_lengths(1000, 100.0, 0.6, cap=10**6)
+    assert sum(ls) / len(ls) == pytest.approx(100.0, rel=0.02) and ls == sorted(ls)
+    assert max(lognormal_lengths(1000, 100.0, 0.6, cap=150)) == 150
+
+
+@pytest.fixture(scope="module")
+def sim():
+    return load_script("simulate")
+
+
+def test_reproduction_within_tolerance_on_the_committed_inputs(sim):
+    cfg = OmegaConf.create(sim.DEFAULTS)
+    repro, assumptions = sim.reproduce(sim.load_inputs(cfg), cfg)
+    assert len(repro) == 4 and "papers" in assumptions
+    for row in repro:
+        assert abs(row["simulated"] - row["paper_value"]) <= 0.25 * row["paper_value"], row
+
+
+def test_explicit_curves_and_bad_inputs(sim, tmp_path):
+    cfg = OmegaConf.create({**sim.DEFAULTS, "live_acceptance": [0.8, 0.7], "frozen_acceptance": [0.5]})
+    inp = sim.load_inputs(cfg)
+    assert inp["steps"] == [([0.8] + [0.7] * 7, [0.5] * 8)]
+    bad = OmegaConf.create({**sim.DEFAULTS, "live_acceptance": [1.5], "frozen_acceptance": [0.5]})
+    with pytest.raises(ConfigError, match="live_acceptance"):
+        sim.load_inputs(bad)
+    empty = tmp_path / "t.json"
+    empty.write_text(json.dumps({"series": [{"step": 0}]}))
+    with pytest.raises(ConfigError, match="no series with live_tf_acc_pos"):
+        sim.load_inputs(OmegaConf.create({**sim.DEFAULTS, "tracking": str(empty)}))
+    broken = tmp_path / "b.json"
+    broken.write_text("{not json")
+    with pytest.raises(ConfigError, match="tracking="):
+        sim.load_inputs(OmegaConf.create({**sim.DEFAULTS, "tracking": str(broken)}))
