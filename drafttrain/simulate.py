@@ -8,15 +8,18 @@ RL step around them (training, drafter training, weight sync, sync or async). Pu
     SD step = k drafter forwards (t = 1) + one verify forward (t = k + 1) + sd_overhead
     L(k)    = 1 + sum_{i<k} prod_{j<=i} a_j                    (expected tokens per SD step; a_j conditional)
 
-A rollout is integrated over the response position s: rows finish at their lengths, so the active batch B(s) shrinks
-(the long tail); each stretch costs (its tokens) x (step time / tokens per step) of the mode chosen there. A tensor-
-parallel replica of tp GPUs has tp x the bandwidth and FLOPs of one; the all-reduces go into its per-step overhead.
+A rollout runs as many rows at once as their KV caches fit in HBM (less the weights; a self-drafter adds a quantized
+copy and a KV cache of its own), the rest queued; rows finish at their lengths, so the active batch shrinks (the long
+tail), and each stretch between two finishes costs (its tokens) x (step time / tokens per step) of the mode chosen
+there. A tensor-parallel replica of tp GPUs has tp x the bandwidth, FLOPs and HBM of one; its all-reduces go into
+the per-forward overhead.
 Simplifications, on purpose: uniform MoE routing; the drafter's fc over the aux states is priced at every draft
 step; a row's last SD step is not cut; prefill is one compute-bound pass; no CPU/scheduler stalls beyond overhead.
 """
 from __future__ import annotations
 
 import math
+import random
 import statistics
 from dataclasses import dataclass, replace
 
@@ -26,16 +29,18 @@ class Gpu:
     hbm_bytes_s: float  # HBM bandwidth, bytes/s
     flops_s: float  # peak dense BF16 tensor FLOP/s (without sparsity)
     link_bytes_s: float  # NVLink bandwidth per direction, bytes/s (weight sync inside a node)
+    hbm_bytes: float  # HBM capacity, bytes
 
 
-# Vendor datasheets (SXM / HGX parts, per GPU): H100 SXM 3.35 TB/s HBM3, 989 TFLOPS dense BF16 (1,979 with
-# sparsity), NVLink 900 GB/s total; H200 SXM 4.8 TB/s HBM3e, 989 TFLOPS, NVLink 900 GB/s; B200 (HGX) 8 TB/s HBM3e,
-# 2.25 PFLOPS dense BF16 (4.5 sparse), NVLink 5 1.8 TB/s; GB200 NVL72 per GPU 8 TB/s, 2.5 PFLOPS dense BF16, 1.8 TB/s.
+# Vendor datasheets (SXM / HGX parts, per GPU): H100 SXM 80 GB HBM3 at 3.35 TB/s, 989 TFLOPS dense BF16 (1,979 with
+# sparsity), NVLink 900 GB/s total; H200 SXM 141 GB HBM3e at 4.8 TB/s, 989 TFLOPS, NVLink 900 GB/s; B200 (HGX) 180 GB
+# HBM3e at 8 TB/s, 2.25 PFLOPS dense BF16 (4.5 sparse), NVLink 5 1.8 TB/s; GB200 NVL72 per GPU 186 GB (13.4 TB / 72)
+# at 8 TB/s, 2.5 PFLOPS dense BF16, 1.8 TB/s.
 GPUS = {
-    "H100": Gpu(3.35e12, 989e12, 450e9),
-    "H200": Gpu(4.8e12, 989e12, 450e9),
-    "B200": Gpu(8.0e12, 2.25e15, 900e9),
-    "GB200": Gpu(8.0e12, 2.5e15, 900e9),
+    "H100": Gpu(3.35e12, 989e12, 450e9, 80e9),
+    "H200": Gpu(4.8e12, 989e12, 450e9, 141e9),
+    "B200": Gpu(8.0e12, 2.25e15, 900e9, 180e9),
+    "GB200": Gpu(8.0e12, 2.5e15, 900e9, 186e9),
 }
 
 
@@ -94,6 +99,15 @@ def expected_tokens(acc: list[float], k: int) -> float:
         surv *= a
         e += surv
     return e
+
+
+def uniform_curve(length: float, k: int, k_max: int) -> list[float]:
+    """The constant per-position acceptance a with L(k) = length (bisection), repeated over k_max positions."""
+    lo, hi = 0.0, 1.0
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if expected_tokens([mid] * k, k) < length else (lo, mid)
+    return [lo] * k_max
 
 
 def roofline_s(n_bytes: float, flops: float, gpu: Gpu, n_gpus: int = 1, mbu: float = 1.0, mfu: float = 1.0,
@@ -213,32 +227,49 @@ class Mode:
         return sd, True
 
 
-def rollout_s(rep: Replica, lengths: list[int], prompt_len: int, mode: Mode, chunk: int = 512,
-              refill: bool = False) -> dict:
-    """Wall time of one replica's rollout of rows of these response lengths: prefill, then decode integrated over the
-    position s with B(s) = rows still running. refill: rows of the next step take the slots finished rows free
-    (continuous generation), so every token is decoded at the full batch, at the mean context. Returns seconds and
-    the share of decode tokens generated under SD."""
-    lengths = sorted(lengths)
-    n = len(lengths)
-    total = rep._t(0.0, 2 * rep.model.params(active=True) * n * prompt_len, rep.model.layers)  # prefill
-    if refill:
-        per_tok, sd = mode.plan(rep, n, prompt_len + statistics.fmean(lengths) / 2)
-        return {"seconds": total + sum(lengths) / n * per_tok, "sd_share": float(sd)}
+def rollout_s(rep: Replica, lengths: list[int], prompt_len: int, mode: Mode, max_rows: int | None = None,
+              chunk: int = 512) -> dict:
+    """Wall time of one replica's rollout of rows of these response lengths: one prefill pass, then decode. At most
+    max_rows run at once (the KV cache's capacity); the rest wait in a queue (in a fixed shuffled order: lengths are
+    unknown in advance) and take the slots of rows that finish. Between two events (a row finishes, or `chunk`
+    tokens pass) the active batch is constant and each token costs the mode's seconds per token there.
+    Returns seconds, the share of decode tokens generated under SD, and the concurrency used."""
+    order = list(lengths)
+    random.Random(0).shuffle(order)
+    cap = max(1, min(len(order), max_rows or len(order)))
+    total = rep._t(0.0, 2 * rep.model.params(active=True) * len(order) * prompt_len, rep.model.layers)  # prefill
+    active, queue = [[n, 0] for n in order[:cap]], order[cap:]  # [tokens left, tokens generated]
     sd_tok = all_tok = 0.0
-    s, i = 0, 0
-    while i < n:
-        end = min(lengths[i], s + chunk)
-        if end > s:
-            batch = n - i
-            per_tok, sd = mode.plan(rep, batch, prompt_len + (s + end) / 2)
-            total += (end - s) * per_tok
-            all_tok += (end - s) * batch
-            sd_tok += (end - s) * batch * sd
-            s = end
-        if s >= lengths[i]:
-            i += 1
-    return {"seconds": total, "sd_share": sd_tok / max(all_tok, 1.0)}
+    while active:
+        batch = len(active)
+        step = min(chunk, min(r[0] for r in active))
+        per_tok, sd = mode.plan(rep, batch, prompt_len + statistics.fmean(r[1] for r in active) + step / 2)
+        total += step * per_tok
+        all_tok += step * batch
+        sd_tok += step * batch * sd
+        for r in active:
+            r[0], r[1] = r[0] - step, r[1] + step
+        active = [r for r in active if r[0] > 0]
+        while queue and len(active) < cap:
+            active.append([queue.pop(), 0])
+    return {"seconds": total, "sd_share": sd_tok / max(all_tok, 1.0), "concurrency": cap}
+
+
+def kv_rows(rep: Replica, kinds, ctx: float, mem_util: float = 0.9) -> int:
+    """Rows whose KV cache fits the replica at ctx tokens each: mem_util of HBM, less the policy's bf16 weights and
+    the drafters' (a self-drafter adds a quantized copy and a whole KV cache of its own; EAGLE-3 one layer's)."""
+    m = rep.model
+    free = rep.gpu.hbm_bytes * rep.tp * mem_util - m.params() * 2.0
+    per_tok = m.kv_bytes_per_token()
+    for kind in kinds:
+        if kind == "eagle3":
+            free -= 2.0 * (3 * m.hidden * m.hidden + 2 * m.attn_params + 3 * m.hidden * (m.head_intermediate or
+                                                                                       m.intermediate))
+            per_tok += m.kv_bytes_per_token() / m.layers
+        else:
+            free -= m.params() * WEIGHT_BYTES[kind]
+            per_tok += m.kv_bytes_per_token()
+    return max(0, int(free // (per_tok * ctx)))
 
 
 @dataclass(frozen=True)
@@ -259,25 +290,30 @@ class Workload:
 
 
 def rl_step(rep: Replica, wl: Workload, mode: Mode, sigma: float, drafter_budget: float = 0.0,
-            requant: str | None = None, refill: bool = False) -> dict:
-    """One RL step: rollout (one replica's, all in parallel), training 6N + 2N x logprob_passes FLOPs per token (+
-    causal attention),
-    drafter training (drafter_budget x the rest of the sync step: drafttrain's time bank), weight sync (each GPU
-    receives its shard), a self-drafter's requantize (read bf16, write the quantized copy). Sync: the sum; async:
-    the rollout of step t+1 overlaps training of step t, step = max(rollout, train + drafter) + sync."""
+            requant: tuple = ()) -> dict:
+    """One RL step: the rollout (one replica's, at most kv_rows at once; the replicas run in parallel), training at
+    (3 + logprob_passes) forward FLOPs per token (6N + 2N per pass, + causal attention), drafter training
+    (drafter_budget x the rest of the sync step: drafttrain's time bank), weight sync (each GPU receives its shard),
+    each self-drafter's requantize (read bf16, write the quantized copy). Sync: the sum; async: the rollout of step t+1
+    overlaps training of step t, step = max(rollout, train + drafter) + sync."""
     m = rep.model
     lengths = lognormal_lengths(wl.rows_per_replica(rep.tp), wl.mean_len, sigma, wl.max_len)
-    roll = rollout_s(rep, lengths, wl.prompt_len, mode, refill=refill)
+    cap = kv_rows(rep, mode.kinds, wl.prompt_len + statistics.fmean(lengths))
+    if cap < 1:
+        raise ValueError(f"the {m.params() / 1e9:.0f}B policy and its drafters leave no room for a KV cache on "
+                         f"{rep.tp} GPU(s)")
+    roll = rollout_s(rep, lengths, wl.prompt_len, mode, max_rows=cap)
     tokens = wl.prompts * wl.group * (wl.prompt_len + statistics.fmean(lengths))
     ctx = wl.prompt_len + statistics.fmean(lengths)  # causal attention: ctx/2 keys per token on average
     per_tok = 2 * m.params(active=True) + 4 * m.layers * m.heads * m.head_dim * ctx / 2  # forward FLOPs per token
     flops = (3 + wl.logprob_passes) * per_tok * tokens  # training = fwd + bwd (3 forwards); each logprob pass 1
     train = flops / (rep.gpu.flops_s * wl.train_mfu * wl.n_gpus)
     sync = m.params() * 2.0 / rep.tp / rep.gpu.link_bytes_s
-    if requant:
-        sync += m.params() * (2.0 + WEIGHT_BYTES[requant]) / rep.tp / rep.gpu.hbm_bytes_s
+    for kind in requant:
+        sync += m.params() * (2.0 + WEIGHT_BYTES[kind]) / rep.tp / rep.gpu.hbm_bytes_s
     drafter = drafter_budget * (roll["seconds"] + train + sync)
-    return {"rollout_s": roll["seconds"], "sd_share": roll["sd_share"], "train_s": train, "drafter_s": drafter,
+    return {"rollout_s": roll["seconds"], "sd_share": roll["sd_share"], "concurrency": roll["concurrency"],
+            "train_s": train, "drafter_s": drafter,
             "sync_s": sync, "step_sync_s": roll["seconds"] + train + drafter + sync,
             "step_async_s": max(roll["seconds"], train + drafter) + sync}
 

@@ -10,11 +10,11 @@ from omegaconf import OmegaConf
 
 from drafttrain.config import ConfigError
 from drafttrain.simulate import (Gpu, Mode, Model, Replica, Workload, expected_distinct_experts, expected_tokens,
-                                 ladder_k, lognormal_lengths, policy_forward, rl_step, rollout_s, roofline_s,
-                                 sigma_from_mean_p90, toggle_on)
+                                 kv_rows, ladder_k, lognormal_lengths, policy_forward, rl_step, rollout_s, roofline_s,
+                                 sigma_from_mean_p90, toggle_on, uniform_curve)
 from tests.conftest import load_script
 
-GPU = Gpu(hbm_bytes_s=1e12, flops_s=1e15, link_bytes_s=1e11)
+GPU = Gpu(hbm_bytes_s=1e12, flops_s=1e15, link_bytes_s=1e11, hbm_bytes=1e12)
 # 1 layer, hidden 4, 2 heads of 2, 1 kv head, MLP 8, vocab 10
 TINY = Model(layers=1, hidden=4, heads=2, kv_heads=1, head_dim=2, intermediate=8, vocab=10)
 
@@ -53,6 +53,8 @@ def test_expected_accepted_length():
     assert expected_tokens([0.5, 0.5, 0.5], 3) == pytest.approx(1 + 0.5 + 0.25 + 0.125)
     assert expected_tokens([0.9, 0.0, 1.0], 3) == pytest.approx(1.9)  # a rejection stops the chain
     assert expected_tokens([0.8, 0.8], 1) == pytest.approx(1.8)
+    flat = uniform_curve(2.47, 3, k_max=8)
+    assert len(flat) == 8 and len(set(flat)) == 1 and expected_tokens(flat, 3) == pytest.approx(2.47)
 
 
 def test_toggle_rule_and_ladder():
@@ -80,8 +82,21 @@ def test_long_tail_rollout_integrates_the_shrinking_batch():
     rep = Replica(TINY, GPU, overhead_s=1.0)  # overhead-bound: every forward costs 1 s
     r = rollout_s(rep, [3, 10], prompt_len=0, mode=Mode({}))
     assert r["seconds"] == pytest.approx(1.0 + 10.0)  # prefill + 10 decode steps (2 rows for 3, then 1 for 7)
-    full = rollout_s(rep, [3, 10], prompt_len=0, mode=Mode({}), refill=True)
-    assert full["seconds"] == pytest.approx(1.0 + 6.5)  # 13 tokens at a full batch of 2
+    one_slot = rollout_s(rep, [3, 10], prompt_len=0, mode=Mode({}), max_rows=1)
+    assert one_slot["seconds"] == pytest.approx(1.0 + 13.0) and one_slot["concurrency"] == 1  # one row after the other
+    two_of_three = rollout_s(rep, [3, 10, 4], prompt_len=0, mode=Mode({}), max_rows=2)
+    assert 1.0 + 10.0 <= two_of_three["seconds"] <= 1.0 + 14.0  # the queued row takes a freed slot
+
+
+def test_kv_capacity_counts_weights_and_every_drafter_cache():
+    big = Gpu(1e12, 1e15, 1e11, hbm_bytes=1e6)
+    rep = Replica(TINY, big)
+    free = 1e6 * 0.9 - TINY.params() * 2.0
+    kv = TINY.kv_bytes_per_token()
+    assert kv_rows(rep, {}, ctx=100) == int(free // (kv * 100))
+    # a self-drafter holds a quantized weight copy and a KV cache of its own: about half the rows
+    assert kv_rows(rep, {"int4": []}, ctx=100) == int((free - TINY.params() * 0.53125) // (2 * kv * 100))
+    assert kv_rows(Replica(TINY, big, tp=2), {}, ctx=100) > 2 * kv_rows(rep, {}, ctx=100) - 2
 
 
 def test_async_overlaps_rollout_and_training_sync_adds_them():
