@@ -32,11 +32,13 @@ class Gpu:
     hbm_bytes: float  # HBM capacity, bytes
 
 
-# Vendor datasheets (SXM / HGX parts, per GPU): H100 SXM 80 GB HBM3 at 3.35 TB/s, 989 TFLOPS dense BF16 (1,979 with
+# Vendor datasheets (SXM / HGX parts, per GPU): A100 SXM4 80 GB HBM2e at 2.039 TB/s, 312 TFLOPS dense BF16, NVLink
+# 600 GB/s total; H100 SXM 80 GB HBM3 at 3.35 TB/s, 989 TFLOPS dense BF16 (1,979 with
 # sparsity), NVLink 900 GB/s total; H200 SXM 141 GB HBM3e at 4.8 TB/s, 989 TFLOPS, NVLink 900 GB/s; B200 (HGX) 180 GB
 # HBM3e at 8 TB/s, 2.25 PFLOPS dense BF16 (4.5 sparse), NVLink 5 1.8 TB/s; GB200 NVL72 per GPU 186 GB (13.4 TB / 72)
 # at 8 TB/s, 2.5 PFLOPS dense BF16, 1.8 TB/s.
 GPUS = {
+    "A100": Gpu(2.039e12, 312e12, 300e9, 80e9),
     "H100": Gpu(3.35e12, 989e12, 450e9, 80e9),
     "H200": Gpu(4.8e12, 989e12, 450e9, 141e9),
     "B200": Gpu(8.0e12, 2.25e15, 900e9, 180e9),
@@ -150,19 +152,24 @@ class Replica:
     overhead_s: float = 4e-4  # per forward: launch, sampling, scheduling
     allreduce_s: float = 8e-6  # per all-reduce (2 per layer) when tp > 1
     sd_overhead_s: float = 4e-4  # per SD step: rejection sampling, draft bookkeeping
+    row_s: tuple = (0.0, 0.0, 0.0)  # per row and forward (decode, draft, verify): a stack's CPU-side cost
 
     def _t(self, n_bytes, flops, layers) -> float:
         comm = 2 * layers * self.allreduce_s if self.tp > 1 else 0.0
         return roofline_s(n_bytes, flops, self.gpu, self.tp, self.mbu, self.mfu, self.overhead_s + comm)
 
-    def forward_s(self, batch: float, t: float, ctx: float, wbytes: float = 2.0) -> float:
-        return self._t(*policy_forward(self.model, batch, t, ctx, wbytes), self.model.layers)
+    def forward_s(self, batch: float, t: float, ctx: float) -> float:
+        """The policy's forward: a decode step (t = 1) or a verify pass (t = k + 1)."""
+        row = self.row_s[0] if t == 1 else self.row_s[2]
+        return self._t(*policy_forward(self.model, batch, t, ctx), self.model.layers) + row * batch
 
     def draft_s(self, kind: str, batch: float, ctx: float) -> float:
         """One drafted token for every row: an EAGLE-3 head step, or a forward of the int8/int4 policy copy."""
         if kind == "eagle3":
-            return self._t(*eagle3_forward(self.model, batch, ctx), 1)
-        return self.forward_s(batch, 1, ctx, WEIGHT_BYTES[kind])
+            cost = self._t(*eagle3_forward(self.model, batch, ctx), 1)
+        else:
+            cost = self._t(*policy_forward(self.model, batch, 1, ctx, WEIGHT_BYTES[kind]), self.model.layers)
+        return cost + self.row_s[1] * batch
 
     def sd_step_s(self, kind: str, batch: float, k: int, ctx: float) -> float:
         return k * self.draft_s(kind, batch, ctx) + self.forward_s(batch, k + 1, ctx) + self.sd_overhead_s
@@ -211,13 +218,18 @@ class Mode:
     toggle: bool = False
     k_max: int = 8
     threshold: float = 1.05
+    shared_kv: bool = False  # self-drafters attend to the policy's KV cache (EfficientRollout's), not their own
+    ladder: tuple = (2, 4, 6, 8)  # the k ladder for k="ladder"
 
     def plan(self, rep: Replica, batch: float, ctx: float) -> tuple[float, bool]:
         """(seconds per token, SD used) at this active batch and context."""
         ar = rep.forward_s(batch, 1, ctx)
         steps = []
         for kind, acc in self.kinds.items():
-            ks = range(1, self.k_max + 1) if self.k == "auto" else [ladder_k(acc) if self.k == "ladder" else self.k]
+            if self.k == "auto":
+                ks = range(1, self.k_max + 1)
+            else:
+                ks = [ladder_k(acc, self.ladder) if self.k == "ladder" else self.k]
             steps += [rep.sd_step_s(kind, batch, k, ctx) / expected_tokens(acc, k) for k in ks]
         if not steps:
             return ar, False
@@ -255,9 +267,10 @@ def rollout_s(rep: Replica, lengths: list[int], prompt_len: int, mode: Mode, max
     return {"seconds": total, "sd_share": sd_tok / max(all_tok, 1.0), "concurrency": cap}
 
 
-def kv_rows(rep: Replica, kinds, ctx: float, mem_util: float = 0.9) -> int:
+def kv_rows(rep: Replica, kinds, ctx: float, mem_util: float = 0.9, shared_kv: bool = False) -> int:
     """Rows whose KV cache fits the replica at ctx tokens each: mem_util of HBM, less the policy's bf16 weights and
-    the drafters' (a self-drafter adds a quantized copy and a whole KV cache of its own; EAGLE-3 one layer's)."""
+    the drafters' (a self-drafter adds a quantized copy and, unless shared_kv, a whole KV cache of its own, as
+    drafttrain's does; EAGLE-3 one layer's)."""
     m = rep.model
     free = rep.gpu.hbm_bytes * rep.tp * mem_util - m.params() * 2.0
     per_tok = m.kv_bytes_per_token()
@@ -268,7 +281,7 @@ def kv_rows(rep: Replica, kinds, ctx: float, mem_util: float = 0.9) -> int:
             per_tok += m.kv_bytes_per_token() / m.layers
         else:
             free -= m.params() * WEIGHT_BYTES[kind]
-            per_tok += m.kv_bytes_per_token()
+            per_tok += 0.0 if shared_kv else m.kv_bytes_per_token()
     return max(0, int(free // (per_tok * ctx)))
 
 
@@ -284,6 +297,8 @@ class Workload:
     max_len: int
     train_mfu: float = 0.35  # policy training (fwd + bwd) and log-prob recompute, at this MFU over all GPUs
     logprob_passes: int = 1  # forward passes re-scoring the rollouts (old policy; 2 with a reference model)
+    train_forwards: float = 3.0  # a training pass in forwards (fwd + bwd = 3; 4 with activation checkpointing)
+    mem_util: float = 0.9  # share of HBM the rollout engine may take (vLLM's gpu_memory_utilization)
 
     def rows_per_replica(self, tp: int) -> int:
         return max(1, self.prompts * self.group * tp // self.n_gpus)
@@ -292,13 +307,13 @@ class Workload:
 def rl_step(rep: Replica, wl: Workload, mode: Mode, sigma: float, drafter_budget: float = 0.0,
             requant: tuple = ()) -> dict:
     """One RL step: the rollout (one replica's, at most kv_rows at once; the replicas run in parallel), training at
-    (3 + logprob_passes) forward FLOPs per token (6N + 2N per pass, + causal attention), drafter training
+    (train_forwards + logprob_passes) forward FLOPs per token (2N each, + causal attention), drafter training
     (drafter_budget x the rest of the sync step: drafttrain's time bank), weight sync (each GPU receives its shard),
     each self-drafter's requantize (read bf16, write the quantized copy). Sync: the sum; async: the rollout of step t+1
     overlaps training of step t, step = max(rollout, train + drafter) + sync."""
     m = rep.model
     lengths = lognormal_lengths(wl.rows_per_replica(rep.tp), wl.mean_len, sigma, wl.max_len)
-    cap = kv_rows(rep, mode.kinds, wl.prompt_len + statistics.fmean(lengths))
+    cap = kv_rows(rep, mode.kinds, wl.prompt_len + statistics.fmean(lengths), wl.mem_util, mode.shared_kv)
     if cap < 1:
         raise ValueError(f"the {m.params() / 1e9:.0f}B policy and its drafters leave no room for a KV cache on "
                          f"{rep.tp} GPU(s)")
@@ -306,7 +321,7 @@ def rl_step(rep: Replica, wl: Workload, mode: Mode, sigma: float, drafter_budget
     tokens = wl.prompts * wl.group * (wl.prompt_len + statistics.fmean(lengths))
     ctx = wl.prompt_len + statistics.fmean(lengths)  # causal attention: ctx/2 keys per token on average
     per_tok = 2 * m.params(active=True) + 4 * m.layers * m.heads * m.head_dim * ctx / 2  # forward FLOPs per token
-    flops = (3 + wl.logprob_passes) * per_tok * tokens  # training = fwd + bwd (3 forwards); each logprob pass 1
+    flops = (wl.train_forwards + wl.logprob_passes) * per_tok * tokens
     train = flops / (rep.gpu.flops_s * wl.train_mfu * wl.n_gpus)
     sync = m.params() * 2.0 / rep.tp / rep.gpu.link_bytes_s
     for kind in requant:

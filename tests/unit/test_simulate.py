@@ -67,6 +67,19 @@ def test_toggle_rule_and_ladder():
     assert ladder_k([1.0] * 8) == 8  # every draft accepted: climb to the top rung
     assert ladder_k([0.5] * 8) == 2  # (L-1)/k well under 0.94: stay at the bottom
     assert ladder_k([0.97] * 8) == 4  # 2: 0.955 >= 0.94 -> 4: 0.928 < 0.94
+    assert ladder_k([0.97] * 12, ladder=(5, 7, 9, 11)) == 5
+
+
+def test_per_row_costs_and_shared_kv():
+    base = Replica(TINY, GPU)
+    rep = Replica(TINY, GPU, row_s=(1e-3, 2e-3, 3e-3))
+    assert rep.forward_s(4, 1, 8) - base.forward_s(4, 1, 8) == pytest.approx(4e-3)  # decode: 1 ms per row
+    assert rep.draft_s("int4", 4, 8) - base.draft_s("int4", 4, 8) == pytest.approx(8e-3)  # draft: 2 ms per row
+    assert rep.forward_s(4, 5, 8) - base.forward_s(4, 5, 8) == pytest.approx(12e-3)  # verify: 3 ms per row
+    big = Replica(TINY, Gpu(1e12, 1e15, 1e11, hbm_bytes=1e6))
+    own, shared = kv_rows(big, {"int4": []}, 100), kv_rows(big, {"int4": []}, 100, shared_kv=True)
+    assert shared == int((1e6 * 0.9 - TINY.params() * (2.0 + 0.53125)) // (TINY.kv_bytes_per_token() * 100))
+    assert own < shared
 
 
 def test_toggle_turns_sd_off_where_it_loses():
@@ -125,7 +138,7 @@ def sim():
 def test_reproduction_within_tolerance_on_the_committed_inputs(sim):
     cfg = OmegaConf.create(sim.DEFAULTS)
     repro, assumptions = sim.reproduce(sim.load_inputs(cfg), cfg)
-    assert len(repro) == 4 and "papers" in assumptions
+    assert len(repro) == 4 and {"shared", "nemo_rl", "efficientrollout"} <= set(assumptions)
     for row in repro:
         assert abs(row["simulated"] - row["paper_value"]) <= 0.25 * row["paper_value"], row
 
