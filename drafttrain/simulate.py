@@ -128,16 +128,19 @@ def policy_forward(m: Model, batch: float, t: float, ctx: float, wbytes: float =
     return weights * wbytes + kv, flops
 
 
+def eagle3_params(m: Model) -> int:
+    """The EAGLE-3 head: fc [H, 3H], one decoder layer whose q/k/v read its 2H input (o and the MLP on H), and the
+    draft lm_head [32000, H] (the embedding is the policy's)."""
+    h, q, kv = m.hidden, m.heads * m.head_dim, m.kv_heads * m.head_dim
+    return 3 * h * h + (2 * h * (q + 2 * kv) + q * h) + 3 * h * (m.head_intermediate or m.intermediate) \
+        + DRAFT_VOCAB * h
+
+
 def eagle3_forward(m: Model, batch: float, ctx: float) -> tuple[float, float]:
-    """(bytes, FLOPs) of one EAGLE-3 draft step: fc [H, 3H], one decoder layer (input 2H: q/k/v read 2H), the draft
-    lm_head [32000, H], and the head's one-layer KV cache."""
-    h = m.hidden
-    inter = m.head_intermediate or m.intermediate
-    layer = 2 * m.attn_params - 2 * h * m.heads * m.head_dim + 3 * h * inter  # q/k/v on 2H, o on H
-    weights = 3 * h * h + layer + DRAFT_VOCAB * h
+    """(bytes, FLOPs) of one EAGLE-3 draft step: its bf16 weights and its one-layer KV cache, read once."""
     kv = 2 * m.kv_heads * m.head_dim * 2.0 * batch * (ctx + 1)
-    flops = 2 * weights * batch + 4 * m.heads * m.head_dim * ctx * batch
-    return weights * 2.0 + kv, flops
+    flops = 2 * eagle3_params(m) * batch + 4 * m.heads * m.head_dim * ctx * batch
+    return eagle3_params(m) * 2.0 + kv, flops
 
 
 @dataclass(frozen=True)
@@ -276,8 +279,7 @@ def kv_rows(rep: Replica, kinds, ctx: float, mem_util: float = 0.9, shared_kv: b
     per_tok = m.kv_bytes_per_token()
     for kind in kinds:
         if kind == "eagle3":
-            free -= 2.0 * (3 * m.hidden * m.hidden + 2 * m.attn_params + 3 * m.hidden * (m.head_intermediate or
-                                                                                       m.intermediate))
+            free -= 2.0 * eagle3_params(m)
             per_tok += m.kv_bytes_per_token() / m.layers
         else:
             free -= m.params() * WEIGHT_BYTES[kind]

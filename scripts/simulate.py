@@ -30,7 +30,7 @@ import statistics
 from dataclasses import fields
 from pathlib import Path
 
-from omegaconf import OmegaConf
+from omegaconf import ListConfig, OmegaConf
 
 from drafttrain.config import ConfigError, resolve_path, script_config
 from drafttrain.report import format_table, write_json
@@ -47,18 +47,32 @@ DEFAULTS = dict(
     out="bench/simulate.json", plot="bench/simulate.png", tolerance=0.25)
 
 
-def _read(path: str, what: str) -> dict | None:
+def _read(path: str, what: str) -> dict:
+    """A bench JSON object; {} when the file is absent (the caller says what it then lacks)."""
     p = resolve_path(path)
     if not Path(p).exists():
-        return None
+        return {}
     try:
-        return json.loads(Path(p).read_text())
+        obj = json.loads(Path(p).read_text())
     except (OSError, ValueError) as e:
         raise ConfigError(f"{what}={path}: unreadable JSON ({type(e).__name__})") from None
+    if not isinstance(obj, dict):
+        raise ConfigError(f"{what}={path}: expected a JSON object, got {type(obj).__name__}")
+    return obj
+
+
+def _positive(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and x > 0
+
+
+def _is_curve(values) -> bool:
+    return isinstance(values, list) and bool(values) and all(
+        isinstance(a, (int, float)) and not isinstance(a, bool) and 0 <= a <= 1 for a in values)
 
 
 def _curve(values, name: str, k_max: int) -> list[float]:
-    if not values or any(not isinstance(a, (int, float)) or not 0 <= a <= 1 for a in values):
+    values = OmegaConf.to_container(values) if isinstance(values, ListConfig) else values
+    if not _is_curve(values):
         raise ConfigError(f"{name}: expected a list of acceptance rates in [0, 1], got {values!r}")
     return [float(a) for a in values] + [float(values[-1])] * max(0, k_max - len(values))
 
@@ -66,28 +80,28 @@ def _curve(values, name: str, k_max: int) -> list[float]:
 def load_inputs(cfg) -> dict:
     """The acceptance curves per RL step (live, frozen), the self-drafters' curves and the length sigma."""
     km, used = cfg.k_max, []
-    tr = _read(cfg.tracking, "tracking") or {}
+    tr = _read(cfg.tracking, "tracking")
     series = [s for s in tr.get("series") or [] if isinstance(s, dict)]
-    live = [s["live_tf_acc_pos"] for s in series if s.get("live_tf_acc_pos") and s.get("frozen_tf_acc_pos")]
-    frozen = [s["frozen_tf_acc_pos"] for s in series if s.get("live_tf_acc_pos") and s.get("frozen_tf_acc_pos")]
+    ok = [s for s in series if _is_curve(s.get("live_tf_acc_pos")) and _is_curve(s.get("frozen_tf_acc_pos"))]
+    live, frozen = [s["live_tf_acc_pos"] for s in ok], [s["frozen_tf_acc_pos"] for s in ok]
     if cfg.live_acceptance is not None or cfg.frozen_acceptance is not None:
         if cfg.live_acceptance is None or cfg.frozen_acceptance is None:
             raise ConfigError("live_acceptance / frozen_acceptance: give both curves, or neither")
-        live, frozen = [list(cfg.live_acceptance)], [list(cfg.frozen_acceptance)]
+        live, frozen = [cfg.live_acceptance], [cfg.frozen_acceptance]
     elif live:
         used.append(cfg.tracking)
     else:
-        raise ConfigError(f"tracking={cfg.tracking}: no series with live_tf_acc_pos and frozen_tf_acc_pos "
+        raise ConfigError(f"tracking={cfg.tracking}: missing, or no series with live_tf_acc_pos and frozen_tf_acc_pos "
                           "(run scripts/bench_tracking.py, or give live_acceptance= and frozen_acceptance=)")
     steps = [(_curve(a, "live_acceptance", km), _curve(b, "frozen_acceptance", km)) for a, b in zip(live, frozen)]
     self_acc = {}
-    sq = _read(cfg.selfquant, "selfquant") or {}
+    sq = _read(cfg.selfquant, "selfquant")
     for kind in ("int8", "int4"):
         given = cfg.get(f"{kind}_acceptance")
-        rows = [r.get("acceptance_per_position") for r in sq.get("mal") or []
-                if str(r.get("variant", "")).startswith(kind + "/") and r.get("acceptance_per_position")]
+        rows = [r.get("acceptance_per_position") for r in sq.get("mal") or [] if isinstance(r, dict)
+                and str(r.get("variant", "")).startswith(kind + "/") and _is_curve(r.get("acceptance_per_position"))]
         if given is not None:
-            self_acc[kind] = _curve(list(given), f"{kind}_acceptance", km)
+            self_acc[kind] = _curve(given, f"{kind}_acceptance", km)
         elif rows:
             self_acc[kind] = _curve(rows[0], f"{cfg.selfquant} {kind}", km)
     if self_acc and cfg.int8_acceptance is None and cfg.int4_acceptance is None:
@@ -95,9 +109,10 @@ def load_inputs(cfg) -> dict:
     sigma = cfg.length_sigma
     if sigma is None:
         pairs = [(s["resp_len_mean"], s["resp_len_p90"]) for s in series
-                 if s.get("resp_len_mean") and s.get("resp_len_p90")]
-        lt = _read(cfg.longtail, "longtail") or {}
-        ar = [r for r in lt.get("rows") or [] if r.get("mode") == "ar" and r.get("len_p50") and r.get("len_max")]
+                 if _positive(s.get("resp_len_mean")) and _positive(s.get("resp_len_p90"))]
+        lt = _read(cfg.longtail, "longtail")
+        ar = [r for r in lt.get("rows") or [] if isinstance(r, dict) and r.get("mode") == "ar"
+              and _positive(r.get("len_p50")) and _positive(r.get("len_max"))]
         if pairs:
             sigma = statistics.median(sigma_from_mean_p90(m, p) for m, p in pairs)
             used.append(cfg.tracking)

@@ -9,9 +9,10 @@ import pytest
 from omegaconf import OmegaConf
 
 from drafttrain.config import ConfigError
-from drafttrain.simulate import (Gpu, Mode, Model, Replica, Workload, expected_distinct_experts, expected_tokens,
-                                 kv_rows, ladder_k, lognormal_lengths, policy_forward, rl_step, rollout_s, roofline_s,
-                                 sigma_from_mean_p90, toggle_on, uniform_curve)
+from drafttrain.simulate import (GPUS, MODELS, Gpu, Mode, Model, Replica, Workload, eagle3_forward, eagle3_params,
+                                 expected_distinct_experts, expected_tokens, kv_rows, ladder_k, lognormal_lengths,
+                                 policy_forward, rl_step, rollout_s, roofline_s, sigma_from_mean_p90, toggle_on,
+                                 uniform_curve)
 from tests.conftest import load_script
 
 GPU = Gpu(hbm_bytes_s=1e12, flops_s=1e15, link_bytes_s=1e11, hbm_bytes=1e12)
@@ -35,6 +36,14 @@ def test_policy_forward_bytes_and_flops_by_hand():
     assert flops == pytest.approx(2 * (48 + 96 + 40) * 6 + 4 * 1 * 4 * 5 * 6)  # matmuls + QK^T, AV over ctx 5
     int4_bytes, _ = policy_forward(TINY, 3, 2, 5, wbytes=0.5)
     assert n_bytes - int4_bytes == pytest.approx((48 + 96 + 40) * 1.5)
+
+
+def test_eagle3_head_by_hand():
+    # fc 3*4*4 = 48; q 8x4, k 8x2, v 8x2 on the 2H input = 64; o 4x4 = 16; MLP 3*4*8 = 96; draft lm_head 32000x4
+    assert eagle3_params(TINY) == 48 + 64 + 16 + 96 + 32000 * 4
+    n_bytes, flops = eagle3_forward(TINY, batch=3, ctx=5)
+    assert n_bytes == pytest.approx(eagle3_params(TINY) * 2.0 + 2 * 1 * 2 * 2.0 * 3 * 6)  # + one layer's KV
+    assert flops == pytest.approx(2 * eagle3_params(TINY) * 3 + 4 * 4 * 5 * 3)
 
 
 def test_moe_expected_distinct_experts():
@@ -89,6 +98,15 @@ def test_toggle_turns_sd_off_where_it_loses():
     assert not sd and per_tok == pytest.approx(rep.forward_s(1, 1, 8))
     always = Mode({"int8": [0.01] * 8}, k=4)
     assert always.plan(rep, 1, 8)[1] and always.plan(rep, 1, 8)[0] > per_tok
+
+
+def test_chooser_takes_the_fastest_drafter_per_batch():
+    rep = Replica(MODELS["8b"], GPUS["H100"])
+    kinds = {"eagle3": [0.7] * 8, "int4": [0.99] * 8}
+    both = Mode(kinds, k=4, toggle=True)
+    for batch in (1, 256):
+        each = [Mode({kd: a}, k=4, toggle=True).plan(rep, batch, 2048)[0] for kd, a in kinds.items()]
+        assert both.plan(rep, batch, 2048)[0] == pytest.approx(min(each))
 
 
 def test_long_tail_rollout_integrates_the_shrinking_batch():
@@ -154,6 +172,16 @@ def test_explicit_curves_and_bad_inputs(sim, tmp_path):
     empty.write_text(json.dumps({"series": [{"step": 0}]}))
     with pytest.raises(ConfigError, match="no series with live_tf_acc_pos"):
         sim.load_inputs(OmegaConf.create({**sim.DEFAULTS, "tracking": str(empty)}))
+    mixed = tmp_path / "m.json"  # a step without curves, or with a bad value, is skipped; lengths from longtail
+    mixed.write_text(json.dumps({"series": [{"live_tf_acc_pos": [0.9], "frozen_tf_acc_pos": [0.8]},
+                                            {"live_tf_acc_pos": [0.9, None], "frozen_tf_acc_pos": [0.8]},
+                                            {"step": 2}]}))
+    lt = tmp_path / "lt.json"
+    lt.write_text(json.dumps({"rows": [{"mode": "ar", "len_p50": 20, "len_max": 128}],
+                              "config": {"prompts": 16, "group": 4}}))
+    inp = sim.load_inputs(OmegaConf.create({**sim.DEFAULTS, "tracking": str(mixed), "longtail": str(lt)}))
+    assert len(inp["steps"]) == 1
+    assert inp["sigma"] == pytest.approx(math.log(128 / 20) / 2.4175, rel=1e-3)  # z of 1 - 1/128
     broken = tmp_path / "b.json"
     broken.write_text("{not json")
     with pytest.raises(ConfigError, match="tracking="):
