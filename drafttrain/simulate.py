@@ -5,7 +5,7 @@ RL step around them (training, drafter training, weight sync, sync or async). Pu
     bytes  = weights read (MoE: the non-expert weights + the distinct experts the B*t tokens touch, per layer)
              + KV cache read (B rows x ctx tokens) + KV written (B x t)
     FLOPs  = 2 x active params x B t + 4 x layers x q-width x ctx x B t          (matmuls; attention QK^T and AV)
-    SD step = k drafter forwards (t = 1) + one verify forward (t = k + 1) + sd_overhead
+    SD step = k drafter forwards (t = 1) + one verify forward (t = k + 1) + sd_overhead (+ a stack's per-row costs)
     L(k)    = 1 + sum_{i<k} prod_{j<=i} a_j                    (expected tokens per SD step; a_j conditional)
 
 A rollout runs as many rows at once as their KV caches fit in HBM (less the weights; a self-drafter adds a quantized
@@ -21,7 +21,7 @@ from __future__ import annotations
 import math
 import random
 import statistics
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 
 @dataclass(frozen=True)
@@ -32,11 +32,12 @@ class Gpu:
     hbm_bytes: float  # HBM capacity, bytes
 
 
-# Vendor datasheets (SXM / HGX parts, per GPU): A100 SXM4 80 GB HBM2e at 2.039 TB/s, 312 TFLOPS dense BF16, NVLink
-# 600 GB/s total; H100 SXM 80 GB HBM3 at 3.35 TB/s, 989 TFLOPS dense BF16 (1,979 with
-# sparsity), NVLink 900 GB/s total; H200 SXM 141 GB HBM3e at 4.8 TB/s, 989 TFLOPS, NVLink 900 GB/s; B200 (HGX) 180 GB
-# HBM3e at 8 TB/s, 2.25 PFLOPS dense BF16 (4.5 sparse), NVLink 5 1.8 TB/s; GB200 NVL72 per GPU 186 GB (13.4 TB / 72)
-# at 8 TB/s, 2.5 PFLOPS dense BF16, 1.8 TB/s.
+# Vendor datasheets, per GPU (SXM / HGX parts; NVLink totals both directions, half of it is used here):
+#   A100 SXM4   80 GB HBM2e  2.039 TB/s    312 TFLOPS dense BF16 (624 with sparsity)   NVLink 600 GB/s
+#   H100 SXM    80 GB HBM3   3.35 TB/s     989 TFLOPS dense BF16 (1,979 sparse)        NVLink 900 GB/s
+#   H200 SXM   141 GB HBM3e  4.8 TB/s      989 TFLOPS dense BF16                       NVLink 900 GB/s
+#   B200 (HGX) 180 GB HBM3e  8 TB/s       2.25 PFLOPS dense BF16 (4.5 sparse)         NVLink 5 1.8 TB/s
+#   GB200 NVL72 186 GB (13.4 TB / 72) HBM3e 8 TB/s, 2.5 PFLOPS dense BF16            NVLink 5 1.8 TB/s
 GPUS = {
     "A100": Gpu(2.039e12, 312e12, 300e9, 80e9),
     "H100": Gpu(3.35e12, 989e12, 450e9, 80e9),
@@ -77,7 +78,7 @@ class Model:
 
 
 # Public configs: Llama-3-8B, Llama-3-70B, Qwen3-235B-A22B (94 layers, 128 experts of width 1536, 8 active). The MoE's
-# EAGLE-3 head is a dense layer of width 12288 (an assumption: the shape of the 8B's own head class).
+# EAGLE-3 head is a dense layer with an MLP of width 12288 (an assumption: Qwen3-8B's width).
 MODELS = {
     "8b": Model(32, 4096, 32, 8, 128, 14336, 128256),
     "70b": Model(80, 8192, 64, 8, 128, 28672, 128256),
