@@ -6,5 +6,9 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 python -m pip install -q -c constraints.txt -e ".[test,vllm]"
+# speculators (the EAGLE-3 checkpoint format's own library, for the round-trip tests) declares CUDA torchvision/
+# torchaudio, which it never imports, and datasets<=5.1 (it runs on the installed one; pip's resolver says so on a
+# rerun): --no-deps; what it does import is in the test extra.
+python -m pip install -q --no-deps speculators==0.9.0 hs-connectors==0.9.0
 python -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
 python -c "import torch, transformers; assert torch.__version__.startswith('2.13.0'), torch.__version__"

@@ -269,7 +269,7 @@ def load_drafter_refuses_bad_weights(make_engine, policy, drafter):
     params = SamplingParams(temperature=0, max_new_tokens=12)
     before = eng.generate(RAGGED_PROMPTS, params)
     good = {k: v.clone() for k, v in drafter.state_dict().items()}
-    name = "midlayer.self_attn.q_proj.weight"
+    name = "layers.0.self_attn.q_proj.weight"
 
     bad_shape = dict(good)
     bad_shape["fc.weight"] = torch.zeros(good["fc.weight"].shape[0], good["fc.weight"].shape[1] + 1)

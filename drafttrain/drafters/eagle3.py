@@ -1,9 +1,10 @@
 """EAGLE-3 drafter (Li et al. 2025) in the speculators / vLLM weight layout, with its training-time-test loss.
 
-Layout (exactly the tensor names vLLM's LlamaForCausalLMEagle3 loads):
+Layout (speculators' own tensor names, which speculators and vLLM's LlamaForCausalLMEagle3 both load):
     embed_tokens [V, H]                 frozen copy of the policy's embeddings
     fc           [H, A*H]               fuses A aux hidden states of the policy (inputs of layers aux_layer_ids)
-    midlayer.*   one Llama decoder layer over concat(input_layernorm(emb), hidden_norm(hidden)) of width 2H
+    layers.0.*   one Llama decoder layer over concat(input_layernorm(emb), hidden_norm(hidden)) of width 2H
+                 (the original EAGLE code's midlayer.*, which this project wrote before: load_state_dict takes it too)
     norm [H], lm_head [Vd, H]           over a draft vocabulary of Vd tokens; d2t[Vd] offsets (target = i + d2t[i]),
                                         t2d[V] bool mask of the target tokens the draft vocabulary covers
 Position t takes (token_{t+1}, fc(aux_t)) and predicts token_{t+2}. Chain drafting feeds the layer's pre-norm
@@ -96,7 +97,7 @@ class Eagle3Drafter(nn.Module):
         self.embed_tokens = nn.Embedding(c.vocab_size, H)
         self.embed_tokens.weight.requires_grad_(False)
         self.fc = nn.Linear(A * H, H, bias=False)
-        self.midlayer = _MidLayer(c)
+        self.layers = nn.ModuleList([_MidLayer(c)])  # one decoder layer: speculators' layers.0.*
         self.norm = nn.Parameter(torch.ones(H))
         self.lm_head = nn.Linear(H, c.draft_vocab_size, bias=False)
         self.register_buffer("d2t", torch.zeros(c.draft_vocab_size, dtype=torch.long))
@@ -110,6 +111,7 @@ class Eagle3Drafter(nn.Module):
         return {_to_ext(k): v for k, v in sd.items()}
 
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        state_dict = speculators_names(state_dict)
         check_weights(self, state_dict)
         return super().load_state_dict({_to_int(k): v for k, v in state_dict.items()}, strict=strict, assign=assign)
 
@@ -137,7 +139,7 @@ class Eagle3Drafter(nn.Module):
         rms_unit(x): 3 ops against F.rms_norm's ~8 at these sizes, where the norms were a third of the step."""
         from drafttrain.drafters.selfquant import AoInt8
 
-        c, L = self.config, self.midlayer
+        c, L = self.config, self.layers[0]
         a, mlp = L.self_attn, L.mlp
         H = c.hidden_size
 
@@ -169,7 +171,7 @@ class Eagle3Drafter(nn.Module):
     def _qkv(self, emb, hidden, pos, top: int | None = None):
         """emb, hidden [B, m, H], pos [B, m] (top: an upper bound of pos, if known) -> q [B, Hq, m, D],
         k, v [B, Hkv, m, D], residual [B, m, H]."""
-        c, L = self.config, self.midlayer
+        c, L = self.config, self.layers[0]
         if self._fused is None:
             x = torch.cat([rms_norm(emb, L.input_layernorm, c.rms_norm_eps),
                            rms_norm(hidden, L.hidden_norm, c.rms_norm_eps)], -1)  # [B, m, 2H]
@@ -188,7 +190,7 @@ class Eagle3Drafter(nn.Module):
 
     def _post(self, o, residual):
         """attention output o [B, Hq, m, D] -> (draft logits [B, m, Vd], pre-norm hidden [B, m, H])."""
-        c, L, f = self.config, self.midlayer, self._fused
+        c, L, f = self.config, self.layers[0], self._fused
         B, _, m, _ = o.shape
         o = o.transpose(1, 2).reshape(B, m, -1)
         if f is None:
@@ -350,7 +352,15 @@ class Eagle3State:
         self.cache.select_rows(idx)
 
 
-_NORMS = ("midlayer.input_layernorm", "midlayer.hidden_norm", "midlayer.post_attention_layernorm", "norm")
+_NORMS = ("layers.0.input_layernorm", "layers.0.hidden_norm", "layers.0.post_attention_layernorm", "norm")
+EAGLE_LAYER, LAYER = "midlayer.", "layers.0."  # the original EAGLE naming of the decoder layer, speculators' naming
+
+
+def speculators_names(weights: dict) -> dict:
+    """weights with the decoder layer under speculators' layers.0.* (EAGLE's midlayer.* renamed; other names kept)."""
+    if not any(k.startswith(EAGLE_LAYER) for k in weights):
+        return weights
+    return {(LAYER + k[len(EAGLE_LAYER):] if k.startswith(EAGLE_LAYER) else k): v for k, v in weights.items()}
 
 
 def _to_ext(k: str) -> str:
@@ -363,7 +373,7 @@ def _to_int(k: str) -> str:
 
 def check_weights(drafter: nn.Module, weights: dict) -> None:
     """One-line error naming the first missing, unexpected or mis-shaped tensor, or a non-finite one."""
-    check_tensors(drafter.state_dict(), weights, hint="policy/drafter size or vocabulary mismatch?")
+    check_tensors(drafter.state_dict(), speculators_names(weights), hint="policy/drafter size or vocabulary mismatch?")
 
 
 def config_from_policy(policy_config, aux_layer_ids=None, draft_vocab_size=None, intermediate_size=None):

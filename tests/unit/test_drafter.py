@@ -196,7 +196,7 @@ def test_export_round_trip(tmp_path, policy, drafter, draft_vocab):
     assert a.keys() == b.keys()
     for k in a:
         assert torch.equal(a[k], b[k]), k
-    assert "norm.weight" in a and "midlayer.hidden_norm.weight" in a  # the speculators names
+    assert "norm.weight" in a and "layers.0.hidden_norm.weight" in a  # the speculators names
     assert loaded.aux_layer_ids == d.aux_layer_ids
     for greedy in (True, False):
         (t1, q1), (t2, q2) = propose_once(d, 1, greedy), propose_once(loaded, 1, greedy)
