@@ -139,7 +139,12 @@ def main(cfg) -> list[dict]:
 
 
 def cli(argv: list[str] | None = None) -> None:
+    from drafttrain.config import usage
+
     args = sys.argv[1:] if argv is None else argv
+    if "-h" in args or "--help" in args:
+        print(usage())
+        return
     recipe = [a.split("=", 1)[1] for a in args if a.startswith("recipe=")]
     overrides = [a for a in args if not a.startswith("recipe=")]
     try:

@@ -145,3 +145,38 @@ def test_save_config_writes_resolved_yaml(tmp_path):
     # and it loads again as a recipe, to the same config
     again = load_recipe(str(out))
     assert OmegaConf.to_container(again) == OmegaConf.to_container(cfg)
+
+
+# ---- --help --------------------------------------------------------------------------------------------------
+
+def test_every_key_has_its_default_and_a_doc():
+    from drafttrain.config import key_docs
+
+    docs = key_docs()
+    flat = {}
+
+    def walk(node, prefix=""):
+        for k, v in node.items():
+            (walk(v, f"{prefix}{k}.") if isinstance(v, dict) else flat.__setitem__(prefix + k, v))
+
+    walk(OmegaConf.to_container(OmegaConf.structured(Config)))
+    assert set(docs) == set(flat)
+    for key, (default, doc) in docs.items():
+        assert default == flat[key], key
+        assert doc and "\n" not in doc, f"{key}: give its dataclass field a trailing `# one-line doc`"
+    assert docs["engine.max_len"][1].startswith("positions per row")  # the trailing comment, not a neighbour's
+    assert docs["train.query_frac"][1].startswith("share of positions")  # not the comment block above it
+
+
+def test_usage_lists_launch_recipes_and_every_key():
+    from drafttrain.config import key_docs, usage
+
+    text = usage()
+    assert "accelerate launch" in text and "python -m drafttrain.online" in text and "resumes" in text
+    for p in RECIPES:
+        first = p.read_text().splitlines()[0].lstrip("# ").removeprefix(f"{p.stem}:").strip()
+        assert any(line.split()[:1] == [p.stem] and first in line for line in text.splitlines()), p.stem
+    lines = text.splitlines()
+    for key, (_, doc) in key_docs().items():
+        assert any(line.strip().startswith(f"{key}=") and line.rstrip().endswith(doc) for line in lines), key
+    assert "  engine.ladder=[2,3,4,6,8]" in text and "  drafter.aux_layer_ids=null" in text  # as overrides write them
