@@ -199,6 +199,12 @@ def load_recipe(name_or_path: str, overrides: list[str] | tuple[str, ...] = ()) 
     bad = [o for o in overrides if "=" not in o]
     if bad:
         raise ConfigError(f"override {bad[0]!r}: expected key=value")
+    empty = [o for o in overrides if not o.split("=", 1)[1].strip()]
+    if empty:  # OmegaConf reads `key=` as null: for drafter.path that silently meant a fresh random drafter
+        key = empty[0].split("=", 1)[0].strip()
+        doc = key_docs().get(key, (None, ""))[1]
+        raise ConfigError(f"{key}: empty value in {empty[0]!r}; give a value, or write {key}=null explicitly"
+                          + (f" ({doc})" if doc else ""))
     try:
         cfg = OmegaConf.merge(schema, data, OmegaConf.from_dotlist(list(overrides)))
         if "recipe" not in data and not any(o.startswith("recipe=") for o in overrides):
@@ -268,6 +274,22 @@ def validate(cfg: Config) -> None:
         (cfg.drafter.group_size >= 1, "drafter.group_size", f"must be >= 1, got {cfg.drafter.group_size}"),
         (cfg.drafter.kind != "selfquant" or cfg.drafter.path is None, "drafter.path",
          "must be null for drafter.kind=selfquant (it is built from the policy, not loaded)"),
+        # an empty path read as "no drafter" (a fresh random one), or as the project root / the working directory
+        (cfg.drafter.path is None or cfg.drafter.path.strip() != "", "drafter.path",
+         "is empty: give a folder, or drafter.path=null for a fresh random drafter"),
+        (cfg.policy.path.strip() != "", "policy.path", "is empty: give the policy's checkpoint folder"),
+        (cfg.run.out_dir.strip() != "", "run.out_dir", "is empty: give the folder the run writes to"),
+        # a negative norm flips the clipped gradients (the drafter trained away from the target); 0 zeroes them
+        (cfg.train.max_grad_norm > 0, "train.max_grad_norm",
+         f"must be > 0 (inf = no clipping), got {cfg.train.max_grad_norm}"),
+        (cfg.train.weight_decay >= 0, "train.weight_decay", f"must be >= 0, got {cfg.train.weight_decay}"),
+        (cfg.rl.clip_eps > 0, "rl.clip_eps", f"must be > 0, got {cfg.rl.clip_eps}"),
+        (cfg.drafter.draft_vocab_size is None or cfg.drafter.draft_vocab_size >= 1, "drafter.draft_vocab_size",
+         f"must be >= 1 or null (the policy's), got {cfg.drafter.draft_vocab_size}"),
+        (cfg.drafter.intermediate_size is None or cfg.drafter.intermediate_size >= 1, "drafter.intermediate_size",
+         f"must be >= 1 or null (the policy's), got {cfg.drafter.intermediate_size}"),
+        (cfg.online.canary_min_ratio >= 0, "online.canary_min_ratio",
+         f"must be >= 0, got {cfg.online.canary_min_ratio}"),
     ]
     for ok, key, msg in checks:
         if not ok:

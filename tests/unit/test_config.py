@@ -91,12 +91,40 @@ def test_overrides_and_defaults(tmp_path):
     ("rl.prompts_per_step=0", "rl.prompts_per_step"),
     ("rl.micro_batch=0", "rl.micro_batch"),
     ("rl.lr=-1e-4", "rl.lr"),
+    # accepted, and training went wrong: a negative norm flipped the drafter's gradients, a negative clip the PPO's
+    ("train.max_grad_norm=-1", "train.max_grad_norm"),
+    ("train.max_grad_norm=0", "train.max_grad_norm"),
+    ("train.max_grad_norm=nan", "train.max_grad_norm"),
+    ("rl.clip_eps=-0.2", "rl.clip_eps"),
+    ("rl.clip_eps=0", "rl.clip_eps"),
+    ("train.weight_decay=-1", "train.weight_decay"),
+    ("drafter.draft_vocab_size=0", "drafter.draft_vocab_size"),
+    ("drafter.intermediate_size=-3", "drafter.intermediate_size"),
+    ("online.canary_min_ratio=-1", "online.canary_min_ratio"),
+    # an empty value read as null (drafter.path: a fresh random drafter) or as the project root / working directory
+    ("drafter.path=", "drafter.path"),
+    ("online.buffer_half_life=", "online.buffer_half_life"),
+    ("drafter.aux_layer_ids= ", "drafter.aux_layer_ids"),
+    ("drafter.path=''", "drafter.path"),
+    ("policy.path=' '", "policy.path"),
+    ("run.out_dir=''", "run.out_dir"),
 ])
 def test_bad_override_names_the_key(tmp_path, override, key):
     with pytest.raises(ConfigError) as e:
         load_recipe(write(tmp_path, MINIMAL), [override])
     assert key in str(e.value)
     assert "\n" not in str(e.value)
+
+
+def test_empty_drafter_path_says_null_is_the_fresh_drafter(tmp_path):
+    with pytest.raises(ConfigError) as e:
+        load_recipe("eagle3_track", ["drafter.path="])
+    assert "drafter.path=null" in str(e.value) and "fresh" in str(e.value), e.value
+    assert load_recipe("eagle3_track", ["drafter.path=null"]).drafter.path is None  # still the way to ask for one
+
+
+def test_max_grad_norm_inf_means_no_clipping():
+    assert load_recipe("eagle3_track", ["train.max_grad_norm=inf"]).train.max_grad_norm == float("inf")
 
 
 @pytest.mark.parametrize("text,key", [
