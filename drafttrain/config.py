@@ -13,6 +13,7 @@ import ast
 import dataclasses
 import io
 import math
+import os
 import tokenize
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -294,6 +295,20 @@ def validate(cfg: Config) -> None:
     for ok, key, msg in checks:
         if not ok:
             raise ConfigError(f"{key}: {msg}")
+
+
+def check_out_dir(out_dir: str | Path) -> None:
+    """run.out_dir must be a folder, or one that can be made: its nearest existing ancestor a writable folder."""
+    p = Path(out_dir)
+    if p.exists() and not p.is_dir():
+        raise ConfigError(f"run.out_dir: {p} exists and is not a folder")
+    q = p.absolute()
+    while not q.exists():
+        q = q.parent
+    if not q.is_dir():
+        raise ConfigError(f"run.out_dir: cannot make {p}: {q} is a file")
+    if not os.access(q, os.W_OK | os.X_OK):
+        raise ConfigError(f"run.out_dir: cannot write into {q}")
 
 
 def key_docs() -> dict[str, tuple[Any, str]]:

@@ -139,7 +139,7 @@ def main(cfg) -> list[dict]:
 
 
 def cli(argv: list[str] | None = None) -> None:
-    from drafttrain.config import usage
+    from drafttrain.config import check_out_dir, usage
 
     args = sys.argv[1:] if argv is None else argv
     if "-h" in args or "--help" in args:
@@ -149,6 +149,7 @@ def cli(argv: list[str] | None = None) -> None:
     overrides = [a for a in args if not a.startswith("recipe=")]
     try:
         cfg = load_recipe(recipe[-1] if recipe else "eagle3_track", overrides)
+        check_out_dir(cfg.run.out_dir)
         main(cfg)
     except (ConfigError, FileNotFoundError) as e:
         raise SystemExit(f"error: {e}") from None

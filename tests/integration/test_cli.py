@@ -62,7 +62,7 @@ def _damaged(policy_dir, tmp_path):
     return bad
 
 
-@pytest.mark.parametrize("case", ["policy_truncated", "max_len", "drafter_path_empty"])
+@pytest.mark.parametrize("case", ["policy_truncated", "max_len", "out_dir_file", "drafter_path_empty"])
 def test_bad_input_is_one_line_naming_it(policy_dir, tmp_path, case):
     from drafttrain.online.run import cli
 
@@ -71,6 +71,7 @@ def test_bad_input_is_one_line_naming_it(policy_dir, tmp_path, case):
     args, expect = {
         "policy_truncated": ([f"policy.path={_damaged(policy_dir, tmp_path)}"], "model.safetensors"),
         "max_len": (["engine.max_len=8"], "engine.max_len"),
+        "out_dir_file": ([f"run.out_dir={tmp_path / 'notes.md'}"], "run.out_dir"),
         "drafter_path_empty": (["drafter.path="], "drafter.path"),
     }[case]
     over = [f"policy.path={policy_dir}", "drafter.path=null", "rl.steps=1", "rl.prompts_per_step=2",

@@ -175,7 +175,21 @@ def test_save_config_writes_resolved_yaml(tmp_path):
     assert OmegaConf.to_container(again) == OmegaConf.to_container(cfg)
 
 
-# ---- --help --------------------------------------------------------------------------------------------------
+# ---- run.out_dir and --help --------------------------------------------------------------------------------------
+
+def test_out_dir_must_be_a_folder_or_makeable(tmp_path):
+    from drafttrain.config import check_out_dir
+
+    f = tmp_path / "file.md"
+    f.write_text("x")
+    for bad in (f, f / "run"):
+        with pytest.raises(ConfigError, match="run.out_dir") as e:
+            check_out_dir(bad)
+        assert "\n" not in str(e.value) and str(f) in str(e.value)
+    check_out_dir(tmp_path)  # an existing folder
+    check_out_dir(tmp_path / "a" / "b")  # one that can be made
+    assert not (tmp_path / "a").exists()  # the check makes nothing
+
 
 def test_every_key_has_its_default_and_a_doc():
     from drafttrain.config import key_docs
