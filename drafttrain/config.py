@@ -350,7 +350,7 @@ def usage() -> str:
             return {None: "null", True: "true", False: "false"}[v]
         return "[" + ",".join(map(str, v)) + "]" if isinstance(v, list) else str(v)
 
-    keys = [(f"{k}={show(v)}", doc) for k, (v, doc) in key_docs().items()]
+    keys = [(f"{k}={show(v)}", doc) for k, (v, doc) in key_docs().items() if k != "recipe"]  # recipe=: above
     w = max(len(k) for k, _ in keys) + 2
     return "\n".join([
         "usage: accelerate launch [-q] drafttrain/online.py [recipe=NAME] [key=value ...]",
