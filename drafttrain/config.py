@@ -5,11 +5,16 @@
 A recipe name resolves to recipes/<name>.yaml in the project root; a path to a .yaml file is used as given.
 Unknown keys and wrong types fail at load time with a one-line `ConfigError` naming the key. Relative input paths
 (policy.path, drafter.path) resolve against the project root; run.out_dir resolves against the working directory.
+A field's trailing `# ...` comment is its key's one-line doc: the main job's --help prints it (`usage`).
 """
 from __future__ import annotations
 
+import ast
+import dataclasses
+import io
 import math
-
+import os
+import tokenize
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
@@ -27,15 +32,15 @@ class ConfigError(ValueError):
 
 @dataclass
 class PolicyConfig:
-    path: str = "checkpoints/policy"  # HF checkpoint folder (config.json, model.safetensors, tokenizer)
+    path: str = "checkpoints/policy"  # HF checkpoint folder (config.json, model.safetensors, tokenizer.json)
 
 
 @dataclass
 class SamplingConfig:
-    temperature: float = 1.0
-    top_k: int = 0
-    top_p: float = 1.0
-    max_new_tokens: int = 256
+    temperature: float = 1.0  # rollout sampling temperature (0 = greedy)
+    top_k: int = 0  # keep the k most likely tokens (0 = off)
+    top_p: float = 1.0  # nucleus: keep the smallest set of tokens with this much mass (1 = off)
+    max_new_tokens: int = 256  # response length cap per rollout
 
 
 @dataclass
@@ -44,25 +49,25 @@ class EngineConfig:
     k: Any = 4  # draft tokens per verify step: an int, "auto" (max predicted speed-up) or "ladder"
     k_max: int = 8  # k=auto searches 1..k_max
     toggle: bool = False  # run SD only where the calibrated cost model predicts >= toggle_threshold
-    toggle_threshold: float = 1.05
-    toggle_hysteresis: float = 0.05
+    toggle_threshold: float = 1.05  # predicted SD speed-up at or above which the toggle turns SD on
+    toggle_hysteresis: float = 0.05  # SD stays on until the prediction falls this far below the threshold
     ladder: list[int] = field(default_factory=lambda: [2, 3, 4, 6, 8])  # k=ladder rungs
     ladder_up: float = 0.94  # (L-1)/k at or above: one rung up (two decisions in a row)
-    ladder_down: float = 0.85
-    max_batch: int = 64
-    max_len: int = 512  # prompt + response, per row
+    ladder_down: float = 0.85  # (L-1)/k below: one rung down
+    max_batch: int = 64  # most rows the engine generates at once
+    max_len: int = 512  # positions per row: must fit the longest prompt + sampling.max_new_tokens
     draft_sampling: str = "sample"  # sample (draw from the drafter's q) | greedy (one-hot argmax drafts)
     drafter_int8: bool = True  # run the drafter's linears with torch.ao dynamic int8 (only affects acceptance)
-    seed: int = 0
+    seed: int = 0  # the engine's sampling seed
 
 
 @dataclass
 class DrafterConfig:
     kind: str = "eagle3"  # eagle3 | selfquant (registry in drafttrain/drafters/base.py)
-    path: Optional[str] = "checkpoints/eagle3"  # speculators-format folder; None = fresh drafter (selfquant: None)
-    aux_layer_ids: Optional[list[int]] = None  # policy layers whose inputs feed the drafter; None = kind's default
-    draft_vocab_size: Optional[int] = None  # None = the policy's vocabulary
-    intermediate_size: Optional[int] = None  # None = the policy's
+    path: Optional[str] = "checkpoints/eagle3"  # speculators-format folder; null = a fresh random drafter
+    aux_layer_ids: Optional[list[int]] = None  # policy layers whose inputs feed the drafter; null = kind's default
+    draft_vocab_size: Optional[int] = None  # draft vocabulary size; null = the policy's vocabulary
+    intermediate_size: Optional[int] = None  # drafter MLP width; null = the policy's
     ttt_steps: int = 3  # training-time-test unroll length n
     ttt_decay: float = 0.8  # step i weighs ttt_decay**i
     quant: str = "int8"  # selfquant: int8 (per-output-channel) | int4 (group-wise)
@@ -72,48 +77,48 @@ class DrafterConfig:
 
 @dataclass
 class TrainConfig:
-    lr: float = 1e-3
-    weight_decay: float = 0.0
+    lr: float = 1e-3  # drafter AdamW learning rate
+    weight_decay: float = 0.0  # drafter AdamW weight decay
     batch_size: int = 16  # sequences per drafter step
     # share of each batch's positions the loss is taken at (random, per step): every position still feeds the
     # attention's keys, while attention, MLP, head and the deeper TTT steps run for those queries only
-    query_frac: float = 1.0
-    max_grad_norm: float = 1.0
-    seed: int = 0
+    query_frac: float = 1.0  # share of positions the drafter loss is taken at, in (0, 1]
+    max_grad_norm: float = 1.0  # drafter gradients are clipped to this norm (> 0; inf = no clipping)
+    seed: int = 0  # the drafter loss's query-position draws
 
 
 @dataclass
 class OnlineConfig:
-    track: bool = True  # False: the drafter is never updated (the frozen baseline)
+    track: bool = True  # false: the drafter is never updated (the frozen baseline)
     mode: str = "sync"  # sync: train between RL steps | async: train in the background during rollouts
     buffer_mb: float = 64.0  # feature buffer cap (reduced precision)
     # draws favour recent policies: a record v policy versions older than the newest weighs 0.5^(v / half_life);
     # null = uniform over the buffer (which, at 64 MB, spans ~10 RL steps of the shipped task)
-    buffer_half_life: Optional[float] = 2.0
+    buffer_half_life: Optional[float] = 2.0  # in policy versions; null = uniform draws
     steps_per_update: int = 16  # at most this many drafter optimizer steps per RL step
     time_budget_s: float = 10.0  # sync mode: hard cap on drafter work per RL step
     # sync mode: drafter work (training, its estimate, publishing) is held to this fraction of the RL steps' own
     # time on average: each step earns budget_frac x its time, training spends it (a time bank; 0 = no cap)
-    budget_frac: float = 0.05
+    budget_frac: float = 0.05  # sync: drafter work / RL step time, on average (0 = no cap)
     # sequences of the latest step (drawn at random) the trainer's acceptance estimate after each update scores: the
     # canary's reference. It costs about one drafter step (4 rows: ~30-50 ms), paid from the sync time bank
-    estimate_rows: int = 4
+    estimate_rows: int = 4  # rows the acceptance estimate after each update scores
     # publish an update only if its estimate is at least the serving drafter's on the same rows; else train on from
     # the serving weights. Online steps at a learning rate that follows a drifting policy add noise where it barely
     # drifts: the live drafter sat 1.9% below the frozen step-0 one on the main job without this (train.lr 3e-4)
-    publish_gate: bool = True
+    publish_gate: bool = True  # publish an update only if it scores at least the serving drafter
     # share of the captured rollouts kept out of the training buffer: the estimate is taken on them, so the gate and
     # the canary compare the new weights on rollouts they did not train on (the latest step's, in the buffer, made
     # every update look +0.1% better than the serving drafter on average while the live one fell 0.9% below frozen)
-    holdout_frac: float = 0.0625
+    holdout_frac: float = 0.0625  # share of captured rollouts kept out of training, in [0, 1)
     # sequences of each RL step the per-step live/frozen scoring (tracker.measure) runs on, a random sample: it costs
     # about one policy forward per drafter over them (k chained drafter steps at every position)
-    measure_rows: int = 32
+    measure_rows: int = 32  # rows per RL step of the live/frozen drafter scoring (reporting)
     # inline: the first rollout batch after a swap is the canary (no extra generation); probe: generate a short SD
     # probe on recent prompts right after the swap (canary_prompts x canary_max_new_tokens)
-    canary: str = "inline"
-    canary_prompts: int = 4
-    canary_max_new_tokens: int = 48
+    canary: str = "inline"  # inline | probe: how a new drafter version is checked after a swap
+    canary_prompts: int = 4  # canary=probe: prompts per probe
+    canary_max_new_tokens: int = 48  # canary=probe: tokens per probe row
     canary_min_ratio: float = 0.5  # roll back if engine (MAL-1) < ratio * trainer-estimated (MAL-1)
 
 
@@ -121,31 +126,31 @@ class OnlineConfig:
 class RLConfig:
     # 60 x 16 x 8 = 7680 rollouts, ~5 min on the 2-core CPU: the shipped policy's reward visibly rises. It sits in a
     # sharp minimum: Adam at lr >= 6e-5 (or fewer rollouts per step) adds more damage by noise than it gains
-    steps: int = 60
-    prompts_per_step: int = 16
+    steps: int = 60  # RL steps in the run
+    prompts_per_step: int = 16  # prompts per RL step (per process)
     group_size: int = 8  # G samples per prompt
-    lr: float = 4e-5
-    clip_eps: float = 0.2
+    lr: float = 4e-5  # policy AdamW learning rate
+    clip_eps: float = 0.2  # PPO ratio clip: ratios outside [1 - eps, 1 + eps] are clipped (> 0)
     micro_batch: int = 16  # sequences per policy forward/backward
     mode: str = "sync"  # sync: generate then train | async: generate step t+1 with the step-t policy
-    prompt_seed: int = 1
+    prompt_seed: int = 1  # seed of the training prompts
     # held-out check of the policy before and after the run: this many fixed problems (eval_seed), scored sampled
     # (sampling.temperature) and greedy through the rollout engine; 0 = off
-    eval_prompts: int = 256
-    eval_seed: int = 999  # training prompts come from prompt_seed * 1_000_003 + 101 * step (+ rank)
+    eval_prompts: int = 256  # held-out problems scored before and after the run (0 = off)
+    eval_seed: int = 999  # held-out problems' seed (training: prompt_seed * 1_000_003 + 101 * step + rank)
 
 
 @dataclass
 class RunConfig:
-    out_dir: str = "runs/${recipe}"
-    seed: int = 0
+    out_dir: str = "runs/${recipe}"  # where the run writes; a rerun into it resumes
+    seed: int = 0  # torch seed (+ process index)
     resume: bool = True  # continue from out_dir's checkpoint when there is one
-    tensorboard: bool = True
+    tensorboard: bool = True  # also write TensorBoard events under out_dir/tb
 
 
 @dataclass
 class Config:
-    recipe: str = "custom"
+    recipe: str = "custom"  # the recipe's name (set from the file name)
     policy: PolicyConfig = field(default_factory=PolicyConfig)
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     engine: EngineConfig = field(default_factory=EngineConfig)
@@ -195,6 +200,12 @@ def load_recipe(name_or_path: str, overrides: list[str] | tuple[str, ...] = ()) 
     bad = [o for o in overrides if "=" not in o]
     if bad:
         raise ConfigError(f"override {bad[0]!r}: expected key=value")
+    empty = [o for o in overrides if not o.split("=", 1)[1].strip()]
+    if empty:  # OmegaConf reads `key=` as null: for drafter.path that silently meant a fresh random drafter
+        key = empty[0].split("=", 1)[0].strip()
+        doc = key_docs().get(key, (None, ""))[1]
+        raise ConfigError(f"{key}: empty value in {empty[0]!r}; give a value, or write {key}=null explicitly"
+                          + (f" ({doc})" if doc else ""))
     try:
         cfg = OmegaConf.merge(schema, data, OmegaConf.from_dotlist(list(overrides)))
         if "recipe" not in data and not any(o.startswith("recipe=") for o in overrides):
@@ -264,10 +275,98 @@ def validate(cfg: Config) -> None:
         (cfg.drafter.group_size >= 1, "drafter.group_size", f"must be >= 1, got {cfg.drafter.group_size}"),
         (cfg.drafter.kind != "selfquant" or cfg.drafter.path is None, "drafter.path",
          "must be null for drafter.kind=selfquant (it is built from the policy, not loaded)"),
+        # an empty path read as "no drafter" (a fresh random one), or as the project root / the working directory
+        (cfg.drafter.path is None or cfg.drafter.path.strip() != "", "drafter.path",
+         "is empty: give a folder, or drafter.path=null for a fresh random drafter"),
+        (cfg.policy.path.strip() != "", "policy.path", "is empty: give the policy's checkpoint folder"),
+        (cfg.run.out_dir.strip() != "", "run.out_dir", "is empty: give the folder the run writes to"),
+        # a negative norm flips the clipped gradients (the drafter trained away from the target); 0 zeroes them
+        (cfg.train.max_grad_norm > 0, "train.max_grad_norm",
+         f"must be > 0 (inf = no clipping), got {cfg.train.max_grad_norm}"),
+        (cfg.train.weight_decay >= 0, "train.weight_decay", f"must be >= 0, got {cfg.train.weight_decay}"),
+        (cfg.rl.clip_eps > 0, "rl.clip_eps", f"must be > 0, got {cfg.rl.clip_eps}"),
+        (cfg.drafter.draft_vocab_size is None or cfg.drafter.draft_vocab_size >= 1, "drafter.draft_vocab_size",
+         f"must be >= 1 or null (the policy's), got {cfg.drafter.draft_vocab_size}"),
+        (cfg.drafter.intermediate_size is None or cfg.drafter.intermediate_size >= 1, "drafter.intermediate_size",
+         f"must be >= 1 or null (the policy's), got {cfg.drafter.intermediate_size}"),
+        (cfg.online.canary_min_ratio >= 0, "online.canary_min_ratio",
+         f"must be >= 0, got {cfg.online.canary_min_ratio}"),
     ]
     for ok, key, msg in checks:
         if not ok:
             raise ConfigError(f"{key}: {msg}")
+
+
+def check_out_dir(out_dir: str | Path) -> None:
+    """run.out_dir must be a folder, or one that can be made: its nearest existing ancestor a writable folder."""
+    p = Path(out_dir)
+    if p.exists() and not p.is_dir():
+        raise ConfigError(f"run.out_dir: {p} exists and is not a folder")
+    q = p.absolute()
+    while not q.exists():
+        q = q.parent
+    if not q.is_dir():
+        raise ConfigError(f"run.out_dir: cannot make {p}: {q} is a file")
+    if not os.access(q, os.W_OK | os.X_OK):
+        raise ConfigError(f"run.out_dir: cannot write into {q}")
+
+
+def key_docs() -> dict[str, tuple[Any, str]]:
+    """Every config key -> (default, one-line doc). The doc is the trailing `# ...` comment of the key's dataclass
+    field in this file (the one source of the docs); the default is the field's."""
+    src = Path(__file__).read_text()
+    trailing = {t.start[0]: t.string.lstrip("#").strip()
+                for t in tokenize.generate_tokens(io.StringIO(src).readline) if t.type == tokenize.COMMENT}
+    docs = {(c.name, f.target.id): trailing.get(f.end_lineno, "")  # a comment on the field's last line trails it
+            for c in ast.parse(src).body if isinstance(c, ast.ClassDef)
+            for f in c.body if isinstance(f, ast.AnnAssign) and isinstance(f.target, ast.Name)}
+    out: dict[str, tuple[Any, str]] = {}
+
+    def walk(obj, prefix: str) -> None:
+        for f in dataclasses.fields(obj):
+            value = getattr(obj, f.name)
+            if dataclasses.is_dataclass(value):
+                walk(value, f"{prefix}{f.name}.")
+            else:
+                out[prefix + f.name] = (value, docs.get((type(obj).__name__, f.name), ""))
+
+    walk(Config(), "")
+    return out
+
+
+def recipe_summaries() -> list[tuple[str, str]]:
+    """(name, first comment line without its `# name:` prefix) for each recipes/*.yaml."""
+    out = []
+    for p in sorted(RECIPES_DIR.glob("*.yaml")):
+        first = (p.read_text().splitlines() or [""])[0].lstrip("#").strip()
+        out.append((p.stem, first.removeprefix(f"{p.stem}:").strip()))
+    return out
+
+
+def usage() -> str:
+    """The main job's --help: how to launch it, the recipes, and every key with its default and doc."""
+    def show(v) -> str:  # as an override writes it
+        if isinstance(v, (bool, type(None))):
+            return {None: "null", True: "true", False: "false"}[v]
+        return "[" + ",".join(map(str, v)) + "]" if isinstance(v, list) else str(v)
+
+    keys = [(f"{k}={show(v)}", doc) for k, (v, doc) in key_docs().items() if k != "recipe"]  # recipe=: above
+    w = max(len(k) for k, _ in keys) + 2
+    return "\n".join([
+        "usage: accelerate launch [-q] drafttrain/online.py [recipe=NAME] [key=value ...]",
+        "       python -m drafttrain.online [recipe=NAME] [key=value ...]",
+        "",
+        "GRPO on the policy with speculative rollouts and a drafter that tracks it. recipe= names recipes/NAME.yaml or",
+        "a .yaml path (default eagle3_track); each key=value overrides the recipe. A rerun into the same run.out_dir",
+        "resumes from its latest checkpoint. accelerate's own options go before the script; its -q ends a failed",
+        "single-process launch without accelerate's traceback (README: Troubleshooting).",
+        "",
+        "recipes:",
+        *(f"  {name:<22}{line}" for name, line in recipe_summaries()),
+        "",
+        "keys (key=default  doc):",
+        *(f"  {k:<{w}}{doc}" for k, doc in keys),
+    ])
 
 
 def save_config(cfg: Config, out_dir: str | Path) -> Path:

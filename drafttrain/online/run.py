@@ -139,11 +139,17 @@ def main(cfg) -> list[dict]:
 
 
 def cli(argv: list[str] | None = None) -> None:
+    from drafttrain.config import check_out_dir, usage
+
     args = sys.argv[1:] if argv is None else argv
+    if "-h" in args or "--help" in args:
+        print(usage())
+        return
     recipe = [a.split("=", 1)[1] for a in args if a.startswith("recipe=")]
     overrides = [a for a in args if not a.startswith("recipe=")]
     try:
         cfg = load_recipe(recipe[-1] if recipe else "eagle3_track", overrides)
+        check_out_dir(cfg.run.out_dir)
         main(cfg)
     except (ConfigError, FileNotFoundError) as e:
         raise SystemExit(f"error: {e}") from None

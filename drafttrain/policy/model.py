@@ -22,15 +22,18 @@ the rest. Wider would weigh more but did not train in budget.
 from __future__ import annotations
 
 import copy
+import json
 import os
 import shutil
 import tempfile
 from dataclasses import asdict, dataclass
 
 import torch
+from safetensors import SafetensorError
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from drafttrain.atomic import recover_dir, replace_dir
+from drafttrain.config import ConfigError
 from drafttrain.policy.tokenizer import VOCAB_SIZE, build_tokenizer, load_tokenizer
 
 REQUIRED_FILES = ("config.json", "model.safetensors", "tokenizer.json")
@@ -107,8 +110,23 @@ def check_checkpoint(path: str) -> None:
 
 
 def load_policy(path: str) -> tuple[LlamaForCausalLM, PreTrainedTokenizerFast]:
-    """(model in fp32, eval mode; tokenizer) from a directory written by `save_policy`."""
+    """(model in fp32, eval mode; tokenizer) from a directory written by `save_policy`. A file that does not parse
+    (truncated, emptied, garbled) is a one-line `ConfigError` naming it."""
     check_checkpoint(path)
-    model = LlamaForCausalLM.from_pretrained(path, dtype=torch.float32)
+    for name in ("config.json", "tokenizer.json"):
+        try:
+            with open(os.path.join(path, name), "rb") as f:
+                json.loads(f.read())
+        except ValueError as e:  # JSONDecodeError, UnicodeDecodeError
+            raise _unreadable(os.path.join(path, name), e) from None
+    try:
+        model = LlamaForCausalLM.from_pretrained(path, dtype=torch.float32)
+    except SafetensorError as e:
+        raise _unreadable(os.path.join(path, "model.safetensors"), e) from None
     model.eval()
     return model, load_tokenizer(path)
+
+
+def _unreadable(file: str, e: Exception) -> ConfigError:
+    why = (str(e).strip().splitlines() or [type(e).__name__])[0]
+    return ConfigError(f"policy checkpoint file {file} cannot be read (truncated or corrupt?): {why}")

@@ -70,6 +70,11 @@ def sample_problem(rng: random.Random) -> Problem:
     return problem_from_terms([rng.randint(1, MAX_OPERAND) for _ in range(n)])
 
 
+def longest_problem() -> Problem:
+    """A problem with the longest prompt the task can draw (MAX_TERMS terms of MAX_OPERAND): what sizes the engine."""
+    return problem_from_terms([MAX_OPERAND] * MAX_TERMS)
+
+
 def make_problems(n: int, seed: int) -> list[Problem]:
     rng = random.Random(seed)
     return [sample_problem(rng) for _ in range(n)]

@@ -20,8 +20,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from drafttrain.config import sampling_params
+from drafttrain.config import ConfigError, sampling_params
 from drafttrain.policy import decode, encode_prompt, make_prompts, reward
+from drafttrain.policy.task import longest_problem
 from drafttrain.spec import processed_logprobs
 
 
@@ -40,6 +41,7 @@ class GRPO:
     def __init__(self, cfg, policy, tok, engine, tracker=None, accelerator=None, rank: int = 0):
         self.cfg, self.policy, self.tok, self.engine, self.tracker = cfg, policy, tok, engine, tracker
         self.rank = rank
+        self._check_room(policy)
         self.opt = torch.optim.AdamW(policy.parameters(), lr=cfg.rl.lr, weight_decay=0.0)
         self.acc = accelerator
         if accelerator is not None:
@@ -47,6 +49,19 @@ class GRPO:
         else:
             self.model = policy
         self._pool = ThreadPoolExecutor(max_workers=1) if cfg.rl.mode == "async" else None
+
+    def _check_room(self, policy) -> None:
+        """At start-up: a row's positions (engine.max_len, capped by the policy's) hold the task's longest prompt plus
+        a full response. generate refuses a longer prompt, and a shorter room would cut responses off unscored."""
+        s, max_len = self.cfg.sampling, self.cfg.engine.max_len
+        prompt = len(encode_prompt(self.tok, longest_problem().prompt))
+        need, pos = prompt + s.max_new_tokens, getattr(policy.config, "max_position_embeddings", max_len)
+        if max_len < need:
+            raise ConfigError(f"engine.max_len: must be >= {need}, the task's longest prompt ({prompt} tokens) + "
+                              f"sampling.max_new_tokens ({s.max_new_tokens}), got {max_len}")
+        if pos < need:
+            raise ConfigError(f"sampling.max_new_tokens: {s.max_new_tokens} + the task's longest prompt ({prompt} "
+                              f"tokens) exceeds the policy's {pos} positions (max_position_embeddings)")
 
     def rollout(self, step: int) -> Rollouts:
         rl = self.cfg.rl

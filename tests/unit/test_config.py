@@ -91,12 +91,40 @@ def test_overrides_and_defaults(tmp_path):
     ("rl.prompts_per_step=0", "rl.prompts_per_step"),
     ("rl.micro_batch=0", "rl.micro_batch"),
     ("rl.lr=-1e-4", "rl.lr"),
+    # accepted, and training went wrong: a negative norm flipped the drafter's gradients, a negative clip the PPO's
+    ("train.max_grad_norm=-1", "train.max_grad_norm"),
+    ("train.max_grad_norm=0", "train.max_grad_norm"),
+    ("train.max_grad_norm=nan", "train.max_grad_norm"),
+    ("rl.clip_eps=-0.2", "rl.clip_eps"),
+    ("rl.clip_eps=0", "rl.clip_eps"),
+    ("train.weight_decay=-1", "train.weight_decay"),
+    ("drafter.draft_vocab_size=0", "drafter.draft_vocab_size"),
+    ("drafter.intermediate_size=-3", "drafter.intermediate_size"),
+    ("online.canary_min_ratio=-1", "online.canary_min_ratio"),
+    # an empty value read as null (drafter.path: a fresh random drafter) or as the project root / working directory
+    ("drafter.path=", "drafter.path"),
+    ("online.buffer_half_life=", "online.buffer_half_life"),
+    ("drafter.aux_layer_ids= ", "drafter.aux_layer_ids"),
+    ("drafter.path=''", "drafter.path"),
+    ("policy.path=' '", "policy.path"),
+    ("run.out_dir=''", "run.out_dir"),
 ])
 def test_bad_override_names_the_key(tmp_path, override, key):
     with pytest.raises(ConfigError) as e:
         load_recipe(write(tmp_path, MINIMAL), [override])
     assert key in str(e.value)
     assert "\n" not in str(e.value)
+
+
+def test_empty_drafter_path_says_null_is_the_fresh_drafter(tmp_path):
+    with pytest.raises(ConfigError) as e:
+        load_recipe("eagle3_track", ["drafter.path="])
+    assert "drafter.path=null" in str(e.value) and "fresh" in str(e.value), e.value
+    assert load_recipe("eagle3_track", ["drafter.path=null"]).drafter.path is None  # still the way to ask for one
+
+
+def test_max_grad_norm_inf_means_no_clipping():
+    assert load_recipe("eagle3_track", ["train.max_grad_norm=inf"]).train.max_grad_norm == float("inf")
 
 
 @pytest.mark.parametrize("text,key", [
@@ -145,3 +173,55 @@ def test_save_config_writes_resolved_yaml(tmp_path):
     # and it loads again as a recipe, to the same config
     again = load_recipe(str(out))
     assert OmegaConf.to_container(again) == OmegaConf.to_container(cfg)
+
+
+# ---- run.out_dir and --help --------------------------------------------------------------------------------------
+
+def test_out_dir_must_be_a_folder_or_makeable(tmp_path):
+    from drafttrain.config import check_out_dir
+
+    f = tmp_path / "file.md"
+    f.write_text("x")
+    for bad in (f, f / "run"):
+        with pytest.raises(ConfigError, match="run.out_dir") as e:
+            check_out_dir(bad)
+        assert "\n" not in str(e.value) and str(f) in str(e.value)
+    check_out_dir(tmp_path)  # an existing folder
+    check_out_dir(tmp_path / "a" / "b")  # one that can be made
+    assert not (tmp_path / "a").exists()  # the check makes nothing
+
+
+def test_every_key_has_its_default_and_a_doc():
+    from drafttrain.config import key_docs
+
+    docs = key_docs()
+    flat = {}
+
+    def walk(node, prefix=""):
+        for k, v in node.items():
+            (walk(v, f"{prefix}{k}.") if isinstance(v, dict) else flat.__setitem__(prefix + k, v))
+
+    walk(OmegaConf.to_container(OmegaConf.structured(Config)))
+    assert set(docs) == set(flat)
+    for key, (default, doc) in docs.items():
+        assert default == flat[key], key
+        assert doc and "\n" not in doc, f"{key}: give its dataclass field a trailing `# one-line doc`"
+    assert docs["engine.max_len"][1].startswith("positions per row")  # the trailing comment, not a neighbour's
+    assert docs["train.query_frac"][1].startswith("share of positions")  # not the comment block above it
+
+
+def test_usage_lists_launch_recipes_and_every_key():
+    from drafttrain.config import key_docs, usage
+
+    text = usage()
+    assert "accelerate launch" in text and "python -m drafttrain.online" in text and "resumes" in text
+    for p in RECIPES:
+        first = p.read_text().splitlines()[0].lstrip("# ").removeprefix(f"{p.stem}:").strip()
+        assert any(line.split()[:1] == [p.stem] and first in line for line in text.splitlines()), p.stem
+    lines = text.splitlines()
+    for key, (_, doc) in key_docs().items():
+        if key == "recipe":  # the usage lines say recipe=NAME, default eagle3_track (the field's "custom" is for files)
+            assert "default eagle3_track" in text
+            continue
+        assert any(line.strip().startswith(f"{key}=") and line.rstrip().endswith(doc) for line in lines), key
+    assert "  engine.ladder=[2,3,4,6,8]" in text and "  drafter.aux_layer_ids=null" in text  # as overrides write them

@@ -99,3 +99,23 @@ def test_fresh_rollouts_have_ratio_one_under_truncated_sampling(over):
     ro = grpo.rollout(0)
     ro.rewards = [1.0, 0.0, 0.0, 1.0]
     assert grpo.train_step(ro)["clip_frac"] == 0.0
+
+
+@pytest.mark.parametrize("over,key", [(["engine.max_len=8"], "engine.max_len"),
+                                      (["engine.max_len=2048", "sampling.max_new_tokens=600"],
+                                       "sampling.max_new_tokens")])
+def test_rows_too_short_for_the_task_are_refused_at_start_up(over, key):
+    """engine.max_len=8 was accepted and failed later in generate (a ValueError traceback): a row must hold the
+    task's longest prompt plus sampling.max_new_tokens, within the policy's positions (512 here)."""
+    from drafttrain.config import ConfigError
+    from drafttrain.engines import build_engine
+    from drafttrain.policy import build_policy, build_tokenizer
+    from drafttrain.rl.grpo import GRPO
+
+    policy, tok = build_policy(TINY).eval(), build_tokenizer()
+    cfg = load_recipe("eagle3_track", ["drafter.path=null", *over])
+    with pytest.raises(ConfigError, match=key.replace(".", r"\.")) as e:
+        GRPO(cfg, policy, tok, build_engine(cfg.engine, policy))
+    assert str(e.value).startswith(key) and "\n" not in str(e.value)
+    ok = load_recipe("eagle3_track", ["drafter.path=null", "engine.max_len=291"])  # 35-token prompt + 256 fits
+    GRPO(ok, policy, tok, build_engine(ok.engine, policy))

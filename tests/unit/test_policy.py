@@ -129,6 +129,24 @@ def test_load_policy_missing_path_names_it(tmp_path):
         load_policy(str(missing))
 
 
+@pytest.mark.parametrize("name,how", [("model.safetensors", "truncated"), ("model.safetensors", "emptied"),
+                                      ("model.safetensors", "garbled"), ("config.json", "garbled"),
+                                      ("tokenizer.json", "truncated")])
+def test_load_policy_unreadable_file_is_one_line_naming_it(tmp_path, name, how):
+    """A damaged file in a policy checkpoint was a SafetensorError (or JSON) traceback that named no file."""
+    from drafttrain.config import ConfigError
+
+    torch.manual_seed(0)
+    save_policy(build_policy(TINY), build_tokenizer(), str(tmp_path / "pol"))
+    f = tmp_path / "pol" / name
+    data = f.read_bytes()
+    f.write_bytes({"truncated": data[: len(data) // 2], "emptied": b"",
+                   "garbled": bytes(random.Random(0).randrange(256) for _ in range(64)) + data[64:]}[how])
+    with pytest.raises(ConfigError) as e:
+        load_policy(str(tmp_path / "pol"))
+    assert str(f) in str(e.value) and "\n" not in str(e.value), e.value
+
+
 def test_save_load_round_trip_and_atomic(tmp_path):
     torch.manual_seed(0)
     model, tok = build_policy(TINY), build_tokenizer()
