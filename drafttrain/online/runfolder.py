@@ -7,7 +7,6 @@ last complete one behind: stopping at once is always safe, stopping at a step bo
 """
 from __future__ import annotations
 
-import ctypes
 import io
 import os
 import shutil
@@ -114,8 +113,9 @@ def lock_run_folder(out: Path, acc) -> RunLock | None:
 class Stopper:
     """SIGTERM or SIGINT stops the job at the next step boundary, after that step's checkpoint; a second signal, or
     one outside the RL loop, stops it at once. The job also stops at once when the process that started it ends
-    (accelerate, torchrun or a shell: a killed launcher must not leave it training): PR_SET_PDEATHSIG on Linux, else
-    a thread that watches the parent's PID. Each way out prints one line and exits with 128 + the signal."""
+    (accelerate, torchrun or a shell: a killed launcher must not leave it training), seen by a thread that polls
+    the parent's PID. Not PR_SET_PDEATHSIG: it fires when the parent *thread* ends, and under torch elastic a worker
+    got it while its launcher was still alive. Each way out prints one line and exits with 128 + the signal."""
 
     def __init__(self, acc, out: Path):
         self.acc, self.ckpt_root = acc, out / "ckpt"
@@ -123,34 +123,25 @@ class Stopper:
         self.in_loop, self.step = False, None
         self.parent = os.getppid()
         self._old: dict = {}
-        self._old_death: int | None = None
         self._done = threading.Event()
 
     def __enter__(self) -> Stopper:
-        if threading.current_thread() is not threading.main_thread():  # signals reach the main thread only
-            return self
-        self._old = {s: signal.signal(s, self._on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
-        if self.parent > 1:
-            self._old_death = _set_death_signal(signal.SIGTERM)
-            if self._old_death is None:
-                threading.Thread(target=self._watch_parent, daemon=True).start()
-            if os.getppid() != self.parent:  # it ended before the death signal was set
-                self._on_signal(signal.SIGTERM, None)
+        if self.parent > 1:  # 1 (or 0): started detached, there is no launcher to follow
+            threading.Thread(target=self._watch_parent, daemon=True).start()
+        if threading.current_thread() is threading.main_thread():  # signals reach the main thread only
+            self._old = {s: signal.signal(s, self._on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
         return self
 
     def __exit__(self, *exc) -> None:
         self._done.set()
         for s, h in self._old.items():
             signal.signal(s, h)
-        if self._old_death is not None:
-            _set_death_signal(self._old_death)
         self._old = {}
 
     def _watch_parent(self) -> None:
-        while not self._done.wait(1.0):
+        while not self._done.wait(0.5):
             if os.getppid() != self.parent:
-                os.kill(os.getpid(), signal.SIGTERM)
-                return
+                self._exit_now(signal.SIGTERM, f"its launcher, PID {self.parent}, ended")
 
     def _on_signal(self, signum: int, frame) -> None:
         name = signal.Signals(signum).name
@@ -188,23 +179,6 @@ class Stopper:
                 print(("\n" if after_bar else "") + msg, file=sys.stderr, flush=True)  # below the progress bar
             except (OSError, ValueError):  # the terminal went with the launcher
                 pass
-
-
-def _set_death_signal(sig: int) -> int | None:
-    """prctl(PR_SET_PDEATHSIG, sig): the kernel sends sig when the parent ends. Returns the previous setting, or
-    None where it is unavailable (not Linux)."""
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        old = ctypes.c_int(0)
-        if libc.prctl(2, ctypes.byref(old), 0, 0, 0) != 0:  # PR_GET_PDEATHSIG
-            return None
-        if libc.prctl(1, ctypes.c_ulong(int(sig)), 0, 0, 0) != 0:  # PR_SET_PDEATHSIG
-            return None
-        return old.value
-    except (OSError, AttributeError):
-        return None
 
 
 # keys a resumed run may change: the step budget (raising it continues a finished run), where and how it writes
