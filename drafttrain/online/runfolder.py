@@ -104,8 +104,6 @@ def lock_run_folder(out: Path, acc) -> RunLock | None:
 
         err = broadcast_object_list([err])[0]
     if err:
-        if lock is not None:
-            lock.release()
         raise ConfigError(err)
     return lock
 
