@@ -34,13 +34,19 @@ def write_json(obj: dict, path: str | Path) -> Path:
 
 class RunLogger:
     """One JSONL record per RL step (the same keys in every recipe) + TensorBoard scalars.
-    On resume, records at or after resume_step are dropped first, so no step is ever logged twice."""
+    On resume, records at or after resume_step are dropped first, so no step is ever logged twice; so are malformed
+    lines (a write cut short by a kill, a damaged file), each well-formed record before resume_step is kept, and
+    `say` gets one line naming what was dropped."""
 
-    def __init__(self, out_dir: str | Path, tensorboard: bool = True, resume_step: int = 0):
+    def __init__(self, out_dir: str | Path, tensorboard: bool = True, resume_step: int = 0, say=print):
         self.out = Path(out_dir)
         self.out.mkdir(parents=True, exist_ok=True)
         self.path = self.out / "metrics.jsonl"
-        self.records = [r for r in read_jsonl(self.path) if r.get("step", 0) < resume_step]
+        bad: list[int] = []
+        self.records = [r for r in read_jsonl(self.path, bad) if r["step"] < resume_step]
+        if bad:
+            say(f"[drafttrain] {self.path}: dropped {len(bad)} malformed line(s) (line "
+                f"{', '.join(map(str, bad[:10]))}{', ...' if len(bad) > 10 else ''}); every other record was kept")
         tmp = self.path.with_name(".metrics.jsonl.tmp")
         tmp.write_text("".join(json.dumps(r) + "\n" for r in self.records))
         os.replace(tmp, self.path)
@@ -72,16 +78,22 @@ class RunLogger:
             self.tb.close()
 
 
-def read_jsonl(path: str | Path) -> list[dict]:
+def read_jsonl(path: str | Path, bad: list[int] | None = None) -> list[dict]:
+    """The step records of a metrics file. A malformed line (cut short by a kill, or damaged) is skipped, not the
+    end of the file: its 1-based number goes to `bad`."""
     path = Path(path)
     if not path.exists():
         return []
     out = []
-    for line in path.read_text().splitlines():
+    for i, line in enumerate(path.read_text(errors="replace").splitlines(), 1):
         try:
-            out.append(json.loads(line))
-        except json.JSONDecodeError:  # a line cut short by a kill
-            break
+            rec = json.loads(line)
+        except json.JSONDecodeError:
+            rec = None
+        if isinstance(rec, dict) and isinstance(rec.get("step"), int):
+            out.append(rec)
+        elif bad is not None:
+            bad.append(i)
     return out
 
 

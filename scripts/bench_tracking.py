@@ -39,6 +39,7 @@ from drafttrain.online.acceptance import teacher_forced_acceptance
 from drafttrain.online.buffer import FeatureBuffer
 from drafttrain.online.capture import teacher_forced_features
 from drafttrain.online.run import main as run_main
+from drafttrain.online.runfolder import load_checkpoint
 from drafttrain.online.trainer import DrafterTrainer
 from drafttrain.policy import encode_prompt, load_policy, make_prompts
 from drafttrain.report import format_table, read_jsonl, write_json
@@ -148,7 +149,7 @@ def main(cfg) -> dict:
         last = run_dir / "ckpt" / (run_dir / "ckpt" / "latest").read_text().strip()
         policy, _ = load_policy(str(last / "policy"))
         tracking = copy.deepcopy(frozen)
-        tracking.load_state_dict(torch.load(last / "trainer.pt", weights_only=False)["drafter"])
+        tracking.load_state_dict(load_checkpoint(last / "trainer.pt")["drafter"])
         tracking.eval()
         ar = build_engine(rc.engine, policy, None)
         p_or, b_or = rollouts(ar, tok, cfg.oracle_rollouts, 10_000 + c, cfg.max_new_tokens)

@@ -8,11 +8,15 @@ latest complete step wins), report.png and a summary table at the end, and eval.
 held-out accuracy before and after the run (rl.eval_prompts fixed problems, sampled and greedy). Under
 `accelerate launch` with N processes every process generates its own rollouts and DDP syncs both the policy's and
 the drafter's gradients.
+
+A rerun into the same run.out_dir resumes it, if its settings are the checkpoint's (raising rl.steps continues a
+run; a finished run is left as it is). One job at a time holds a run folder. SIGTERM/SIGINT stop the job after the
+current step's checkpoint, and the job ends with the process that started it (run it inside tmux or screen to keep
+it going after you log out): see online/runfolder.py.
 """
 from __future__ import annotations
 
 import os
-import shutil
 import sys
 import time
 from pathlib import Path
@@ -24,47 +28,15 @@ from tqdm import tqdm
 from drafttrain.config import ConfigError, load_recipe, resolve_path, save_config
 from drafttrain.drafters import build_drafter
 from drafttrain.engines import build_engine
-from drafttrain.policy import load_policy, save_policy
-from drafttrain.report import RunLogger, eval_table, plot_run, summary_table, write_json
+from drafttrain.online.runfolder import (CheckpointError, Checkpointer, Stopper, changed_settings, load_checkpoint,
+                                         lock_run_folder)
+from drafttrain.policy import load_policy
+from drafttrain.report import RunLogger, eval_table, plot_run, read_jsonl, summary_table, write_json
 from drafttrain.rl.grpo import GRPO
 from drafttrain.rl.hooks import DraftTracker
 
 
-class Checkpointer:
-    """out/ckpt/step-N/ (policy, state.pt, trainer state); `latest` names the last complete one."""
-
-    def __init__(self, out: Path, acc):
-        self.root, self.acc = out / "ckpt", acc
-
-    def latest(self) -> Path | None:
-        f = self.root / "latest"
-        if not f.is_file():
-            return None
-        p = self.root / f.read_text().strip()
-        return p if (p / "state.pt").is_file() else None
-
-    def save(self, step: int, grpo: GRPO, tracker: DraftTracker, recipe: str, eval_before: dict | None) -> None:
-        d = self.root / f"step-{step}"
-        tmp = self.root / f".tmp-step-{step}"
-        if self.acc.is_main_process:
-            shutil.rmtree(tmp, ignore_errors=True)
-            tmp.mkdir(parents=True)
-        self.acc.wait_for_everyone()
-        if tracker.trainer is not None:  # self-drafters have no training state
-            tracker.trainer.save(tmp / "trainer.pt")  # every process: its buffer shard
-        if self.acc.is_main_process:
-            save_policy(grpo.policy, grpo.tok, str(tmp / "policy"))
-            torch.save({"step": step, "recipe": recipe, "opt": grpo.opt.state_dict(),
-                        "tracker": tracker.state_dict(), "rng": torch.get_rng_state(), "eval_before": eval_before},
-                       tmp / "state.pt")
-            shutil.rmtree(d, ignore_errors=True)
-            os.replace(tmp, d)
-            (self.root / ".latest.tmp").write_text(d.name)
-            os.replace(self.root / ".latest.tmp", self.root / "latest")
-            for old in self.root.glob("step-*"):
-                if old != d:
-                    shutil.rmtree(old, ignore_errors=True)
-        self.acc.wait_for_everyone()
+RESUME_HINT = "set run.resume=false to start over, or restore an earlier ckpt/step-N and name it in ckpt/latest"
 
 
 def main(cfg) -> list[dict]:
@@ -75,12 +47,36 @@ def main(cfg) -> list[dict]:
     acc = Accelerator(cpu=True, kwargs_handlers=[InitProcessGroupKwargs(backend="gloo")] if multi else [])
     torch.manual_seed(cfg.run.seed + acc.process_index)
     out = Path(cfg.run.out_dir)
-    ckpt = Checkpointer(out, acc)
-    last = ckpt.latest() if cfg.run.resume else None
-    state = torch.load(last / "state.pt", weights_only=False) if last else None
-    if state is not None and state["recipe"] != cfg.recipe:
+    lock = lock_run_folder(out, acc)  # one job per run folder, before anything in it is read
+    try:
+        with Stopper(acc, out) as stopper:
+            return _run(cfg, acc, out, stopper)
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def _resume_state(cfg, last: Path, out: Path) -> dict:
+    """The checkpoint's state, if this run may continue it: same recipe, same settings (FREE_ON_RESUME aside)."""
+    try:
+        state = load_checkpoint(last / "state.pt")
+    except CheckpointError as e:
+        raise ConfigError(f"run.resume: {e} ({RESUME_HINT})") from None
+    if state["recipe"] != cfg.recipe:
         raise ConfigError(f"run.resume: {out} holds a checkpoint of recipe {state['recipe']!r}, not "
                           f"{cfg.recipe!r} (choose another run.out_dir or set run.resume=false)")
+    changed = changed_settings(state["config"], cfg, state["step"]) if "config" in state else []
+    if changed:
+        raise ConfigError(f"run.resume: {out} holds a run with other settings: {'; '.join(changed)} (rerun with "
+                          f"its settings, raising rl.steps continues it; or choose another run.out_dir, or set "
+                          f"run.resume=false to start over)")
+    return state
+
+
+def _run(cfg, acc, out: Path, stopper: Stopper) -> list[dict]:
+    ckpt = Checkpointer(out, acc)
+    last = ckpt.latest() if cfg.run.resume else None
+    state = _resume_state(cfg, last, out) if last else None
     policy, tok = load_policy(str(last / "policy") if last else str(resolve_path(cfg.policy.path)))
     say = (lambda m: tqdm.write(m)) if acc.is_main_process else (lambda m: None)
     try:  # a drafter that does not fit the policy is bad input: one line, and nothing written yet
@@ -95,16 +91,22 @@ def main(cfg) -> list[dict]:
         if tracker.trainer is not None:
             try:
                 tracker.trainer.load(last / "trainer.pt")
+            except CheckpointError as e:
+                raise ConfigError(f"run.resume: {e} ({RESUME_HINT})") from None
             except ValueError as e:  # resumed with another number of processes: bad input, one line
                 raise ConfigError(f"run.resume: {e}") from None
         tracker.load_state_dict(state["tracker"])
         grpo.opt.load_state_dict(state["opt"])
         torch.set_rng_state(state["rng"])
         start = state["step"]
+        if start >= cfg.rl.steps and ckpt.finished():  # its report and eval are written: rewrite nothing
+            say(f"[drafttrain] {out} holds a finished run ({start} of {cfg.rl.steps} steps): nothing to do (raise "
+                f"rl.steps to continue it)")
+            return read_jsonl(out / "metrics.jsonl")
         say(f"[drafttrain] resumed {out} at step {start}, drafter v{tracker.version}")
     if acc.is_main_process:
         save_config(cfg, out)
-    logger = RunLogger(out, cfg.run.tensorboard, resume_step=start) if acc.is_main_process else None
+    logger = RunLogger(out, cfg.run.tensorboard, resume_step=start, say=say) if acc.is_main_process else None
     before = state.get("eval_before") if state else None  # the step-0 policy's, carried through resumes
     if logger and cfg.rl.eval_prompts and state is None:
         before = grpo.evaluate()
@@ -113,7 +115,9 @@ def main(cfg) -> list[dict]:
     first_rollout_s = time.perf_counter() - t_ro  # each later rollout is timed inside the step before it
     bar = tqdm(range(start, cfg.rl.steps), desc=f"{cfg.recipe}", disable=not acc.is_main_process,
                initial=start, total=cfg.rl.steps)
+    stopper.in_loop = True  # from here a SIGTERM/SIGINT waits for the step's checkpoint
     for step in bar:
+        stopper.step = step
         rec, ro = grpo.run_step(step, ro, last=step == cfg.rl.steps - 1)
         if step == start:  # the RL loop's wall time is the sum of rl_step_s: the first step's rollout belongs to it
             rec["rl_step_s"] += first_rollout_s
@@ -122,7 +126,13 @@ def main(cfg) -> list[dict]:
                 logger.log(rec)
                 bar.set_postfix(reward=f"{rec['reward_mean']:.2f}", mal=f"{rec['live_mal']:.2f}",
                                 frozen=f"{rec.get('frozen_tf_mal') or 0:.2f}", v=tracker.version)
-            ckpt.save(step + 1, grpo, tracker, cfg.recipe, before)
+            ckpt.save(step + 1, grpo, tracker, cfg, before)
+        if stopper.stop_requested():
+            bar.close()
+            if logger:
+                logger.close()
+            stopper.stop(step + 1, cfg.rl.steps)
+    stopper.in_loop, stopper.step = False, None
     if logger is None:
         return []
     logger.close()
@@ -135,6 +145,7 @@ def main(cfg) -> list[dict]:
         write_json({"prompts": cfg.rl.eval_prompts, "seed": cfg.rl.eval_seed, "before": before, "after": after},
                    out / "eval.json")
         print(eval_table(before, after))
+    ckpt.mark_finished()
     return logger.records
 
 

@@ -19,6 +19,8 @@ import torch
 import torch.nn as nn
 from accelerate import Accelerator
 
+from drafttrain.online.runfolder import load_checkpoint
+
 
 class _TTTLoss(nn.Module):
     """Routes the loss through forward() so a DDP wrapper sees the call and syncs the gradients."""
@@ -102,7 +104,7 @@ class DrafterTrainer:
 
     def load(self, path: str | Path) -> dict:
         path = Path(path)
-        main = torch.load(path, map_location="cpu", weights_only=False)
+        main = load_checkpoint(path)  # tensors and plain containers only: CheckpointError otherwise
         if main["world"] != self.acc.num_processes:
             raise ValueError(f"trainer state {path}: saved with {main['world']} processes, resumed with "
                              f"{self.acc.num_processes} (the buffer shards would not match)")
@@ -111,8 +113,7 @@ class DrafterTrainer:
         self.step_count = int(main["step"])
         own = main  # a process without a buffer writes no file of its own: it takes process 0's generator and extra
         if self.buffer is not None:
-            own = main if self.acc.is_main_process else torch.load(self._rank_path(path), map_location="cpu",
-                                                                   weights_only=False)
+            own = main if self.acc.is_main_process else load_checkpoint(self._rank_path(path))
             if "buffer" in own:
                 self.buffer.load_state_dict(own["buffer"])
         if "ttt_gen" in own:  # absent from states written before it was saved: the generator stays as it is

@@ -81,3 +81,16 @@ def test_pretrain_missing_policy_names_path(tmp_path):
     missing = tmp_path / "nope"
     with pytest.raises(FileNotFoundError, match=str(missing)):
         P.main(P.parse([f"policy.path={missing}", f"out={tmp_path / 'o'}"]))
+
+
+def test_pretrain_resume_refuses_a_state_that_would_run_code(policy_dir, tmp_path):
+    """<out>.state/trainer.pt from elsewhere: read without unpickling anything but tensors and plain containers."""
+    from tests.unit.test_runfolder import Touch
+
+    P, marker = _script(), tmp_path / "ran"
+    state = tmp_path / "eagle3.state" / "trainer.pt"
+    state.parent.mkdir()
+    torch.save({"step": 1, "world": 1, "extra": {"x": Touch(marker)}}, state)
+    with pytest.raises(ConfigError, match=r"resume: .*trainer\.pt holds builtins\.exec"):
+        P.main(P.parse([f"policy.path={policy_dir}", f"out={tmp_path / 'eagle3'}", "prompts=8", "chunk=8"]))
+    assert not marker.exists()

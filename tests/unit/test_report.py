@@ -26,3 +26,18 @@ def test_resumed_logger_logs_no_step_twice(tmp_path):
     events = [(e.step, e.value) for e in ea.Scalars("reward_mean")]
     assert max(collections.Counter(s for s, _ in events).values()) == 1, events  # step 2 was there twice
     assert dict(events) == {0: 0.0, 1: 1.0, 2: 12.0, 3: 13.0}
+
+
+def test_resume_keeps_every_good_record_around_a_corrupt_line(tmp_path, capsys):
+    """Line 5 of a 12-step file cut short: resuming at step 12 keeps the 11 good records (it kept steps 0-3 and
+    dropped 4-11 silently) and says which line it dropped."""
+    import json
+
+    lines = [json.dumps({"step": s, "reward_mean": float(s)}) for s in range(12)]
+    lines[4] = lines[4][:9]
+    (tmp_path / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+    lg = RunLogger(tmp_path, tensorboard=False, resume_step=12)
+    lg.log({"step": 12, "reward_mean": 12.0})
+    assert [r["step"] for r in read_jsonl(tmp_path / "metrics.jsonl")] == [0, 1, 2, 3, *range(5, 13)]
+    said = capsys.readouterr().out.splitlines()
+    assert len(said) == 1 and "line 5" in said[0] and "metrics.jsonl" in said[0], said

@@ -1,0 +1,264 @@
+"""What keeps a run folder whole: one job at a time (RunLock), a job that stops cleanly on SIGTERM/SIGINT and never
+outlives the process that started it (Stopper), atomic checkpoints with the resolved config (Checkpointer), and
+checkpoint reads that unpickle nothing but tensors and plain containers (load_checkpoint).
+
+Every checkpoint is written to a temporary folder and renamed into place, so a job stopped at any moment leaves the
+last complete one behind: stopping at once is always safe, stopping at a step boundary only saves the step's work.
+"""
+from __future__ import annotations
+
+import io
+import os
+import shutil
+import signal
+import sys
+import threading
+import zipfile
+from pathlib import Path
+
+import torch
+from omegaconf import OmegaConf
+from torch._weights_only_unpickler import get_globals_in_pkl
+
+from drafttrain.config import ConfigError
+
+# every pickle global a checkpoint of this project holds: tensors (rebuilt from typed storages) and ordered dicts;
+# the rest is ints, floats, strings, bools, None, lists, tuples and dicts, which need no global
+SAFE_GLOBALS = frozenset({"collections.OrderedDict", "torch._utils._rebuild_tensor_v2",
+                          *(f"torch.{t}Storage" for t in ("Bool", "Byte", "Char", "Short", "Int", "Long", "Half",
+                                                          "BFloat16", "Float", "Double"))})
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be read safely: truncated, corrupt, or holding a type outside SAFE_GLOBALS."""
+
+
+def load_checkpoint(path: str | Path) -> dict:
+    """torch.load a checkpoint this project wrote, running no code from it: the pickle's globals are read without
+    unpickling and must all be in SAFE_GLOBALS, then torch loads it with weights_only=True."""
+    path = Path(path)
+    try:
+        with zipfile.ZipFile(path) as z:
+            pkl = next(n for n in z.namelist() if n == "data.pkl" or n.endswith("/data.pkl"))
+            found = get_globals_in_pkl(io.BytesIO(z.read(pkl)))
+    except (OSError, EOFError, StopIteration, ValueError, zipfile.BadZipFile, RuntimeError) as e:
+        raise CheckpointError(f"{path} is unreadable (truncated or corrupt: {_first_line(e)})") from None
+    unsafe = sorted(set(found) - SAFE_GLOBALS)
+    if unsafe:
+        raise CheckpointError(f"{path} holds {', '.join(unsafe)}, which no drafttrain checkpoint holds: not loaded "
+                              f"(unpickling it could run code)")
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # noqa: BLE001  the weights-only unpickler refuses what the scan could not see
+        raise CheckpointError(f"{path} is unreadable ({type(e).__name__}: {_first_line(e)})") from None
+
+
+def _first_line(e: BaseException) -> str:
+    s = str(e).strip().splitlines()
+    return (s[0] if s else type(e).__name__)[:160]
+
+
+class RunLock:
+    """An exclusive flock on <out>/.lock, which holds the holder's PID. The kernel drops a flock when its holder
+    dies, so a lock file left by a process that no longer exists is simply taken over."""
+
+    def __init__(self, out: Path):
+        self.path, self.fd = out / ".lock", None
+
+    def acquire(self) -> None:
+        import fcntl
+
+        if self.path.parent.exists() and not self.path.parent.is_dir():
+            raise ConfigError(f"run.out_dir: {self.path.parent} is a file, not a folder")
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.read(fd, 32).decode(errors="replace").strip() or "unknown"
+            os.close(fd)
+            raise ConfigError(f"run.out_dir: {self.path.parent} is in use by another job (PID {holder}); wait for "
+                              f"it to end or stop it, or choose another run.out_dir") from None
+        if os.read(fd, 32).decode(errors="replace").strip() != str(os.getpid()):
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        self.fd = fd
+
+    def release(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)  # closing the descriptor drops the flock
+            self.fd = None
+
+
+def lock_run_folder(out: Path, acc) -> RunLock | None:
+    """The main process locks the folder; with N processes the others learn whether it could, and fail with it."""
+    lock, err = None, ""
+    if acc.is_main_process:
+        lock = RunLock(out)
+        try:
+            lock.acquire()
+        except ConfigError as e:
+            lock, err = None, str(e)
+    if acc.num_processes > 1:
+        from accelerate.utils import broadcast_object_list
+
+        err = broadcast_object_list([err])[0]
+    if err:
+        raise ConfigError(err)
+    return lock
+
+
+class Stopper:
+    """SIGTERM or SIGINT stops the job at the next step boundary, after that step's checkpoint; a second signal, or
+    one outside the RL loop, stops it at once. The job also stops at once when the process that started it ends
+    (accelerate, torchrun or a shell: a killed launcher must not leave it training), seen by a thread that polls
+    the parent's PID. Not PR_SET_PDEATHSIG: it fires when the parent *thread* ends, and under torch elastic a worker
+    got it while its launcher was still alive. Each way out prints one line and exits with 128 + the signal."""
+
+    def __init__(self, acc, out: Path):
+        self.acc, self.ckpt_root = acc, out / "ckpt"
+        self.signum: int | None = None
+        self.in_loop, self.step = False, None
+        self.parent = os.getppid()
+        self._old: dict = {}
+        self._done = threading.Event()
+
+    def __enter__(self) -> Stopper:
+        if self.parent > 1:  # 1 (or 0): started detached, there is no launcher to follow
+            threading.Thread(target=self._watch_parent, daemon=True).start()
+        if threading.current_thread() is threading.main_thread():  # signals reach the main thread only
+            self._old = {s: signal.signal(s, self._on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._done.set()
+        for s, h in self._old.items():
+            signal.signal(s, h)
+        self._old = {}
+
+    def _watch_parent(self) -> None:
+        while not self._done.wait(0.5):
+            if os.getppid() != self.parent:
+                self._exit_now(signal.SIGTERM, f"its launcher, PID {self.parent}, ended")
+
+    def _on_signal(self, signum: int, frame) -> None:
+        name = signal.Signals(signum).name
+        if os.getppid() != self.parent:
+            self._exit_now(signum, f"its launcher, PID {self.parent}, ended")
+        elif self.signum is not None or not self.in_loop:
+            self._exit_now(signum, f"{name}{' again' if self.signum is not None else ''}")
+        self.signum = signum
+
+    def _exit_now(self, signum: int, why: str) -> None:
+        latest = self.ckpt_root / "latest"
+        last = f"{self.ckpt_root}/{latest.read_text().strip()}" if latest.is_file() else "none yet"
+        where = f" during step {self.step}" if self.step is not None else ""
+        self._say(f"[drafttrain] stopped ({why}){where}: the last checkpoint ({last}) stands; rerun the same "
+                  f"command to resume", after_bar=self.in_loop)
+        os._exit(128 + signum)  # nothing to finish: checkpoints are atomic, and waiting could hang on a gone peer
+
+    def stop_requested(self) -> bool:
+        """At a step boundary: did a signal arrive (on any process: they all stop at the same step)?"""
+        flag = float(self.signum is not None)
+        if self.acc.num_processes > 1:
+            flag = float(self.acc.reduce(torch.tensor([flag]), "sum").item())
+        return flag > 0
+
+    def stop(self, step: int, steps: int) -> None:
+        name = signal.Signals(self.signum).name if self.signum is not None else "a signal to another process"
+        self._say(f"[drafttrain] stopped by {name} at step {step} of {steps}: saved in {self.ckpt_root}/step-{step}; "
+                  f"rerun the same command to resume")
+        raise SystemExit(128 + (self.signum or signal.SIGTERM))
+
+    def _say(self, msg: str, after_bar: bool = False) -> None:
+        if self.acc.is_main_process:
+            try:
+                sys.stdout.flush()
+                print(("\n" if after_bar else "") + msg, file=sys.stderr, flush=True)  # below the progress bar
+            except (OSError, ValueError):  # the terminal went with the launcher
+                pass
+
+
+# keys a resumed run may change: the step budget (raising it continues a finished run), where and how it writes
+FREE_ON_RESUME = ("rl.steps", "run.resume", "run.out_dir", "run.tensorboard")
+
+
+def changed_settings(saved: dict, cfg, step: int) -> list[str]:
+    """'key (saved -> now)' for each setting a resume would change, beyond FREE_ON_RESUME; rl.steps below the
+    checkpoint's step too."""
+    old, now = _flat(saved), _flat(OmegaConf.to_container(cfg, resolve=True))
+    out = [f"{k} ({_short(old.get(k, '<absent>'))} -> {_short(now.get(k, '<absent>'))})"
+           for k in sorted(old.keys() | now.keys())
+           if k not in FREE_ON_RESUME and (k not in old or k not in now or old[k] != now[k])]
+    if cfg.rl.steps < step:
+        out.append(f"rl.steps ({cfg.rl.steps} is below the checkpoint's step {step})")
+    return out
+
+
+def _flat(d: dict, pre: str = "") -> dict:
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(_flat(v, f"{pre}{k}."))
+        else:
+            out[f"{pre}{k}"] = v
+    return out
+
+
+def _short(v) -> str:
+    s = repr(v)
+    return s if len(s) <= 40 else s[:37] + "..."
+
+
+class Checkpointer:
+    """out/ckpt/step-N/ (policy, state.pt with the resolved config, trainer state); `latest` names the last complete
+    one, and `finished` names it once the run's outputs (report, eval) are written."""
+
+    def __init__(self, out: Path, acc):
+        self.root, self.acc = out / "ckpt", acc
+
+    def latest(self) -> Path | None:
+        f = self.root / "latest"
+        if not f.is_file():
+            return None
+        p = self.root / f.read_text().strip()
+        return p if (p / "state.pt").is_file() else None
+
+    def finished(self) -> bool:
+        f, last = self.root / "finished", self.latest()
+        return last is not None and f.is_file() and f.read_text().strip() == last.name
+
+    def mark_finished(self) -> None:
+        last = self.latest()
+        if self.acc.is_main_process and last is not None:
+            _write_atomic(self.root / "finished", last.name)
+
+    def save(self, step: int, grpo, tracker, cfg, eval_before: dict | None) -> None:
+        from drafttrain.policy import save_policy
+
+        d = self.root / f"step-{step}"
+        tmp = self.root / f".tmp-step-{step}"
+        if self.acc.is_main_process:
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+        self.acc.wait_for_everyone()
+        if tracker.trainer is not None:  # self-drafters have no training state
+            tracker.trainer.save(tmp / "trainer.pt")  # every process: its buffer shard
+        if self.acc.is_main_process:
+            save_policy(grpo.policy, grpo.tok, str(tmp / "policy"))
+            torch.save({"step": step, "recipe": cfg.recipe, "config": OmegaConf.to_container(cfg, resolve=True),
+                        "opt": grpo.opt.state_dict(), "tracker": tracker.state_dict(), "rng": torch.get_rng_state(),
+                        "eval_before": eval_before}, tmp / "state.pt")
+            shutil.rmtree(d, ignore_errors=True)
+            os.replace(tmp, d)
+            _write_atomic(self.root / "latest", d.name)
+            for old in self.root.glob("step-*"):
+                if old != d:
+                    shutil.rmtree(old, ignore_errors=True)
+        self.acc.wait_for_everyone()
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)

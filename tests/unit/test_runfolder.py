@@ -1,0 +1,143 @@
+"""The run folder's guards without running a job: checkpoint reads that run no code, the folder lock (one holder, a
+stale lock taken over, every process failing with the main one), and the settings a resume may not change."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from collections import OrderedDict
+from pathlib import Path
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from drafttrain.config import ConfigError, load_recipe
+from drafttrain.online.runfolder import CheckpointError, RunLock, changed_settings, load_checkpoint, lock_run_folder
+
+
+class Touch:
+    """Unpickling it runs code: it creates the file at `path`."""
+
+    def __init__(self, path: Path):
+        self.path = str(path)
+
+    def __reduce__(self):
+        return exec, (f"open({self.path!r}, 'w').close()",)
+
+
+def test_checkpoint_with_code_in_its_pickle_is_refused_unrun(tmp_path):
+    marker = tmp_path / "ran"
+    path = tmp_path / "state.pt"
+    torch.save({"step": 1, "tracker": {"x": Touch(marker)}}, path)
+    torch.load(path, weights_only=False)  # the trap works: an unsafe load runs it
+    assert marker.is_file()
+    marker.unlink()
+    with pytest.raises(CheckpointError) as e:
+        load_checkpoint(path)
+    msg = str(e.value)
+    assert str(path) in msg and "builtins.exec" in msg and "\n" not in msg, msg
+    assert not marker.exists()
+
+
+def test_checkpoint_of_plain_state_loads_exactly(tmp_path):
+    state = {"step": 3, "opt": {"state": {0: {"exp_avg": torch.randn(4)}}, "param_groups": [{"lr": 1e-3}]},
+             "rng": torch.get_rng_state(), "w": OrderedDict(a=torch.ones(2, dtype=torch.bfloat16)),
+             "flags": [True, None, 1.5, "x"], "ids": torch.arange(3), "mask": torch.ones(2, dtype=torch.bool)}
+    torch.save(state, tmp_path / "s.pt")
+    got = load_checkpoint(tmp_path / "s.pt")
+    assert torch.equal(got["rng"], state["rng"]) and got["flags"] == state["flags"]
+    assert torch.equal(got["opt"]["state"][0]["exp_avg"], state["opt"]["state"][0]["exp_avg"])
+    assert got["w"]["a"].dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("how", ["truncated", "empty", "garbled"])
+def test_unreadable_checkpoint_is_one_line_naming_it(tmp_path, how):
+    path = tmp_path / "trainer.pt"
+    torch.save({"w": torch.randn(64, 64)}, path)
+    data = path.read_bytes()
+    path.write_bytes({"truncated": data[: len(data) // 2], "empty": b"", "garbled": data[:200] + b"x" * 500}[how])
+    with pytest.raises(CheckpointError) as e:
+        load_checkpoint(path)
+    assert str(path) in str(e.value) and "\n" not in str(e.value)
+
+
+HOLD = ("import sys; from pathlib import Path; from drafttrain.online.runfolder import RunLock; "
+        "RunLock(Path(sys.argv[1])).acquire(); print('locked', flush=True); sys.stdin.read()")
+
+
+def _holder(out: Path) -> subprocess.Popen:
+    p = subprocess.Popen([sys.executable, "-c", HOLD, str(out)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                         text=True, env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[2])})
+    assert p.stdout.readline().strip() == "locked"
+    return p
+
+
+def test_lock_held_by_a_live_process_names_it_and_a_dead_ones_is_taken(tmp_path):
+    out = tmp_path / "run"
+    p = _holder(out)
+    try:
+        with pytest.raises(ConfigError) as e:
+            RunLock(out).acquire()
+        assert f"PID {p.pid}" in str(e.value) and "run.out_dir" in str(e.value)
+    finally:
+        p.stdin.close()
+        p.wait()
+    assert (out / ".lock").read_text().strip() == str(p.pid)  # its holder is gone: the lock is stale
+    lock = RunLock(out)
+    lock.acquire()
+    assert (out / ".lock").read_text().strip() == str(os.getpid())
+    lock.release()
+
+
+def _rank_lock(rank: int, out: str, port: int, result: str) -> None:
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))
+    from accelerate import Accelerator, InitProcessGroupKwargs
+
+    acc = Accelerator(cpu=True, kwargs_handlers=[InitProcessGroupKwargs(backend="gloo")])
+    try:
+        lock_run_folder(Path(out), acc)
+        msg = "locked"
+    except ConfigError as e:
+        msg = str(e)
+    Path(f"{result}.{rank}").write_text(msg)
+    torch.distributed.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_every_process_fails_when_the_main_one_cannot_lock(tmp_path):
+    """Only the main process takes the lock; under N processes the others fail with it, instead of running on."""
+    import socket
+
+    out = tmp_path / "run"
+    p = _holder(out)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=_rank_lock, args=(r, str(out), port, str(tmp_path / "res"))) for r in range(2)]
+    try:
+        for q in procs:
+            q.start()
+        deadline = time.monotonic() + 120
+        for q in procs:
+            q.join(max(1.0, deadline - time.monotonic()))
+    finally:
+        for q in procs:
+            if q.is_alive():
+                q.kill()
+        p.stdin.close()
+        p.wait()
+    msgs = [(tmp_path / f"res.{r}").read_text() for r in range(2)]
+    assert all(f"PID {p.pid}" in m for m in msgs), msgs
+
+
+def test_changed_settings_lists_the_keys_a_resume_would_change():
+    from omegaconf import OmegaConf
+
+    saved = OmegaConf.to_container(load_recipe("eagle3_track", ["rl.steps=60"]), resolve=True)
+    assert changed_settings(saved, load_recipe("eagle3_track", ["rl.steps=80", "run.out_dir=/x"]), 60) == []
+    got = changed_settings(saved, load_recipe("eagle3_track", ["rl.steps=10", "engine.k=auto"]), 60)
+    assert got == ["engine.k (5 -> 'auto')", "rl.steps (10 is below the checkpoint's step 60)"]
