@@ -108,11 +108,17 @@ def lock_run_folder(out: Path, acc) -> RunLock | None:
     return lock
 
 
+def launched() -> bool:
+    """Was this process started by accelerate launch (its simple launcher always sets ACCELERATE_MIXED_PRECISION)
+    or by torch's elastic launcher (LOCAL_RANK)?"""
+    return "LOCAL_RANK" in os.environ or "ACCELERATE_MIXED_PRECISION" in os.environ
+
+
 class Stopper:
     """SIGTERM or SIGINT stops the job at the next step boundary, after that step's checkpoint; a second signal, or
-    one outside the RL loop, stops it at once. The job also stops at once when the process that started it ends
-    (accelerate, torchrun or a shell: a killed launcher must not leave it training), seen by a thread that polls
-    the parent's PID. Not PR_SET_PDEATHSIG: it fires when the parent *thread* ends, and under torch elastic a worker
+    one outside the RL loop, stops it at once. Started by a launcher (accelerate or torchrun), the job also stops at
+    once when that launcher ends (a killed launcher must not leave it training), seen by a thread that polls the
+    parent's PID; started from a shell (`python -m drafttrain.online`), it does not follow the shell (nohup works). Not PR_SET_PDEATHSIG: it fires when the parent *thread* ends, and under torch elastic a worker
     got it while its launcher was still alive. Each way out prints one line and exits with 128 + the signal."""
 
     def __init__(self, acc, out: Path):
@@ -124,7 +130,7 @@ class Stopper:
         self._done = threading.Event()
 
     def __enter__(self) -> Stopper:
-        if self.parent > 1:  # 1 (or 0): started detached, there is no launcher to follow
+        if self.parent > 1 and launched():  # parent 1 (or 0): started detached, there is no launcher to follow
             threading.Thread(target=self._watch_parent, daemon=True).start()
         if threading.current_thread() is threading.main_thread():  # signals reach the main thread only
             self._old = {s: signal.signal(s, self._on_signal) for s in (signal.SIGTERM, signal.SIGINT)}

@@ -141,3 +141,27 @@ def test_changed_settings_lists_the_keys_a_resume_would_change():
     assert changed_settings(saved, load_recipe("eagle3_track", ["rl.steps=80", "run.out_dir=/x"]), 60) == []
     got = changed_settings(saved, load_recipe("eagle3_track", ["rl.steps=10", "engine.k=auto"]), 60)
     assert got == ["engine.k (5 -> 'auto')", "rl.steps (10 is below the checkpoint's step 60)"]
+
+
+def test_a_job_started_from_a_shell_outlives_the_shell(tmp_path):
+    """Only a launcher's child follows its parent: `nohup python -m drafttrain.online ... &` must survive logout.
+    A middle process starts the job (no launcher variables) and exits; the job must still be running after it."""
+    alive, started = tmp_path / "alive", tmp_path / "started"
+    job = ("import os, sys, time\n"
+           "from pathlib import Path\n"
+           "from drafttrain.online.runfolder import Stopper\n"
+           "class Acc: num_processes, is_main_process = 1, True\n"
+           f"with Stopper(Acc(), Path({str(tmp_path)!r})):\n"
+           f"    Path({str(started)!r}).touch()\n"
+           "    time.sleep(2.5)\n"
+           f"    Path({str(alive)!r}).write_text(str(os.getppid()))\n")
+    env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "ACCELERATE_MIXED_PRECISION")}
+    env["PYTHONPATH"] = str(Path(__file__).parents[2])
+    middle = ("import os, subprocess, sys, time\n"  # exits once the job follows (or not) this, its parent
+              f"subprocess.Popen([sys.executable, '-c', {job!r}], start_new_session=True)\n"
+              f"while not os.path.exists({str(started)!r}): time.sleep(0.05)\n")
+    subprocess.run([sys.executable, "-c", middle], env=env, check=True, timeout=60)
+    deadline = time.time() + 30
+    while not alive.exists() and time.time() < deadline:
+        time.sleep(0.2)
+    assert alive.exists(), "the job stopped when the process that started it ended"
