@@ -2,6 +2,7 @@
 
     python scripts/bench_longtail.py                         # 16 prompts x G=4, all drafters and modes, sweep
     python scripts/bench_longtail.py prompts=4 sweep_batches=[1,8] drafters=[eagle3]
+    python scripts/bench_longtail.py overrides=[engine.max_batch=16]         # recipe overrides
 
 Workload: a GRPO-style batch (prompts x G samples of the shipped task, long-tailed response lengths): the active
 batch starts large (SD loses: verify costs ~ linearly more tokens on this CPU) and shrinks to the long tail
@@ -41,7 +42,7 @@ from drafttrain.policy import encode_prompt, load_policy, make_prompts
 from drafttrain.report import format_table, write_json
 from drafttrain.spec import SamplingParams
 
-DEFAULTS = dict(recipe="eagle3_track", prompts=16, group=4, max_new_tokens=256, k=5, seed=4321,
+DEFAULTS = dict(recipe="eagle3_track", overrides=[], prompts=16, group=4, max_new_tokens=256, k=5, seed=4321,
                 drafters=["eagle3", "selfquant_int8", "selfquant_int4"], sweep_batches=[1, 2, 4, 8, 16, 32, 64],
                 repeats=15, sweep_tokens=256, sweep_rows=32, sweep_min_batches=8, sweep_repeats=7,
                 out="bench/longtail.json", threads=2)
@@ -86,7 +87,7 @@ def interleaved(engines: dict, prompts, params, repeats: int, shift: int = 0) ->
 
 def main(cfg) -> dict:
     torch.set_num_threads(cfg.threads)
-    rc = load_recipe(cfg.recipe)
+    rc = load_recipe(cfg.recipe, list(cfg.overrides))
     policy, tok = load_policy(str(resolve_path(rc.policy.path)))
     probs = make_prompts(cfg.prompts, seed=cfg.seed)
     prompts = [encode_prompt(tok, p.prompt) for p in probs for _ in range(cfg.group)]

@@ -70,7 +70,8 @@ def hf_generate(policy, tok, prompts, params):
 
 def vllm_bench(cfg, rc, policy, drafter, prompts, params, torch_ar: dict) -> tuple[list[dict], dict]:
     """engine=vllm rows: AR vs SD on one vLLM engine (the recipe's engine config, kind=vllm) at cfg.vllm_batches;
-    then the drafter swap and the policy update into the running engine, cfg.vllm_swaps times each."""
+    then the drafter swap and the policy update into the running engine, cfg.vllm_swaps times each.
+    torch_ar: batch -> the embedded engine's AR tokens/s (vs_embedded_ar where it has that batch)."""
     import statistics
 
     rows = []
@@ -174,7 +175,8 @@ def main(cfg) -> dict:
               "theory_batch": cfg.batches[0], "mean_accepted_length_at_k": mal_at_k, "costs_ms": costs,
               "config": OmegaConf.to_container(cfg)}
     if cfg.vllm:
-        vrows, result["vllm"] = vllm_bench(cfg, rc, policy, drafter, prompts, params, ar)
+        ar_speed = {b: r["tokens_per_s"] for b, r in ar.items()}
+        vrows, result["vllm"] = vllm_bench(cfg, rc, policy, drafter, prompts, params, ar_speed)
         rows += vrows
     print(format_table(rows, ["engine", "mode", "batch", "tokens_per_s", "vs_embedded_ar", "decode_vs_embedded_ar",
                               "mean_accepted_length", "acceptance_per_position"]))
