@@ -239,7 +239,11 @@ def onednn_int8_saturates() -> bool:
     x_q, x_s, _ = ops.onednn_scaled_int8_quant(torch.full((1, 64), 127.0), None, None, True)
     out = torch.empty(1, 16)
     ops.onednn_scaled_mm(handle, x_q, out, x_s, None, None, None)
-    return not torch.allclose(out, torch.full_like(out, 127.0 * 127 * 64))
+    saturates = not torch.allclose(out, torch.full_like(out, 127.0 * 127 * 64))
+    if saturates:
+        logging.getLogger(__name__).warning("oneDNN's int8 matmul saturates on this CPU (no VNNI): W8A8 layers "
+                                            "multiply in fp32 over their int8 weights (exact, at fp32 cost)")
+    return saturates
 
 
 def _apply_w8a8_fp32(kernel, layer, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
