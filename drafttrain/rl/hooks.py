@@ -471,8 +471,8 @@ class DraftTracker:
 
     # ---- measurement --------------------------------------------------------------------------------------
     def measure(self, k: int | None = None) -> dict:
-        """Teacher-forced acceptance of the live and the frozen step-0 drafter on the rollouts captured since the
-        last on_policy_update (call it before on_policy_update: live is then the drafter that generated them).
+        """Teacher-forced acceptance of the live (served) and the frozen step-0 drafter on the rollouts captured since
+        the last on_policy_update (call it before on_policy_update: live is then the drafter that generated them).
         Its time (measure_s) is reporting: the time bank counts it neither as RL time nor as drafter work.
         Both are scored in the torch engine's runtime form (_runtime_form), as is the trainer's estimate."""
         if self.self_drafter:  # no teacher-forced scoring for a self-drafter; the same keys all the same
@@ -483,8 +483,8 @@ class DraftTracker:
         t0 = time.perf_counter()
         k = k or max_draft_len(self.cfg.engine)
         batch = _rows(self.pending, self.steps, self.cfg.online.measure_rows, self._gen["measure"])
-        with self._lock:
-            live_rt = self._runtime_form(self.drafter)
+        with self._lock:  # what the engines serve: the trainer's weights may be an update the gate holds back
+            live_rt = self._serving_form()
         if self._frozen_rt is None:
             self._frozen_rt = self._runtime_form(self.frozen)
         live = teacher_forced_acceptance(live_rt, batch, k)

@@ -714,7 +714,8 @@ def test_measure_scores_a_random_sample_of_the_steps_rollouts(trained, monkeypat
 
 def test_measure_scores_the_drafters_the_engine_runs(trained):
     """engine.drafter_int8 (the default): the engine drafts with int8 linears, so measure() scores the live and the
-    frozen drafter in that form (what the engine's acceptance is), not the fp32 training form."""
+    frozen drafter in that form (what the engine's acceptance is), not the fp32 training form. Live is what the
+    engines serve, not the trainer's weights, which an undecided publish gate keeps training unpublished."""
     import copy
 
     from drafttrain.online.acceptance import teacher_forced_acceptance
@@ -724,10 +725,14 @@ def test_measure_scores_the_drafters_the_engine_runs(trained):
     with torch.no_grad():
         for p in tracker.drafter.parameters():  # live and frozen differ
             p.add_(0.01 * torch.randn_like(p))
+    tracker.publisher.good_weights = {k: v.clone() for k, v in tracker.drafter.state_dict().items()}  # served
     batch = _rows(tracker.pending, tracker.steps, 64, torch.Generator())  # all 4 rows
     want = {name: teacher_forced_acceptance(copy.deepcopy(d).eval().fuse_for_inference(True), batch, 5)["mal"]
             for name, d in (("live", tracker.drafter), ("frozen", tracker.frozen))}
     fp32 = teacher_forced_acceptance(tracker.frozen, batch, 5)["mal"]
+    with torch.no_grad():
+        for p in tracker.drafter.parameters():  # an update the publish gate has not passed yet: not what serves
+            p.add_(0.05 * torch.randn_like(p))
     got = tracker.measure(5)
     assert got["live_tf_mal"] == pytest.approx(want["live"], abs=1e-6)
     assert got["frozen_tf_mal"] == pytest.approx(want["frozen"], abs=1e-6)
