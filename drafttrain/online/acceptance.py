@@ -110,9 +110,11 @@ def expected_spec_stats(r: torch.Tensor, valid: torch.Tensor, k: int) -> SpecSta
     return expected_row_stats(r, valid, k)[0]
 
 
-def expected_row_stats(r: torch.Tensor, valid: torch.Tensor, k: int) -> tuple[SpecStats, torch.Tensor]:
+def expected_row_stats(r: torch.Tensor, valid: torch.Tensor, k: int
+                       ) -> tuple[SpecStats, torch.Tensor, torch.Tensor]:
     """r [B, T, k] (acceptance_ratios), valid [B, >=T+1] (a contiguous run per row: position j predicts response
-    token j+1) -> the engine's SpecStats in expectation (float counts), steps 2. of the module docstring.
+    token j+1) -> (the engine's SpecStats in expectation (float counts), steps 2. of the module docstring; each
+    row's own MAL [B], nan for a row with no verify step; each row's expected verify steps [B]).
 
     Everything a step starting after token s does is linear in w = P(a step starts there), so the per-draft
     factors are computed for every s at once; only the propagation of w along s is a loop, of 3 ops per s (a loop
@@ -152,24 +154,26 @@ def expected_row_stats(r: torch.Tensor, valid: torch.Tensor, k: int) -> tuple[Sp
     st.accepted_per_position, st.reached_per_position = acc.tolist(), reach.tolist()
     steps = W.sum(0)  # [B] expected verify steps per row
     row_mal = torch.where(steps > 0, (R - 1).clamp_min(0) / steps.clamp_min(1e-30), torch.full_like(steps, math.nan))
-    return st, row_mal
+    return st, row_mal, steps
 
 
 @torch.no_grad()
 def teacher_forced_acceptance(drafter, batch: dict[str, torch.Tensor], k: int) -> dict:
     """batch: features built for >= k TTT steps (build_features / FeatureBuffer.sample).
-    Returns {"mal", "acceptance_per_position", "stats", "row_mal"}: the engine's mean_accepted_length and
-    acceptance_per_position in expectation on these sequences, the expected SpecStats (stats.merge pools
-    several batches as the engine pools rows), and each row's own MAL [B] (nan: a row with no verify step; the
-    publish gate pairs drafters row by row). MAL is 1.0 when no row has a second response token.
+    Returns {"mal", "acceptance_per_position", "stats", "row_mal", "row_steps"}: the engine's mean_accepted_length
+    and acceptance_per_position in expectation on these sequences, the expected SpecStats (stats.merge pools
+    several batches as the engine pools rows), each row's own MAL [B] (nan: a row with no verify step; the publish
+    gate pairs drafters row by row) and expected verify steps [B] (0: none). MAL is 1.0 when no row has a second
+    response token.
     Rows are scored in length_chunks, from their first response position on: the same pooled counts as the whole
     padded batch at every position (a 64-rollout batch padded to its longest row computed ~4x the positions)."""
     _check_steps(batch, k)  # before length_chunks, whose cuts would hide too few steps
     st = SpecStats()
-    row_mal = torch.full((batch["aux"].shape[0],), math.nan)
+    row_mal, row_steps = torch.full((batch["aux"].shape[0],), math.nan), torch.zeros(batch["aux"].shape[0])
     for chunk, first in length_chunks(batch, k):
-        cs, rm = expected_row_stats(acceptance_ratios(drafter, chunk, k, first), chunk["valid"], k)
+        cs, rm, rs = expected_row_stats(acceptance_ratios(drafter, chunk, k, first), chunk["valid"], k)
         st = st.merge(cs)
-        row_mal[chunk["rows"]] = rm
+        row_mal[chunk["rows"]], row_steps[chunk["rows"]] = rm, rs
     return {"mal": st.mean_accepted_length if st.verify_rows else 1.0,
-            "acceptance_per_position": st.acceptance_per_position, "stats": st, "row_mal": row_mal}
+            "acceptance_per_position": st.acceptance_per_position, "stats": st, "row_mal": row_mal,
+            "row_steps": row_steps}

@@ -41,6 +41,7 @@ from drafttrain.online.capture import HiddenCapture, build_features
 from drafttrain.online.gate import gate_decision, paired_sums
 from drafttrain.online.hotswap import Publisher
 from drafttrain.online.trainer import DrafterTrainer
+from drafttrain.spec import SpecStats
 
 
 class DraftTracker:
@@ -332,7 +333,7 @@ class DraftTracker:
                 new_rt = self._runtime_form(self.drafter)
                 est = teacher_forced_acceptance(new_rt, rows, k)
                 if oc.publish_gate and skipped < len(losses):
-                    serving = teacher_forced_acceptance(self._serving_form(), rows, k)
+                    serving = self._serving_scores(rows, k)
         # every process gates (and publishes or resets) alike: a decision on its own rows alone would leave the
         # processes' drafters different (one published the trained weights, another reset to the serving ones)
         gate = None
@@ -396,6 +397,23 @@ class DraftTracker:
             return collate(self._heldout, self.steps)
         return _rows(self.latest, self.steps, self.cfg.online.estimate_rows, self._gen["estimate"]) \
             if self.latest else None
+
+    def _serving_scores(self, rows: dict, k: int) -> dict:
+        """teacher_forced_acceptance of the serving drafter on the estimate's rows. A held-out row is scored once per
+        serving version (kept with the row: rows stay for a few steps, the serving drafter changes only at a publish
+        or a rollback), so the gate pays for the update's scoring and the new rows', not twice every row."""
+        if not self._heldout:  # the latest step's rows: no cache
+            return teacher_forced_acceptance(self._serving_form(), rows, k)
+        todo = [r for r in self._heldout if r.get("served", (None,))[0] != self.version]
+        if todo:
+            out = teacher_forced_acceptance(self._serving_form(), collate(todo, self.steps), k)
+            for r, m, n in zip(todo, out["row_mal"].tolist(), out["row_steps"].tolist()):
+                r["served"] = (self.version, m, n)
+        mal = torch.tensor([r["served"][1] for r in self._heldout], dtype=torch.float64)  # [n]
+        steps = torch.tensor([r["served"][2] for r in self._heldout], dtype=torch.float64)
+        ok = steps > 0
+        st = SpecStats(verify_rows=float(steps[ok].sum()), emitted=float((mal[ok] * steps[ok]).sum()))
+        return {"mal": st.mean_accepted_length if st.verify_rows else 1.0, "stats": st, "row_mal": mal}
 
     def _pooled_mal(self, *scores) -> list[float | None]:
         """The MAL of each teacher_forced_acceptance result (None: not scored here) pooled over every process's

@@ -517,6 +517,39 @@ def test_publish_gate_decides_on_paired_rows(trained, monkeypatch):
     assert calls[7] is calls[4]  # the third update's estimate form serves as the fourth's reference
 
 
+def test_publish_gate_scores_each_held_out_row_once_per_serving_version(trained, monkeypatch):
+    """The serving drafter's score of a held-out row is kept with the row: an update that adds no rows to the gate's
+    and publishes nothing scores its own weights only; after a publish (a new serving version) the rows are scored
+    again, by the new serving drafter."""
+    from drafttrain.rl import hooks
+
+    tracker, _ = _tracker_with_features(trained, _engine(trained), "online.holdout_frac=0.5")
+    policy = trained["policy"]
+    for extra in range(3):  # more rows, so that some are held out
+        seqs = [p + list(range(5, 12 + extra)) for p in trained["prompts"][:4]]
+        ids = torch.tensor([s_[:min(map(len, seqs))] for s_ in seqs])
+        with tracker.capture(policy, response_start=ids.shape[1] - 7 - extra):
+            policy(input_ids=ids)
+    held = int(torch.cat([f["heldout"] for f in tracker.pending]).sum())
+    assert held >= 2
+    scored, decide = [], iter([False, True, False])  # publish at the second update only
+    real = hooks.teacher_forced_acceptance
+
+    def spy(drafter, batch, k):
+        scored.append((drafter is tracker._serving_form(), batch["aux"].shape[0]))
+        return real(drafter, batch, k)
+
+    monkeypatch.setattr(hooks, "teacher_forced_acceptance", spy)
+    monkeypatch.setattr(hooks, "gate_decision", lambda n, *a: {"n": int(n), "mean": 0.0, "lower": 0.0,
+                                                                "publish": next(decide), "worse": False})
+    versions = []
+    for step in range(3):
+        tracker.on_policy_update(policy, step)  # after the first, no new rows: the gate's stay
+        versions.append(tracker.version)
+    assert versions == [0, 1, 1]
+    assert scored == [(False, held), (True, held), (False, held), (False, held), (True, held)]
+
+
 def test_the_estimate_scores_rollouts_held_out_of_training(trained, monkeypatch):
     """online.holdout_frac: captured rows drawn out of the training buffer; the update's estimate (the publish gate's
     and the canary's reference) scores only those. It scored the latest step's rows, which the update had just
