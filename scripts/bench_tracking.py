@@ -285,7 +285,8 @@ def main(cfg) -> dict:
     se = sd / math.sqrt(n_gain) if sd is not None else per_seed[0]["heldout_accuracy_gain_pts_se"]
     result.update(heldout_accuracy_gain_pts=gain, heldout_accuracy_gain_pts_se=se)
     result.update(overhead([r for run in runs for r in run["recs"]]))
-    wall = {m: {"wall_s": sum(r["wall"][m]["wall_s"] for r in runs), "tokens": sum(r["wall"][m]["tokens"] for r in runs),
+    wall = {m: {"wall_s": sum(r["wall"][m]["wall_s"] for r in runs),
+                "tokens": sum(r["wall"][m]["tokens"] for r in runs),
                 "mal": statistics.fmean(r["wall"][m]["mal"] for r in runs)} for m in first["wall"]}
     result.update(swap_stall_decode_steps=stall["stall_decode_steps"], swap=stall, rollout_wall=wall,
                   per_seed=per_seed, checkpoints=[p for r in runs for p in r["points"]],

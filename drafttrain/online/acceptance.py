@@ -76,8 +76,9 @@ def _check_steps(batch: dict[str, torch.Tensor], k: int) -> None:
 def length_chunks(batch: dict[str, torch.Tensor], k: int, max_pad: float = 1.25) -> list[tuple[dict, int]]:
     """Split a padded feature batch into chunks of rows of similar length, each cut to its own longest row, so
     scoring computes few padded positions (one long rollout pads a batch several-fold). Rows with no response
-    target are dropped. Returns [(chunk, first)]: chunk["rows"] are its rows' indices in batch; first = the chunk's earliest position a step starts at (its
-    rows' prompts are context only). Padded positions per chunk <= max_pad x its real ones, or 4 rows or fewer."""
+    target are dropped. Returns [(chunk, first)]: chunk["rows"] are its rows' indices in batch; first = the
+    chunk's earliest position a step starts at (its rows' prompts are context only). Padded positions per chunk
+    <= max_pad x its real ones, or 4 rows or fewer."""
     valid = batch["valid"]
     B, T = batch["aux"].shape[:2]
     v = valid[:, :T + 1]

@@ -387,7 +387,8 @@ class DraftTracker:
         new = _records(self.latest, self.steps, heldout_only=True)
         if len(new) > n:
             new = [new[i] for i in sorted(torch.randperm(len(new), generator=self._gen["estimate"])[:n].tolist())]
-        self._heldout = ([{k: v.clone() for k, v in r.items()} for r in new] + self._heldout)[:n]
+        self._heldout = ([{k: v.clone() if torch.is_tensor(v) else v for k, v in r.items()} for r in new]
+                         + self._heldout)[:n]
 
     def _estimate_rows(self) -> dict | None:
         """The rows the update's estimate and the publish gate score: the held-out ones (_keep_heldout); with none
@@ -401,7 +402,8 @@ class DraftTracker:
     def _serving_scores(self, rows: dict, k: int) -> dict:
         """teacher_forced_acceptance of the serving drafter on the estimate's rows. A held-out row is scored once per
         serving version (kept with the row: rows stay for a few steps, the serving drafter changes only at a publish
-        or a rollback), so the gate pays for the update's scoring and the new rows', not twice every row."""
+        or a rollback), by measure() when it ran (reporting, which scores the served drafter anyway), so the gate
+        pays for the update's scoring and at most the new rows', not twice every row."""
         if not self._heldout:  # the latest step's rows: no cache
             return teacher_forced_acceptance(self._serving_form(), rows, k)
         todo = [r for r in self._heldout if r.get("served", (None,))[0] != self.version]
@@ -499,14 +501,30 @@ class DraftTracker:
         if not self.pending:
             return {}
         t0 = time.perf_counter()
-        k = k or max_draft_len(self.cfg.engine)
-        batch = _rows(self.pending, self.steps, self.cfg.online.measure_rows, self._gen["measure"])
+        gate_k = max_draft_len(self.cfg.engine)
+        k = k or gate_k
+        # the rows held out of training first (a random share of the step's: the sample stays content-blind), then
+        # a random sample of the rest: the served drafter's scores of held-out rows are the publish gate's too
+        every, m = _records(self.pending, self.steps, where=True), self.cfg.online.measure_rows
+        held = [bool(self.pending[r["where"][0]]["heldout"][r["where"][1]]) for r in every]
+        recs = [r for r, h in zip(every, held) if h][:m]
+        rest = [r for r, h in zip(every, held) if not h]
+        if len(rest) > m - len(recs):
+            rest = [rest[i] for i in sorted(torch.randperm(len(rest), generator=self._gen["measure"])[:m - len(recs)]
+                                            .tolist())]
+        recs += rest
+        batch = collate(recs, self.steps)
         with self._lock:  # what the engines serve: the trainer's weights may be an update the gate holds back
             live_rt = self._serving_form()
         if self._frozen_rt is None:
             self._frozen_rt = self._runtime_form(self.frozen)
         live = teacher_forced_acceptance(live_rt, batch, k)
         frozen = teacher_forced_acceptance(self._frozen_rt, batch, k)
+        if k == gate_k:  # kept with the held-out rows' features, for _keep_heldout
+            for r, m, n in zip(recs, live["row_mal"].tolist(), live["row_steps"].tolist()):
+                f, b = self.pending[r["where"][0]], r["where"][1]
+                if bool(f["heldout"][b]):
+                    f.setdefault("served", {})[b] = (self.version, m, n)
         dt = time.perf_counter() - t0
         self._measure_s += dt
         return {"live_tf_mal": live["mal"], "live_tf_acc_pos": live["acceptance_per_position"],
@@ -589,17 +607,22 @@ def _gate_keys(gate: dict | None) -> dict:
     return {"gate_rows": gate["n"], "gate_mean_diff": gate["mean"] if gate["n"] else None, "gate_lower": lower}
 
 
-def _records(features: list[dict], steps: int, heldout_only: bool = False) -> list[dict]:
+def _records(features: list[dict], steps: int, heldout_only: bool = False, where: bool = False) -> list[dict]:
     """Every sequence of several build_features batches as a record (collate's input), heldout_only: of the rows
-    held out of training."""
+    held out of training. A row the served drafter was scored on (measure) carries that score ("served");
+    where: each record also says which (batch, row) it is."""
     recs = []
-    for f in features:
+    for i, f in enumerate(features):
         for b in range(f["aux"].shape[0]):
             if heldout_only and not bool(f["heldout"][b]):
                 continue
             n = int(f["lengths"][b])
             recs.append({"aux": f["aux"][b, :n], "next_ids": f["next_ids"][b, :n + steps - 1],
                          "target_probs": f["target_probs"][b, :n + steps], "valid": f["valid"][b, :n + steps]})
+            if b in f.get("served", {}):
+                recs[-1]["served"] = f["served"][b]
+            if where:
+                recs[-1]["where"] = (i, b)
     return recs
 
 

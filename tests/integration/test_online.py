@@ -550,6 +550,40 @@ def test_publish_gate_scores_each_held_out_row_once_per_serving_version(trained,
     assert scored == [(False, held), (True, held), (False, held), (False, held), (True, held)]
 
 
+def test_measure_scores_the_served_drafter_on_the_gates_rows_for_it(trained, monkeypatch):
+    """measure() (reporting: it scores the served drafter every step anyway) takes the step's held-out rows first,
+    and its scores of them are the publish gate's: the update then scores only its own weights, and the serving MAL
+    it reports is the one a fresh scoring of those rows gives."""
+    from drafttrain.online.acceptance import teacher_forced_acceptance
+    from drafttrain.online.buffer import collate
+    from drafttrain.rl import hooks
+
+    tracker, _ = _tracker_with_features(trained, _engine(trained), "online.holdout_frac=0.5",
+                                        "online.measure_rows=64", "online.gate_min_rows=2")
+    policy = trained["policy"]
+    for extra in range(3):
+        seqs = [p + list(range(5, 12 + extra)) for p in trained["prompts"][:4]]
+        ids = torch.tensor([s_[:min(map(len, seqs))] for s_ in seqs])
+        with tracker.capture(policy, response_start=ids.shape[1] - 7 - extra):
+            policy(input_ids=ids)
+    held = int(torch.cat([f["heldout"] for f in tracker.pending]).sum())
+    assert held >= 2
+    tracker.measure()
+    serving = tracker._serving_form()
+    scored = []
+    real = hooks.teacher_forced_acceptance
+
+    def spy(drafter, batch, k):
+        scored.append((drafter is serving, batch["aux"].shape[0]))
+        return real(drafter, batch, k)
+
+    monkeypatch.setattr(hooks, "teacher_forced_acceptance", spy)
+    out = tracker.on_policy_update(policy, 0)
+    assert scored == [(False, held)] and out["gate_rows"] == held
+    fresh = teacher_forced_acceptance(serving, collate(tracker._heldout, tracker.steps), tracker.steps)["mal"]
+    assert out["serving_mal"] == pytest.approx(fresh, rel=1e-5)
+
+
 def test_the_estimate_scores_rollouts_held_out_of_training(trained, monkeypatch):
     """online.holdout_frac: captured rows drawn out of the training buffer; the update's estimate (the publish gate's
     and the canary's reference) scores only those. It scored the latest step's rows, which the update had just
@@ -736,9 +770,11 @@ def test_measure_scores_a_random_sample_of_the_steps_rollouts(trained, monkeypat
         with tracker.capture(policy, response_start=ids.shape[1] - 6 - extra):
             policy(input_ids=ids)
     seen = []
+    n_rows = lambda b: b["aux"].shape[0]  # noqa: E731
     monkeypatch.setattr(hooks, "teacher_forced_acceptance",
                         lambda d, batch, k: seen.append(batch["valid"].sum(1).tolist()) or
-                        {"mal": 2.0, "acceptance_per_position": [0.5] * k})
+                        {"mal": 2.0, "acceptance_per_position": [0.5] * k, "row_mal": torch.full((n_rows(batch),), 2.0),
+                         "row_steps": torch.ones(n_rows(batch))})
     for _ in range(10):
         tracker.measure()
     assert len(seen) == 20 and all(len(rows) == 3 for rows in seen)
