@@ -97,8 +97,9 @@ class OnlineConfig:
     budget_frac: float = 0.05
     # held-out rows (the most recent, over the last steps) the acceptance estimate after each update scores: the
     # canary's reference and the publish gate's rows. Paid from the sync time bank: about one drafter step per 4 rows
-    # and drafter scored (the gate scores two)
-    estimate_rows: int = 16
+    # (the served drafter's scores of them come from tracker.measure() where it runs). More rows detect a smaller
+    # gain (the bound's half-width falls as 1/sqrt(rows)) and leave less of the bank to training
+    estimate_rows: int = 8
     # publish an update only if it beats the serving drafter on the same rows, paired row by row (online/gate.py):
     # the one-sided lower bound at gate_confidence of the mean per-row MAL difference must exceed gate_margin, on at
     # least gate_min_rows rows. Significantly worse: train on from the serving weights; undecided: train on from

@@ -523,7 +523,8 @@ def test_publish_gate_scores_each_held_out_row_once_per_serving_version(trained,
     again, by the new serving drafter."""
     from drafttrain.rl import hooks
 
-    tracker, _ = _tracker_with_features(trained, _engine(trained), "online.holdout_frac=0.5")
+    tracker, _ = _tracker_with_features(trained, _engine(trained), "online.holdout_frac=0.5",
+                                        "online.estimate_rows=64")
     policy = trained["policy"]
     for extra in range(3):  # more rows, so that some are held out
         seqs = [p + list(range(5, 12 + extra)) for p in trained["prompts"][:4]]
@@ -559,7 +560,7 @@ def test_measure_scores_the_served_drafter_on_the_gates_rows_for_it(trained, mon
     from drafttrain.rl import hooks
 
     tracker, _ = _tracker_with_features(trained, _engine(trained), "online.holdout_frac=0.5",
-                                        "online.measure_rows=64", "online.gate_min_rows=2")
+                                        "online.measure_rows=64", "online.gate_min_rows=2", "online.estimate_rows=64")
     policy = trained["policy"]
     for extra in range(3):
         seqs = [p + list(range(5, 12 + extra)) for p in trained["prompts"][:4]]
