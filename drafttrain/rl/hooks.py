@@ -521,10 +521,10 @@ class DraftTracker:
         live = teacher_forced_acceptance(live_rt, batch, k)
         frozen = teacher_forced_acceptance(self._frozen_rt, batch, k)
         if k == gate_k:  # kept with the held-out rows' features, for _keep_heldout
-            for r, m, n in zip(recs, live["row_mal"].tolist(), live["row_steps"].tolist()):
+            for r, mal, n in zip(recs, live["row_mal"].tolist(), live["row_steps"].tolist()):
                 f, b = self.pending[r["where"][0]], r["where"][1]
                 if bool(f["heldout"][b]):
-                    f.setdefault("served", {})[b] = (self.version, m, n)
+                    f.setdefault("served", {})[b] = (self.version, mal, n)
         dt = time.perf_counter() - t0
         self._measure_s += dt
         return {"live_tf_mal": live["mal"], "live_tf_acc_pos": live["acceptance_per_position"],
