@@ -137,7 +137,7 @@ def run_figure(records: list[dict], title: str = ""):
     fig, ax = plt.subplots(2, 3, figsize=(16, 9), layout="constrained")
     a = ax[0][0]
     a.plot(steps, get("live_mal"), "o-", ms=3, label="live drafter (engine)")
-    a.plot(steps, get("live_tf_mal"), "--", label="live drafter (teacher-forced)")
+    a.plot(steps, get("live_tf_mal"), "--", zorder=3, label="live drafter (teacher-forced)")  # over frozen at v0
     a.plot(steps, get("frozen_tf_mal"), "s-", ms=3, label="frozen step-0 drafter (teacher-forced)")
     if any(r.get("oracle_tf_mal") is not None for r in records):
         a.plot(steps, get("oracle_tf_mal"), "D", ms=7, label="oracle drafter (teacher-forced, where measured)")
