@@ -100,13 +100,19 @@ class OnlineConfig:
     # sync mode: drafter work (training, its estimate, publishing) is held to this fraction of the RL steps' own
     # time on average: each step earns budget_frac x its time, training spends it (a time bank; 0 = no cap)
     budget_frac: float = 0.05  # sync: drafter work / RL step time, on average (0 = no cap)
-    # sequences of the latest step (drawn at random) the trainer's acceptance estimate after each update scores: the
-    # canary's reference. It costs about one drafter step (4 rows: ~30-50 ms), paid from the sync time bank
-    estimate_rows: int = 4  # rows the acceptance estimate after each update scores
-    # publish an update only if its estimate is at least the serving drafter's on the same rows; else train on from
-    # the serving weights. Online steps at a learning rate that follows a drifting policy add noise where it barely
-    # drifts: the live drafter sat 1.9% below the frozen step-0 one on the main job without this (train.lr 3e-4)
-    publish_gate: bool = True  # publish an update only if it scores at least the serving drafter
+    # held-out rows (the most recent, over the last steps) the acceptance estimate after each update scores: the
+    # canary's reference and the publish gate's rows. Paid from the sync time bank: about one drafter step per 4 rows
+    # (the served drafter's scores of them come from tracker.measure() where it runs). More rows detect a smaller
+    # gain (the bound's half-width falls as 1/sqrt(rows)) and leave less of the bank to training
+    estimate_rows: int = 8  # held-out rows the estimate after each update scores (the gate's rows)
+    # publish an update only if it beats the serving drafter on the same rows, paired row by row (online/gate.py):
+    # the one-sided lower bound at gate_confidence of the mean per-row MAL difference must exceed gate_margin, on at
+    # least gate_min_rows rows. Significantly worse: train on from the serving weights; undecided: train on from
+    # the update. Online noise must not wear down a drafter the policy barely drifts from
+    publish_gate: bool = True  # publish an update only if it beats the serving drafter (paired, with a bound)
+    gate_confidence: float = 0.9  # equal drafters are published in at most 1 - gate_confidence of the decisions
+    gate_margin: float = 0.0  # in MAL: the lower bound must exceed it
+    gate_min_rows: int = 8  # fewer paired rows than this: no publish
     # share of the captured rollouts kept out of the training buffer: the estimate is taken on them, so the gate and
     # the canary compare the new weights on rollouts they did not train on (the latest step's, in the buffer, made
     # every update look +0.1% better than the serving drafter on average while the live one fell 0.9% below frozen)
@@ -242,6 +248,12 @@ def validate(cfg: Config) -> None:
          f"must be inline or probe, got {cfg.online.canary!r}"),
         (cfg.online.budget_frac >= 0, "online.budget_frac", f"must be >= 0, got {cfg.online.budget_frac}"),
         (cfg.online.estimate_rows >= 1, "online.estimate_rows", f"must be >= 1, got {cfg.online.estimate_rows}"),
+        (0.5 <= cfg.online.gate_confidence < 1, "online.gate_confidence",
+         f"must be in [0.5, 1), got {cfg.online.gate_confidence}"),
+        (math.isfinite(cfg.online.gate_margin) and cfg.online.gate_margin >= 0, "online.gate_margin",
+         f"must be a finite number >= 0, got {cfg.online.gate_margin}"),
+        (cfg.online.gate_min_rows >= 2, "online.gate_min_rows",
+         f"must be >= 2 (a paired bound needs a spread), got {cfg.online.gate_min_rows}"),
         (0 <= cfg.online.holdout_frac < 1, "online.holdout_frac",
          f"must be in [0, 1), got {cfg.online.holdout_frac}"),
         (cfg.online.measure_rows >= 1, "online.measure_rows",

@@ -97,55 +97,120 @@ def read_jsonl(path: str | Path, bad: list[int] | None = None) -> list[dict]:
     return out
 
 
-def plot_run(records: list[dict], path: str | Path, title: str = "") -> Path:
-    """PNG: acceptance over RL steps (tracking vs frozen), reward, rollout tokens/s, drafter lag."""
+def running_mean(xs: list[float], w: int = 8) -> list[float]:
+    """Mean of the last w finite values at each point (nan until there is one): one step is noisy, the trend is
+    not."""
+    out, window = [], []
+    for x in xs:
+        if x == x:  # not nan
+            window = (window + [x])[-w:]
+        out.append(sum(window) / len(window) if window else float("nan"))
+    return out
+
+
+def frozen_tokens_per_s(rec: dict) -> float | None:
+    """The rollout tokens/s the frozen step-0 drafter would have given on this step's rollouts, from the measured
+    ones and the live / frozen teacher-forced MAL on the same rows: at a fixed k a verify step costs the same
+    whichever drafter drafts (the engine's cost model: T(B, k+1) + k D(B)), so the decode time (wall less prefill)
+    scales with verify steps, 1 / MAL, and the prefill does not change. Approximate under engine.toggle or auto
+    k, whose steps vary; None where a value is missing."""
+    tps, wall, live, frozen = (rec.get(k) for k in ("rollout_tokens_per_s", "rollout_wall_s", "live_tf_mal",
+                                                    "frozen_tf_mal"))
+    if None in (tps, wall, live, frozen) or not frozen or not wall:
+        return None
+    pre = rec.get("rollout_prefill_s") or 0.0
+    return tps * wall / (pre + (wall - pre) * live / frozen)
+
+
+def derived(records: list[dict]) -> list[dict]:
+    """Per-step comparisons of the live and the frozen drafter (None where not measured): live minus frozen
+    teacher-forced MAL, and the rollout tokens/s the live drafter bought over the frozen one (frozen_tokens_per_s).
+    """
+    out = []
+    for r in records:
+        live, frozen, fz = r.get("live_tf_mal"), r.get("frozen_tf_mal"), frozen_tokens_per_s(r)
+        out.append({"live_minus_frozen_tf_mal": live - frozen if None not in (live, frozen) else None,
+                    "tokens_per_s_bought": r["rollout_tokens_per_s"] - fz if fz is not None else None})
+    return out
+
+
+def run_figure(records: list[dict], title: str = ""):
+    """The report's figure over RL steps: MAL of the live, frozen and (where measured: oracle_tf_mal) oracle
+    drafters; live minus frozen MAL with its running mean; rollout tokens/s and what the live drafter bought;
+    reward; time per step. Legends sit below their panels, off the data."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     steps = [r["step"] for r in records]
-    get = lambda k: [r.get(k) if r.get(k) is not None else float("nan") for r in records]  # noqa: E731
-    fig, ax = plt.subplots(2, 2, figsize=(11, 7))
+    get = lambda k, rs=records: [r.get(k) if r.get(k) is not None else float("nan") for r in rs]  # noqa: E731
+    more = derived(records)
+    fig, ax = plt.subplots(2, 3, figsize=(16, 9), layout="constrained")
     a = ax[0][0]
-    a.plot(steps, get("live_mal"), "o-", label="tracking drafter (engine)")
-    a.plot(steps, get("live_tf_mal"), "--", label="tracking drafter (teacher-forced)")
-    a.plot(steps, get("frozen_tf_mal"), "s-", label="frozen step-0 drafter (teacher-forced)")
-    a.set(title="mean accepted length", xlabel="RL step")
-    a.legend(fontsize=8)
-    reward, w = get("reward_mean"), 8  # one step's prompts vary in difficulty: the running mean shows the trend
-    ax[0][1].plot(steps, reward, "o-", alpha=0.35, label="per step")
-    ax[0][1].plot(steps, [sum(reward[max(0, i - w + 1): i + 1]) / len(reward[max(0, i - w + 1): i + 1])
-                          for i in range(len(reward))], "-", lw=2, label=f"mean of the last {w} steps")
-    ax[0][1].set(title="reward (exact match)", xlabel="RL step")
-    ax[0][1].legend(fontsize=8)
-    ax[1][0].plot(steps, get("rollout_tokens_per_s"), "o-")
-    ax[1][0].set(title="rollout tokens/s", xlabel="RL step")
-    ax[1][1].plot(steps, get("drafter_train_s"), "o-", label="drafter train s")
-    ax[1][1].plot(steps, get("rl_step_s"), "o-", label="RL step s")
-    ax[1][1].set(title="time per step", xlabel="RL step")
-    ax[1][1].legend(fontsize=8)
+    a.plot(steps, get("live_mal"), "o-", ms=3, label="live drafter (engine)")
+    a.plot(steps, get("live_tf_mal"), "--", zorder=3, label="live drafter (teacher-forced)")  # over frozen at v0
+    a.plot(steps, get("frozen_tf_mal"), "s-", ms=3, label="frozen step-0 drafter (teacher-forced)")
+    if any(r.get("oracle_tf_mal") is not None for r in records):
+        a.plot(steps, get("oracle_tf_mal"), "D", ms=7, label="oracle drafter (teacher-forced, where measured)")
+    a.set(title="mean accepted length (MAL)", xlabel="RL step")
+    diff = get("live_minus_frozen_tf_mal", more)
+    _series(ax[0][1], steps, diff, "live minus frozen MAL (teacher-forced, same rollouts)")
+    ax[0][1].axhline(0.0, color="grey", lw=0.8)
+    a = ax[0][2]
+    a.plot(steps, get("rollout_tokens_per_s"), "o-", ms=3, label="measured (live drafter)")
+    a.plot(steps, [frozen_tokens_per_s(r) or float("nan") for r in records], "s--", ms=3,
+           label="frozen drafter (estimated)")
+    a.set(title="rollout tokens/s", xlabel="RL step")
+    _series(ax[1][0], steps, get("tokens_per_s_bought", more),
+            "tokens/s the live drafter bought over the frozen one\n(estimated: decode time x live/frozen MAL)")
+    ax[1][0].axhline(0.0, color="grey", lw=0.8)
+    _series(ax[1][1], steps, get("reward_mean"), "reward (exact match)")
+    a = ax[1][2]
+    a.plot(steps, get("drafter_train_s"), "o-", ms=3, label="drafter train s")
+    a.plot(steps, get("rl_step_s"), "o-", ms=3, label="RL step s")
+    a.set(title="time per step", xlabel="RL step")
+    for a in ax.flat:
+        if a.get_legend_handles_labels()[0]:
+            a.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.12), ncol=2, frameon=False)
     fig.suptitle(title)
-    fig.tight_layout()
+    return fig
+
+
+def _series(a, steps: list[int], ys: list[float], title: str, w: int = 8) -> None:
+    """A noisy per-step series and its running mean."""
+    a.plot(steps, ys, "o-", ms=3, alpha=0.35, label="per step")
+    a.plot(steps, running_mean(ys, w), "-", lw=2, label=f"mean of the last {w} steps")
+    a.set(title=title, xlabel="RL step")
+
+
+def plot_run(records: list[dict], path: str | Path, title: str = "") -> Path:
+    """report.png: run_figure."""
+    import matplotlib.pyplot as plt
+
+    fig = run_figure(records, title)
     path = Path(path)
     fig.savefig(path, dpi=100)
     plt.close(fig)
     return path
 
 
-SUMMARY_KEYS = ["reward_mean", "resp_len_mean", "rollout_tokens_per_s", "live_mal", "live_tf_mal", "frozen_tf_mal",
-                "drafter_train_s", "swap_s", "rl_step_s", "policy_minus_drafter_version"]
+SUMMARY_KEYS = ["reward_mean", "resp_len_mean", "rollout_tokens_per_s", "tokens_per_s_bought", "live_mal",
+                "live_tf_mal", "frozen_tf_mal", "oracle_tf_mal", "live_minus_frozen_tf_mal", "drafter_train_s",
+                "swap_s", "rl_step_s", "policy_minus_drafter_version"]
 
 
 def summary_table(records: list[dict]) -> str:
-    """First / last / mean of the key per-step metrics."""
+    """First / last / mean / last-quarter mean of the key per-step metrics (with derived's live-vs-frozen rows)."""
+    records = [{**r, **d} for r, d in zip(records, derived(records))]
     rows = []
     for k in SUMMARY_KEYS:
         vals = [r[k] for r in records if isinstance(r.get(k), (int, float)) and not isinstance(r.get(k), bool)]
         if vals:
+            q = vals[-max(1, len(vals) // 4):]
             rows.append({"metric": k, "first": float(vals[0]), "last": float(vals[-1]),
-                         "mean": float(sum(vals) / len(vals))})
-    return format_table(rows, ["metric", "first", "last", "mean"])
+                         "mean": float(sum(vals) / len(vals)), "last_quarter": float(sum(q) / len(q))})
+    return format_table(rows, ["metric", "first", "last", "mean", "last_quarter"])
 
 
 def eval_table(before: dict | None, after: dict) -> str:

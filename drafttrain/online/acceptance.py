@@ -28,6 +28,8 @@ rollouts of the shipped task 4.4x less time than the whole batch padded to its l
 """
 from __future__ import annotations
 
+import math
+
 import torch
 
 from drafttrain.spec import SpecStats
@@ -74,8 +76,9 @@ def _check_steps(batch: dict[str, torch.Tensor], k: int) -> None:
 def length_chunks(batch: dict[str, torch.Tensor], k: int, max_pad: float = 1.25) -> list[tuple[dict, int]]:
     """Split a padded feature batch into chunks of rows of similar length, each cut to its own longest row, so
     scoring computes few padded positions (one long rollout pads a batch several-fold). Rows with no response
-    target are dropped. Returns [(chunk, first)]: first = the chunk's earliest position a step starts at (its
-    rows' prompts are context only). Padded positions per chunk <= max_pad x its real ones, or 4 rows or fewer."""
+    target are dropped. Returns [(chunk, first)]: chunk["rows"] are its rows' indices in batch; first = the
+    chunk's earliest position a step starts at (its rows' prompts are context only). Padded positions per chunk
+    <= max_pad x its real ones, or 4 rows or fewer."""
     valid = batch["valid"]
     B, T = batch["aux"].shape[:2]
     v = valid[:, :T + 1]
@@ -98,14 +101,21 @@ def length_chunks(batch: dict[str, torch.Tensor], k: int, max_pad: float = 1.25)
         idx = torch.tensor(sorted(c))
         Tc = int(last[idx].max())
         out.append(({"aux": batch["aux"][idx, :Tc], "next_ids": batch["next_ids"][idx, :Tc + k - 1],
-                     "target_probs": batch["target_probs"][idx, :Tc + k], "valid": valid[idx, :Tc + k]},
-                    int(first[idx].min())))
+                     "target_probs": batch["target_probs"][idx, :Tc + k], "valid": valid[idx, :Tc + k],
+                     "rows": idx}, int(first[idx].min())))
     return out
 
 
 def expected_spec_stats(r: torch.Tensor, valid: torch.Tensor, k: int) -> SpecStats:
+    """expected_row_stats' pooled SpecStats."""
+    return expected_row_stats(r, valid, k)[0]
+
+
+def expected_row_stats(r: torch.Tensor, valid: torch.Tensor, k: int
+                       ) -> tuple[SpecStats, torch.Tensor, torch.Tensor]:
     """r [B, T, k] (acceptance_ratios), valid [B, >=T+1] (a contiguous run per row: position j predicts response
-    token j+1) -> the engine's SpecStats in expectation (float counts), steps 2. of the module docstring.
+    token j+1) -> (the engine's SpecStats in expectation (float counts), steps 2. of the module docstring; each
+    row's own MAL [B], nan for a row with no verify step; each row's expected verify steps [B]).
 
     Everything a step starting after token s does is linear in w = P(a step starts there), so the per-draft
     factors are computed for every s at once; only the propagation of w along s is a loop, of 3 ops per s (a loop
@@ -143,20 +153,28 @@ def expected_spec_stats(r: torch.Tensor, valid: torch.Tensor, k: int) -> SpecSta
     st = SpecStats(drafted=float(drafted), accepted=float(acc.sum()), verify_rows=float(W.sum()),
                    emitted=float((R - 1).clamp_min(0).sum()))
     st.accepted_per_position, st.reached_per_position = acc.tolist(), reach.tolist()
-    return st
+    steps = W.sum(0)  # [B] expected verify steps per row
+    row_mal = torch.where(steps > 0, (R - 1).clamp_min(0) / steps.clamp_min(1e-30), torch.full_like(steps, math.nan))
+    return st, row_mal, steps
 
 
 @torch.no_grad()
 def teacher_forced_acceptance(drafter, batch: dict[str, torch.Tensor], k: int) -> dict:
     """batch: features built for >= k TTT steps (build_features / FeatureBuffer.sample).
-    Returns {"mal", "acceptance_per_position", "stats"}: the engine's mean_accepted_length and
-    acceptance_per_position in expectation on these sequences, and the expected SpecStats (stats.merge pools
-    several batches as the engine pools rows). MAL is 1.0 when no row has a second response token.
+    Returns {"mal", "acceptance_per_position", "stats", "row_mal", "row_steps"}: the engine's mean_accepted_length
+    and acceptance_per_position in expectation on these sequences, the expected SpecStats (stats.merge pools
+    several batches as the engine pools rows), each row's own MAL [B] (nan: a row with no verify step; the publish
+    gate pairs drafters row by row) and expected verify steps [B] (0: none). MAL is 1.0 when no row has a second
+    response token.
     Rows are scored in length_chunks, from their first response position on: the same pooled counts as the whole
     padded batch at every position (a 64-rollout batch padded to its longest row computed ~4x the positions)."""
     _check_steps(batch, k)  # before length_chunks, whose cuts would hide too few steps
     st = SpecStats()
+    row_mal, row_steps = torch.full((batch["aux"].shape[0],), math.nan), torch.zeros(batch["aux"].shape[0])
     for chunk, first in length_chunks(batch, k):
-        st = st.merge(expected_spec_stats(acceptance_ratios(drafter, chunk, k, first), chunk["valid"], k))
+        cs, rm, rs = expected_row_stats(acceptance_ratios(drafter, chunk, k, first), chunk["valid"], k)
+        st = st.merge(cs)
+        row_mal[chunk["rows"]], row_steps[chunk["rows"]] = rm, rs
     return {"mal": st.mean_accepted_length if st.verify_rows else 1.0,
-            "acceptance_per_position": st.acceptance_per_position, "stats": st}
+            "acceptance_per_position": st.acceptance_per_position, "stats": st, "row_mal": row_mal,
+            "row_steps": row_steps}

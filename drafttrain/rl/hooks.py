@@ -18,9 +18,10 @@ With online.canary=inline (the default) the loop hands each rollout batch to obs
 batch a new version generated is its canary (no extra generation).
 online.track=false keeps the drafter frozen (the baseline recipe) but still captures for measurement.
 An update whose every step was non-finite publishes nothing; one that diverged (NaN/inf weights or outputs) is
-not published and the drafter goes back to the last good weights. With online.publish_gate (default) an update
-whose estimate is below the serving drafter's on the same rows is not published either, and training goes on from
-the serving weights: online noise cannot wear down a drafter the policy barely drifts from.
+not published and the drafter goes back to the last good weights. With online.publish_gate (default) an update is
+published only if it beats the serving drafter on the same held-out rows, paired row by row, at a stated confidence
+(online/gate.py); one significantly worse goes back to the serving weights: online noise cannot wear down a drafter
+the policy barely drifts from.
 """
 from __future__ import annotations
 
@@ -37,8 +38,10 @@ from drafttrain.engines.torch_engine import runtime_copy
 from drafttrain.online.acceptance import teacher_forced_acceptance
 from drafttrain.online.buffer import FeatureBuffer, collate
 from drafttrain.online.capture import HiddenCapture, build_features
+from drafttrain.online.gate import gate_decision, paired_sums
 from drafttrain.online.hotswap import Publisher
 from drafttrain.online.trainer import DrafterTrainer
+from drafttrain.spec import SpecStats
 
 
 class DraftTracker:
@@ -70,6 +73,7 @@ class DraftTracker:
         self.publisher = Publisher(self.engines, self.drafter.state_dict(), cfg.online, log, tag=0, pool=pool)
         self.pending: list[dict] = []  # features captured since the last on_policy_update
         self.latest: list[dict] = []  # the previous step's: the background update reads only these
+        self._heldout: list[dict] = []  # the most recent held-out rows (records), the estimate's and the gate's
         self.probe_prompts: list[list[int]] = []
         self.policy_version = 0
         self._last_update_t: float | None = None  # RL time is measured from here: set by the first rollout or
@@ -211,6 +215,7 @@ class DraftTracker:
             return self._requantize(policy)
         if not self.cfg.online.track:
             return self._idle()
+        self._keep_heldout()  # before any idle return: an update the bank skips still adds its step's rows
         # every go/no-go before a drafter step is agreed by all processes (_everywhere). This first one also lines
         # them up: the time waiting here for a slower process is RL time (its own collectives would wait as long),
         # so every process earns the same bank instead of charging the wait to its first drafter step
@@ -322,29 +327,35 @@ class DraftTracker:
         with self._lock:
             weights = {k: v.detach().clone() for k, v in self.drafter.state_dict().items()}
             est = serving = new_rt = None  # teacher_forced_acceptance here, then the MAL pooled over the processes
-            if self.latest:
-                held = any(bool(f["heldout"].any()) for f in self.latest)  # none held out: every row
-                rows = _rows(self.latest, self.steps, oc.estimate_rows, self._gen["estimate"], heldout_only=held)
+            rows = self._estimate_rows()
+            if rows is not None:
                 k = max_draft_len(self.cfg.engine)
                 new_rt = self._runtime_form(self.drafter)
                 est = teacher_forced_acceptance(new_rt, rows, k)
                 if oc.publish_gate and skipped < len(losses):
-                    serving = teacher_forced_acceptance(self._serving_form(), rows, k)
+                    serving = self._serving_scores(rows, k)
         # every process gates (and publishes or resets) alike: a decision on its own rows alone would leave the
         # processes' drafters different (one published the trained weights, another reset to the serving ones)
+        gate = None
+        if oc.publish_gate and skipped < len(losses):  # agreed by every process: the sums are a collective
+            sums = paired_sums(est["row_mal"], serving["row_mal"]) if serving is not None else [0.0, 0.0, 0.0]
+            gate = gate_decision(*self._sum_over_processes(sums), oc.gate_confidence, oc.gate_margin,
+                                 oc.gate_min_rows)
         est, serving = self._pooled_mal(est, serving)
         train_s = time.perf_counter() - t0
         params = sampling_params(self.cfg, max_new_tokens=oc.canary_max_new_tokens)
         probe = self.probe_prompts if oc.canary == "probe" else None
         t1 = time.perf_counter()
-        gated = serving is not None and est < serving  # (a NaN estimate goes on to the publisher's check)
+        # not shown better on the rows (a NaN estimate goes on to the publisher's check)
+        gated = gate is not None and not gate["publish"] and est == est
         if skipped == len(losses):  # every step was skipped: the weights did not change, nothing new to publish
             self.log(f"[drafttrain] NOT PUBLISHED: all {skipped} drafter steps had a NaN/inf loss or gradient; "
                      f"engines keep v{self.version}")
             pub = {"published": False}
-        elif gated:  # worse than what the engines serve, on the same rollouts: train on from the serving weights
-            with self._lock:
-                self.drafter.load_state_dict(self._serving_weights())
+        elif gated:  # not shown better than what the engines serve: not published. Shown worse: train on from the
+            if gate["worse"]:  # serving weights; undecided: from these, whose gain may clear the bound later
+                with self._lock:
+                    self.drafter.load_state_dict(self._serving_weights())
             pub = {"published": False}
         else:
             pub = self.publisher.publish(weights, est, probe, params, tag=self.policy_version)
@@ -357,7 +368,7 @@ class DraftTracker:
                         "drafter_loss": sum(losses) / max(len(losses), 1),
                         "drafter_steps": len(losses), "drafter_skipped_nonfinite": skipped,
                         "swap_s": pub.get("swap_s"), "canary_mal": pub.get("canary_mal"),
-                        "expected_mal": est, "serving_mal": serving, "gated": gated,
+                        "expected_mal": est, "serving_mal": serving, "gated": gated, **_gate_keys(gate),
                         "rolled_back": pub.get("rolled_back", False),
                         "published": pub["published"], "drafter_version": self.version,
                         "capture_s": self._capture_last}
@@ -368,6 +379,43 @@ class DraftTracker:
             self.bank_s -= t_end - t0
         self._result["budget_bank_s"] = self.bank_s if bank else None
         return self._result
+
+    def _keep_heldout(self) -> None:
+        """The latest step's rows held out of training join the estimate's rows: the most recent, over the last
+        steps, up to online.estimate_rows (a random sample of one step's where it holds more)."""
+        n = self.cfg.online.estimate_rows
+        new = _records(self.latest, self.steps, heldout_only=True)
+        if len(new) > n:
+            new = [new[i] for i in sorted(torch.randperm(len(new), generator=self._gen["estimate"])[:n].tolist())]
+        self._heldout = ([{k: v.clone() if torch.is_tensor(v) else v for k, v in r.items()} for r in new]
+                         + self._heldout)[:n]
+
+    def _estimate_rows(self) -> dict | None:
+        """The rows the update's estimate and the publish gate score: the held-out ones (_keep_heldout); with none
+        held out (online.holdout_frac=0), a sample of the latest step's rows, which the update trained on. None: no
+        rows at all."""
+        if self._heldout:
+            return collate(self._heldout, self.steps)
+        return _rows(self.latest, self.steps, self.cfg.online.estimate_rows, self._gen["estimate"]) \
+            if self.latest else None
+
+    def _serving_scores(self, rows: dict, k: int) -> dict:
+        """teacher_forced_acceptance of the serving drafter on the estimate's rows. A held-out row is scored once per
+        serving version (kept with the row: rows stay for a few steps, the serving drafter changes only at a publish
+        or a rollback), by measure() when it ran (reporting, which scores the served drafter anyway), so the gate
+        pays for the update's scoring and at most the new rows', not twice every row."""
+        if not self._heldout:  # the latest step's rows: no cache
+            return teacher_forced_acceptance(self._serving_form(), rows, k)
+        todo = [r for r in self._heldout if r.get("served", (None,))[0] != self.version]
+        if todo:
+            out = teacher_forced_acceptance(self._serving_form(), collate(todo, self.steps), k)
+            for r, m, n in zip(todo, out["row_mal"].tolist(), out["row_steps"].tolist()):
+                r["served"] = (self.version, m, n)
+        mal = torch.tensor([r["served"][1] for r in self._heldout], dtype=torch.float64)  # [n]
+        steps = torch.tensor([r["served"][2] for r in self._heldout], dtype=torch.float64)
+        ok = steps > 0
+        st = SpecStats(verify_rows=float(steps[ok].sum()), emitted=float((mal[ok] * steps[ok]).sum()))
+        return {"mal": st.mean_accepted_length if st.verify_rows else 1.0, "stats": st, "row_mal": mal}
 
     def _pooled_mal(self, *scores) -> list[float | None]:
         """The MAL of each teacher_forced_acceptance result (None: not scored here) pooled over every process's
@@ -399,7 +447,7 @@ class DraftTracker:
         """No update (frozen, nothing captured, or the time bank in debt): the same keys (report.py's rule)."""
         self._result = {"drafter_train_s": 0.0, "publish_s": 0.0, "drafter_loss": None, "drafter_steps": 0,
                         "drafter_skipped_nonfinite": 0, "swap_s": None, "canary_mal": None, "expected_mal": None,
-                        "serving_mal": None, "gated": False,
+                        "serving_mal": None, "gated": False, **_gate_keys(None),
                         "rolled_back": False, "published": False, "drafter_version": self.version,
                         "capture_s": self._capture_last,
                         "budget_bank_s": self.bank_s if self.cfg.online.budget_frac > 0 else None}
@@ -437,14 +485,14 @@ class DraftTracker:
         self._result = {"drafter_train_s": 0.0, "publish_s": time.perf_counter() - t0, "drafter_loss": None,
                         "drafter_steps": 0, "drafter_skipped_nonfinite": 0, "swap_s": pub.get("swap_s"),
                         "canary_mal": None, "expected_mal": None, "serving_mal": None, "gated": False,
-                        "rolled_back": False,
+                        **_gate_keys(None), "rolled_back": False,
                         "published": pub["published"], "drafter_version": self.version, "capture_s": 0.0}
         return self._result
 
     # ---- measurement --------------------------------------------------------------------------------------
     def measure(self, k: int | None = None) -> dict:
-        """Teacher-forced acceptance of the live and the frozen step-0 drafter on the rollouts captured since the
-        last on_policy_update (call it before on_policy_update: live is then the drafter that generated them).
+        """Teacher-forced acceptance of the live (served) and the frozen step-0 drafter on the rollouts captured since
+        the last on_policy_update (call it before on_policy_update: live is then the drafter that generated them).
         Its time (measure_s) is reporting: the time bank counts it neither as RL time nor as drafter work.
         Both are scored in the torch engine's runtime form (_runtime_form), as is the trainer's estimate."""
         if self.self_drafter:  # no teacher-forced scoring for a self-drafter; the same keys all the same
@@ -453,14 +501,30 @@ class DraftTracker:
         if not self.pending:
             return {}
         t0 = time.perf_counter()
-        k = k or max_draft_len(self.cfg.engine)
-        batch = _rows(self.pending, self.steps, self.cfg.online.measure_rows, self._gen["measure"])
-        with self._lock:
-            live_rt = self._runtime_form(self.drafter)
+        gate_k = max_draft_len(self.cfg.engine)
+        k = k or gate_k
+        # the rows held out of training first (a random share of the step's: the sample stays content-blind), then
+        # a random sample of the rest: the served drafter's scores of held-out rows are the publish gate's too
+        every, m = _records(self.pending, self.steps, where=True), self.cfg.online.measure_rows
+        held = [bool(self.pending[r["where"][0]]["heldout"][r["where"][1]]) for r in every]
+        recs = [r for r, h in zip(every, held) if h][:m]
+        rest = [r for r, h in zip(every, held) if not h]
+        if len(rest) > m - len(recs):
+            rest = [rest[i] for i in sorted(torch.randperm(len(rest), generator=self._gen["measure"])[:m - len(recs)]
+                                            .tolist())]
+        recs += rest
+        batch = collate(recs, self.steps)
+        with self._lock:  # what the engines serve: the trainer's weights may be an update the gate holds back
+            live_rt = self._serving_form()
         if self._frozen_rt is None:
             self._frozen_rt = self._runtime_form(self.frozen)
         live = teacher_forced_acceptance(live_rt, batch, k)
         frozen = teacher_forced_acceptance(self._frozen_rt, batch, k)
+        if k == gate_k:  # kept with the held-out rows' features, for _keep_heldout
+            for r, mal, n in zip(recs, live["row_mal"].tolist(), live["row_steps"].tolist()):
+                f, b = self.pending[r["where"][0]], r["where"][1]
+                if bool(f["heldout"][b]):
+                    f.setdefault("served", {})[b] = (self.version, mal, n)
         dt = time.perf_counter() - t0
         self._measure_s += dt
         return {"live_tf_mal": live["mal"], "live_tf_acc_pos": live["acceptance_per_position"],
@@ -534,17 +598,37 @@ def _padded_tokens(group: list[dict]) -> int:
     return len(group) * max(r["aux"].shape[0] for r in group)
 
 
-def _rows(features: list[dict], steps: int, max_rows: int, gen: torch.Generator, heldout_only: bool = False) -> dict:
-    """max_rows sequences drawn at random (all if fewer) from several build_features batches, in one padded batch
-    (heldout_only: of the rows held out of training)."""
+def _gate_keys(gate: dict | None) -> dict:
+    """The publish gate's record keys (None where it did not decide): rows paired, mean per-row MAL difference
+    (update - serving) and its lower confidence bound."""
+    if gate is None:
+        return {"gate_rows": None, "gate_mean_diff": None, "gate_lower": None}
+    lower = gate["lower"] if gate["lower"] > -float("inf") else None  # JSON has no -inf
+    return {"gate_rows": gate["n"], "gate_mean_diff": gate["mean"] if gate["n"] else None, "gate_lower": lower}
+
+
+def _records(features: list[dict], steps: int, heldout_only: bool = False, where: bool = False) -> list[dict]:
+    """Every sequence of several build_features batches as a record (collate's input), heldout_only: of the rows
+    held out of training. A row the served drafter was scored on (measure) carries that score ("served");
+    where: each record also says which (batch, row) it is."""
     recs = []
-    for f in features:
+    for i, f in enumerate(features):
         for b in range(f["aux"].shape[0]):
             if heldout_only and not bool(f["heldout"][b]):
                 continue
             n = int(f["lengths"][b])
             recs.append({"aux": f["aux"][b, :n], "next_ids": f["next_ids"][b, :n + steps - 1],
                          "target_probs": f["target_probs"][b, :n + steps], "valid": f["valid"][b, :n + steps]})
+            if b in f.get("served", {}):
+                recs[-1]["served"] = f["served"][b]
+            if where:
+                recs[-1]["where"] = (i, b)
+    return recs
+
+
+def _rows(features: list[dict], steps: int, max_rows: int, gen: torch.Generator) -> dict:
+    """max_rows sequences drawn at random (all if fewer) from several build_features batches, in one padded batch."""
+    recs = _records(features, steps)
     if len(recs) > max_rows:
         recs = [recs[i] for i in sorted(torch.randperm(len(recs), generator=gen)[:max_rows].tolist())]
     return collate(recs, steps)

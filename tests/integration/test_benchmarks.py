@@ -60,16 +60,34 @@ def test_bench_longtail(tmp_path):
 
 
 def test_bench_tracking(tmp_path):
-    over = ["rl.prompts_per_step=2", "rl.group_size=2", "sampling.max_new_tokens=24", "rl.eval_prompts=0",
-            "run.tensorboard=false", "online.canary_max_new_tokens=8"]
-    res, js = _main("bench_tracking", checkpoints=[1, 2], oracle_rollouts=4, oracle_steps=2, eval_rollouts=4,
-                    max_new_tokens=24, run_dir=str(tmp_path / "run"), out=str(tmp_path / "t.json"), overrides=over)
-    for key in ("tracking_over_frozen", "tracking_over_oracle", "overhead_pct", "measure_pct",
-                "swap_stall_decode_steps"):
+    """Two seeds of 2 steps at toy sizes: every key the issue names, consistent with the per-seed numbers and the
+    per-step series they come from."""
+    over = ["rl.steps=2", "rl.prompts_per_step=2", "rl.group_size=2", "sampling.max_new_tokens=24",
+            "rl.eval_prompts=4", "run.tensorboard=false", "online.canary_max_new_tokens=8"]
+    res, js = _main("bench_tracking", seeds=[0, 1], oracle_rollouts=4, oracle_steps=2, eval_rollouts=4,
+                    decay_prompts=4, max_new_tokens=24, run_dir=str(tmp_path / "run"), out=str(tmp_path / "t.json"),
+                    overrides=over)
+    assert js["overrides"] == over and js["seeds"] == [0, 1] and js["steps"] == 2
+    for key in ("tracking_over_frozen", "tracking_over_oracle", "frozen_decay_pct", "rollout_speedup_over_frozen",
+                "heldout_accuracy_gain_pts"):
         assert isinstance(js[key], float) and math.isfinite(js[key]), key
-    assert [c["step"] for c in js["checkpoints"]] == [1, 2]
-    assert [r["step"] for r in js["series"]] == [0, 1]  # the resumed run continued, no step lost or repeated
+        sd = js[key + ("_se" if key.startswith("heldout") else "_sd")]
+        assert isinstance(sd, float) and sd >= 0, key
+        assert js[key] == pytest.approx(sum(p[key] for p in js["per_seed"]) / 2), key  # the mean over the seeds
+    for key in ("overhead_pct", "measure_pct", "swap_stall_decode_steps"):
+        assert isinstance(js[key], float) and math.isfinite(js[key]), key
+    assert set(js["series"]) == {"0", "1"}
+    for seed, p in zip((0, 1), js["per_seed"]):
+        recs = js["series"][str(seed)]
+        assert [r["step"] for r in recs] == [0, 1]  # the resumed run continued, no step lost or repeated
+        last = recs[-1]  # the last quarter of 2 steps: the last step
+        assert p["tracking_over_frozen"] == pytest.approx(last["live_tf_mal"] / last["frozen_tf_mal"])
+        assert p["frozen_decay_pct"] == pytest.approx(100 * (1 - p["frozen_final_mal"] / p["frozen_step0_mal"]))
+    assert [(c["seed"], c["step"]) for c in js["checkpoints"]] == [(0, 1), (0, 2), (1, 1), (1, 2)]
     assert set(js["rollout_wall"]) == {"ar", "sd_tracking", "sd_frozen"}
+    assert (tmp_path / "run" / "seed-0" / "report.png").stat().st_size > 0
+    seed1 = OmegaConf.load(tmp_path / "run" / "seed-1" / "config.yaml")
+    assert (seed1.run.seed, seed1.rl.prompt_seed, seed1.rl.lr) == (1, 2, js["rl_lr"])  # the recipe's own lr
 
 
 def test_bench_selfquant(tmp_path):

@@ -48,10 +48,12 @@ def policy_dir(tmp_path_factory):
 
 
 def overrides(policy_dir, out, *extra) -> list[str]:
+    """Tiny runs: 4 rollouts a step, too few rows for the publish gate's bound (its tests drive it directly), so
+    every update publishes."""
     return [f"policy.path={policy_dir}", "drafter.path=null", "rl.steps=1", "rl.prompts_per_step=2",
             "rl.group_size=2", "sampling.max_new_tokens=16", "online.steps_per_update=2", "online.canary_prompts=2",
             "online.canary_max_new_tokens=8", "train.batch_size=4", "run.tensorboard=false", "rl.eval_prompts=4",
-            f"run.out_dir={out}", *extra]
+            "online.publish_gate=false", f"run.out_dir={out}", *extra]
 
 
 # ---- one RL step with a hot-swap ------------------------------------------------------------------------------
@@ -472,40 +474,115 @@ def test_drafter_lag_counts_policy_updates_since_the_serving_drafter_was_publish
     assert fresh.drafter_lag == 1
 
 
-def test_publish_gate_keeps_the_serving_drafter_when_an_update_scores_worse(trained, monkeypatch):
-    """online.publish_gate: the update's estimate (its weights, on the latest rows) against the serving drafter's on
-    the same rows. Worse: nothing is published and the trainer goes on from the serving weights; as good or
-    better: published. The serving drafter's runtime form is built once per engine version, and after a publish it
-    is the form the update's own estimate scored."""
+def test_publish_gate_decides_on_paired_rows(trained, monkeypatch):
+    """online.publish_gate: the update's weights and the serving drafter's are scored on the same rows, and the gate
+    takes the per-row MAL differences (online/gate.py), not the two pooled MALs. A higher pooled MAL whose rows
+    disagree is not published and training goes on from the update (undecided); a small loss on every row resets
+    to the serving weights (worse); a small gain on every row is published. The serving drafter's runtime form is
+    built once per engine version, and after a publish it is the form the update's own estimate scored."""
     from drafttrain.rl import hooks
 
     engine = _engine(trained)
-    tracker, _ = _tracker_with_features(trained, engine, "online.publish_gate=true")
+    tracker, _ = _tracker_with_features(trained, engine, "online.publish_gate=true", "online.gate_min_rows=4",
+                                        "online.holdout_frac=0")
     feats = list(tracker.pending)
     served = {k: v.clone() for k, v in tracker.drafter.state_dict().items()}
-    scores, calls = [], []  # (new, serving) per update; the drafters scored, in order
-    real = hooks.teacher_forced_acceptance
+    base = torch.tensor([2.0, 3.0, 4.0, 5.0])  # the serving drafter's MAL on each of the 4 rows
+    scores, calls = [], []  # the update's per-row MAL offsets; the drafters scored, in order
 
     def scripted(drafter, batch, k):
-        out = real(drafter, batch, k)
-        out["mal"] = scores[-1][len(calls) % 2]  # each update scores its new weights, then the serving ones
+        new = len(calls) % 2 == 0  # each update scores its new weights, then the serving ones
+        rows = base + scores[-1] if new else base
         calls.append(drafter)
-        return out
+        return {"mal": float(rows.mean()), "acceptance_per_position": [], "stats": None, "row_mal": rows}
 
     monkeypatch.setattr(hooks, "teacher_forced_acceptance", scripted)
-    for new, cur, publish in ((2.5, 3.0, False), (3.0, 3.0, True), (3.5, 3.0, True)):
-        scores.append((new, cur))
+    cases = [(torch.tensor([0.6, -0.4, 0.6, -0.4]), "undecided"), (torch.full((4,), -0.05), "worse"),
+             (torch.full((4,), 0.05), "published"), (torch.full((4,), 0.05), "published")]
+    for offsets, want in cases:
+        scores.append(offsets)
         tracker.pending = list(feats)  # this step's rollouts
         before = tracker.version
         out = tracker.on_policy_update(trained["policy"], len(scores))
-        assert out["gated"] == (not publish) and out["published"] == publish, (new, cur, out)
-        assert out["expected_mal"] == new and out["serving_mal"] == cur
+        publish = want == "published"
+        assert out["gated"] == (not publish) and out["published"] == publish, (want, out)
+        assert out["expected_mal"] == pytest.approx(3.5 + float(offsets.mean())) and out["serving_mal"] == 3.5
+        assert out["gate_rows"] == 4 and out["gate_mean_diff"] == pytest.approx(float(offsets.mean()), abs=1e-6)
+        assert (out["gate_lower"] > 0) == publish
         assert tracker.version == before + publish and engine.drafter_version == tracker.version
-        if not publish:  # the trainer goes on from what the engines serve
-            assert all(torch.equal(v, served[k]) for k, v in tracker.drafter.state_dict().items())
+        kept = all(torch.equal(v, served[k]) for k, v in tracker.drafter.state_dict().items())
+        assert kept == (want == "worse")  # undecided: the trainer goes on from the update's weights
         served = {k: v.clone() for k, v in tracker._serving_weights().items()}
-    assert len(calls) == 6 and len({id(d) for d in calls[1::2]}) == 2  # one per served version
-    assert calls[5] is calls[2]  # the second update's estimate form serves as the third's reference
+    assert len(calls) == 8 and calls[1] is calls[3] is calls[5]  # one serving form per served version
+    assert calls[7] is calls[4]  # the third update's estimate form serves as the fourth's reference
+
+
+def test_publish_gate_scores_each_held_out_row_once_per_serving_version(trained, monkeypatch):
+    """The serving drafter's score of a held-out row is kept with the row: an update that adds no rows to the gate's
+    and publishes nothing scores its own weights only; after a publish (a new serving version) the rows are scored
+    again, by the new serving drafter."""
+    from drafttrain.rl import hooks
+
+    tracker, _ = _tracker_with_features(trained, _engine(trained), "online.holdout_frac=0.5",
+                                        "online.estimate_rows=64")
+    policy = trained["policy"]
+    for extra in range(3):  # more rows, so that some are held out
+        seqs = [p + list(range(5, 12 + extra)) for p in trained["prompts"][:4]]
+        ids = torch.tensor([s_[:min(map(len, seqs))] for s_ in seqs])
+        with tracker.capture(policy, response_start=ids.shape[1] - 7 - extra):
+            policy(input_ids=ids)
+    held = int(torch.cat([f["heldout"] for f in tracker.pending]).sum())
+    assert held >= 2
+    scored, decide = [], iter([False, True, False])  # publish at the second update only
+    real = hooks.teacher_forced_acceptance
+
+    def spy(drafter, batch, k):
+        scored.append((drafter is tracker._serving_form(), batch["aux"].shape[0]))
+        return real(drafter, batch, k)
+
+    monkeypatch.setattr(hooks, "teacher_forced_acceptance", spy)
+    monkeypatch.setattr(hooks, "gate_decision", lambda n, *a: {"n": int(n), "mean": 0.0, "lower": 0.0,
+                                                                "publish": next(decide), "worse": False})
+    versions = []
+    for step in range(3):
+        tracker.on_policy_update(policy, step)  # after the first, no new rows: the gate's stay
+        versions.append(tracker.version)
+    assert versions == [0, 1, 1]
+    assert scored == [(False, held), (True, held), (False, held), (False, held), (True, held)]
+
+
+def test_measure_scores_the_served_drafter_on_the_gates_rows_for_it(trained, monkeypatch):
+    """measure() (reporting: it scores the served drafter every step anyway) takes the step's held-out rows first,
+    and its scores of them are the publish gate's: the update then scores only its own weights, and the serving MAL
+    it reports is the one a fresh scoring of those rows gives."""
+    from drafttrain.online.acceptance import teacher_forced_acceptance
+    from drafttrain.online.buffer import collate
+    from drafttrain.rl import hooks
+
+    tracker, _ = _tracker_with_features(trained, _engine(trained), "online.holdout_frac=0.5",
+                                        "online.measure_rows=64", "online.gate_min_rows=2", "online.estimate_rows=64")
+    policy = trained["policy"]
+    for extra in range(3):
+        seqs = [p + list(range(5, 12 + extra)) for p in trained["prompts"][:4]]
+        ids = torch.tensor([s_[:min(map(len, seqs))] for s_ in seqs])
+        with tracker.capture(policy, response_start=ids.shape[1] - 7 - extra):
+            policy(input_ids=ids)
+    held = int(torch.cat([f["heldout"] for f in tracker.pending]).sum())
+    assert held >= 2
+    tracker.measure()
+    serving = tracker._serving_form()
+    scored = []
+    real = hooks.teacher_forced_acceptance
+
+    def spy(drafter, batch, k):
+        scored.append((drafter is serving, batch["aux"].shape[0]))
+        return real(drafter, batch, k)
+
+    monkeypatch.setattr(hooks, "teacher_forced_acceptance", spy)
+    out = tracker.on_policy_update(policy, 0)
+    assert scored == [(False, held)] and out["gate_rows"] == held
+    fresh = teacher_forced_acceptance(serving, collate(tracker._heldout, tracker.steps), tracker.steps)["mal"]
+    assert out["serving_mal"] == pytest.approx(fresh, rel=1e-5)
 
 
 def test_the_estimate_scores_rollouts_held_out_of_training(trained, monkeypatch):
@@ -694,9 +771,11 @@ def test_measure_scores_a_random_sample_of_the_steps_rollouts(trained, monkeypat
         with tracker.capture(policy, response_start=ids.shape[1] - 6 - extra):
             policy(input_ids=ids)
     seen = []
+    n_rows = lambda b: b["aux"].shape[0]  # noqa: E731
     monkeypatch.setattr(hooks, "teacher_forced_acceptance",
                         lambda d, batch, k: seen.append(batch["valid"].sum(1).tolist()) or
-                        {"mal": 2.0, "acceptance_per_position": [0.5] * k})
+                        {"mal": 2.0, "acceptance_per_position": [0.5] * k, "row_mal": torch.full((n_rows(batch),), 2.0),
+                         "row_steps": torch.ones(n_rows(batch))})
     for _ in range(10):
         tracker.measure()
     assert len(seen) == 20 and all(len(rows) == 3 for rows in seen)
@@ -705,7 +784,8 @@ def test_measure_scores_a_random_sample_of_the_steps_rollouts(trained, monkeypat
 
 def test_measure_scores_the_drafters_the_engine_runs(trained):
     """engine.drafter_int8 (the default): the engine drafts with int8 linears, so measure() scores the live and the
-    frozen drafter in that form (what the engine's acceptance is), not the fp32 training form."""
+    frozen drafter in that form (what the engine's acceptance is), not the fp32 training form. Live is what the
+    engines serve, not the trainer's weights, which an undecided publish gate keeps training unpublished."""
     import copy
 
     from drafttrain.online.acceptance import teacher_forced_acceptance
@@ -715,10 +795,14 @@ def test_measure_scores_the_drafters_the_engine_runs(trained):
     with torch.no_grad():
         for p in tracker.drafter.parameters():  # live and frozen differ
             p.add_(0.01 * torch.randn_like(p))
+    tracker.publisher.good_weights = {k: v.clone() for k, v in tracker.drafter.state_dict().items()}  # served
     batch = _rows(tracker.pending, tracker.steps, 64, torch.Generator())  # all 4 rows
     want = {name: teacher_forced_acceptance(copy.deepcopy(d).eval().fuse_for_inference(True), batch, 5)["mal"]
             for name, d in (("live", tracker.drafter), ("frozen", tracker.frozen))}
     fp32 = teacher_forced_acceptance(tracker.frozen, batch, 5)["mal"]
+    with torch.no_grad():
+        for p in tracker.drafter.parameters():  # an update the publish gate has not passed yet: not what serves
+            p.add_(0.05 * torch.randn_like(p))
     got = tracker.measure(5)
     assert got["live_tf_mal"] == pytest.approx(want["live"], abs=1e-6)
     assert got["frozen_tf_mal"] == pytest.approx(want["frozen"], abs=1e-6)
@@ -769,7 +853,7 @@ def test_diverged_update_is_not_published_and_training_recovers(trained, lr):
     """lr=1e30: finite but huge weights whose outputs are NaN; lr=inf: NaN weights. Neither reaches the engine, and
     the drafter goes back to its last good weights instead of staying broken."""
     engine = _engine(trained)
-    tracker, logs = _tracker_with_features(trained, engine, f"train.lr={lr}")
+    tracker, logs = _tracker_with_features(trained, engine, f"train.lr={lr}", "online.publish_gate=false")
     out = tracker.on_policy_update(trained["policy"], 0)
     assert not out["published"] and tracker.version == 0 == engine.drafter_version
     assert any("NOT PUBLISHED" in m for m in logs), logs

@@ -87,7 +87,7 @@ def test_engine_agrees_with_teacher_forced_on_its_rollouts(policy):
 
 def test_scoring_in_length_chunks_equals_each_row_alone(policy):
     """A ragged batch (prompts of 2-9 tokens, responses of 0-40) scored at once pools exactly the counts of each
-    row scored alone, unpadded; and it computes few padded positions: the chains run from each chunk's first
+    row scored alone, unpadded, and gives each row its own MAL (the publish gate pairs them); and it computes few padded positions: the chains run from each chunk's first
     response position, over chunks cut to their longest row (the whole padded batch computed every position)."""
     k = 3
     drafter = C.fresh_drafter(policy, seed=2)
@@ -105,13 +105,19 @@ def test_scoring_in_length_chunks_equals_each_row_alone(policy):
         return real(aux, next_ids, steps, queries)
 
     drafter.ttt_logits = counting
-    whole = teacher_forced_acceptance(drafter, batch, k)["stats"]
+    scored = teacher_forced_acceptance(drafter, batch, k)
+    whole = scored["stats"]
     computed = sum(calls)
-    alone = None
+    alone, row_mal = None, []
     for p, r in zip(prompts, resps):
-        st = teacher_forced_acceptance(drafter, teacher_forced_features(policy, [p], [r], drafter.aux_layer_ids,
-                                                                        k), k)["stats"]
+        one = teacher_forced_acceptance(drafter, teacher_forced_features(policy, [p], [r], drafter.aux_layer_ids,
+                                                                         k), k)
+        st = one["stats"]
         alone = st if alone is None else alone.merge(st)
+        row_mal.append(st.mean_accepted_length if st.verify_rows else math.nan)
+    # each row's own MAL, in the batch's order (the chunks reorder rows by length); nan: no verify step (0-1 tokens)
+    assert scored["row_mal"].tolist() == pytest.approx(row_mal, rel=1e-5, nan_ok=True)
+    assert math.isnan(row_mal[0]) and math.isnan(row_mal[1]) and not any(math.isnan(x) for x in row_mal[2:])
     assert whole.emitted == alone.emitted == sum(max(n - 1, 0) for n in lens)
     assert whole.verify_rows == pytest.approx(alone.verify_rows, rel=1e-5)
     assert whole.accepted_per_position == pytest.approx(alone.accepted_per_position, rel=1e-4)

@@ -37,3 +37,32 @@ def test_a_slowed_step_is_a_stall(stall_steps):
     durs[4] = 0.040
     ends = _ends(durs)
     assert stall_steps(ends, [((ends[5] + ends[6]) / 2, 0.030)]) == pytest.approx([0.5 + 1 / 3])
+
+
+# ---- the seeds' summary ------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def bench():
+    return load_script("bench_tracking")
+
+
+def test_oracle_checkpoints_sit_in_the_last_quarter(bench):
+    assert bench.oracle_checkpoints(60, 2) == [53, 60]
+    assert bench.oracle_checkpoints(60, 1) == [60]
+    assert bench.oracle_checkpoints(2, 2) == [1, 2] and bench.oracle_checkpoints(1, 3) == [1]
+
+
+def test_tracking_over_frozen_is_the_last_quarter_ratio(bench):
+    """8 steps: the last 2 (steps without a score, e.g. a self-drafter's, do not count); ratio of their means."""
+    recs = [{"step": s, "live_tf_mal": 3.0 + s, "frozen_tf_mal": 3.0} for s in range(8)]
+    recs.append({"step": 8, "live_tf_mal": None, "frozen_tf_mal": None})
+    assert bench.tracking_over_frozen(recs) == pytest.approx((9.0 + 10.0) / 2 / 3.0)
+    assert bench.tracking_over_frozen(recs[-1:]) is None
+
+
+def test_over_seeds_and_the_accuracy_gain(bench):
+    assert bench.over_seeds([1.0, None, 3.0]) == (2.0, pytest.approx(2 ** 0.5))
+    assert bench.over_seeds([2.0]) == (2.0, None) and bench.over_seeds([None]) == (None, None)
+    ev = {"prompts": 100, "before": {"eval_sampled_acc": 0.2}, "after": {"eval_sampled_acc": 0.5}}
+    gain, se = bench.accuracy_gain(ev)
+    assert gain == pytest.approx(30.0) and se == pytest.approx(100 * ((0.16 + 0.25) / 100) ** 0.5)
+    assert bench.accuracy_gain({"prompts": 4, "before": None, "after": {}}) == (None, None)

@@ -127,6 +127,16 @@ def test_max_grad_norm_inf_means_no_clipping():
     assert load_recipe("eagle3_track", ["train.max_grad_norm=inf"]).train.max_grad_norm == float("inf")
 
 
+@pytest.mark.parametrize("override", ["online.gate_confidence=0.3", "online.gate_confidence=1",
+                                      "online.gate_margin=-0.1", "online.gate_margin=nan", "online.gate_min_rows=1"])
+def test_publish_gate_keys_are_checked(tmp_path, override):
+    """The gate's confidence is a one-sided level (a bound below 0.5 would publish most equal drafters), its margin a
+    MAL gain, and its bound needs a spread: two rows at least."""
+    with pytest.raises(ConfigError, match=override.split("=")[0]) as e:
+        load_recipe(write(tmp_path, MINIMAL), [override])
+    assert "\n" not in str(e.value)
+
+
 @pytest.mark.parametrize("text,key", [
     ("engine:\n  kk: 1\n", "engine.kk"),
     ("engine:\n  k: four\n", "engine.k"),

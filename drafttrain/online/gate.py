@@ -1,0 +1,51 @@
+"""The publish gate's statistics: a paired comparison of a candidate drafter with the serving one, no model needed.
+
+Both drafters are scored on the same held-out rows (teacher-forced, each row's own MAL), so each row gives one
+difference d_i = MAL_candidate(i) - MAL_serving(i): what varies between rows (their length, how predictable they
+are) cancels out of d, and the mean of d has far less noise than the difference of two pooled MALs. With n rows,
+mean m and sample sd s, the one-sided Student-t bounds at level c are
+
+    lower = m - t_c(n-1) s / sqrt(n),     upper = m + t_c(n-1) s / sqrt(n)
+
+and a candidate is published iff lower > margin: if the drafters are equal (mean difference 0), it is published in
+at most 1 - c of the decisions (exactly so for normal d; the t bound is robust to skew at a few dozen rows). It is
+reset to the serving weights iff upper < 0 (worse, at the same level); otherwise the gate cannot tell yet and
+training goes on from the candidate, whose gain grows until its bound clears (one update's gain is small).
+Several processes pool the sums (n, sum d, sum d^2), so every process takes the same decision.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def paired_sums(new_rows: torch.Tensor, old_rows: torch.Tensor) -> list[float]:
+    """[n, sum d, sum d^2] over the rows both drafters scored (nan in either: a row with no verify step, skipped)."""
+    d = (new_rows.double() - old_rows.double())
+    d = d[torch.isfinite(d)]
+    return [float(d.numel()), float(d.sum()), float((d * d).sum())]
+
+
+def paired_bound(n: float, s: float, s2: float, confidence: float) -> dict:
+    """Mean paired difference and its one-sided t bounds at `confidence`, from the pooled sums (n >= 2; else the
+    bounds are -inf / +inf: no decision)."""
+    if n < 2:
+        mean = s / n if n else math.nan
+        return {"n": int(n), "mean": mean, "sd": math.nan, "lower": -math.inf, "upper": math.inf}
+    from scipy.stats import t
+
+    mean = s / n
+    var = max(s2 - s * s / n, 0.0) / (n - 1)  # sums pooled in float64: rounding can leave a tiny negative
+    half = float(t.ppf(confidence, n - 1)) * math.sqrt(var / n)
+    return {"n": int(n), "mean": mean, "sd": math.sqrt(var), "lower": mean - half, "upper": mean + half}
+
+
+def gate_decision(n: float, s: float, s2: float, confidence: float, margin: float = 0.0,
+                  min_rows: int = 2) -> dict:
+    """paired_bound + the decision: publish iff n >= min_rows and lower > margin; worse (reset the candidate to the
+    serving weights) iff n >= min_rows and upper < 0; neither: keep training the candidate, publish nothing."""
+    b = paired_bound(n, s, s2, confidence)
+    enough = n >= max(min_rows, 2)
+    return {**b, "publish": enough and b["lower"] > margin, "worse": enough and b["upper"] < 0}
+
