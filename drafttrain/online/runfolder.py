@@ -63,13 +63,14 @@ class RunLock:
     dies, so a lock file left by a process that no longer exists is simply taken over."""
 
     def __init__(self, out: Path):
-        self.path, self.fd = out / ".lock", None
+        self.path, self.fd, self.created = out / ".lock", None, False
 
     def acquire(self) -> None:
         import fcntl
 
         if self.path.parent.exists() and not self.path.parent.is_dir():
             raise ConfigError(f"run.out_dir: {self.path.parent} is a file, not a folder")
+        self.created = not self.path.parent.exists()
         self.path.parent.mkdir(parents=True, exist_ok=True)
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
         try:
@@ -85,7 +86,12 @@ class RunLock:
         self.fd = fd
 
     def release(self) -> None:
+        """Drops the lock; a folder this lock created and nothing else was written to (the job was refused before it
+        began) is removed, so bad input leaves no trace."""
         if self.fd is not None:
+            if self.created and [p.name for p in self.path.parent.iterdir()] == [self.path.name]:
+                self.path.unlink(missing_ok=True)
+                self.path.parent.rmdir()
             os.close(self.fd)  # closing the descriptor drops the flock
             self.fd = None
 
