@@ -275,6 +275,11 @@ SMOKE: list[Smoke] = [
     _main_job("vllm_engine", MAIN, "recipe=eagle3_track engine.kind=vllm", vllm=True),
     # the final behaviour of the main job's --help (usage naming recipe= and the config sections)
     Smoke("help", "python -m drafttrain.online --help", (Prints(("recipe=", "rl.steps", "engine.kind")),), slow=False),
+    Smoke("help_under_accelerate", "accelerate launch drafttrain/online.py --help",
+          (Prints(("recipe=", "rl.steps", "engine.kind")),)),
+    # the README's troubleshooting line: -q drops accelerate's traceback after the job's one-line refusal
+    Smoke("quiet_launch", "accelerate launch -q drafttrain/online.py recipe=eagle3_track rl.steps=1 rl.clip_eps=-1 "
+          "run.out_dir={tmp}/run || test $? -eq 1", (Prints(("error: rl.clip_eps",)),)),
     # scripts: each with every documented option, outputs in {tmp} (never the committed bench/*.json or checkpoints/)
     Smoke("make_policy", "python scripts/make_policy.py out={tmp}/p steps=2 eval_n=2 threads=1",
           (File("p", ("config.json", "model.safetensors", "tokenizer.json", "task_eval.json")),)),
@@ -296,11 +301,17 @@ SMOKE: list[Smoke] = [
           "mal_prompts=2 mal_batch=2 batches=[1] repeats=1 requant_repeats=1 max_new_tokens=16 threads=1 "
           "out={tmp}/s.json",
           (Json("s.json", (), ("requantize", "cost", "mal")),)),
-    Smoke("bench_tracking", "python scripts/bench_tracking.py checkpoints=[1] rl_lr=1e-4 oracle_steps=2 "
-          "oracle_rollouts=4 eval_rollouts=4 max_new_tokens=16 run_dir={tmp}/run out={tmp}/t.json "
-          "overrides=[rl.prompts_per_step=2,rl.group_size=2,sampling.max_new_tokens=16,rl.eval_prompts=0,"
+    Smoke("bench_tracking", "python scripts/bench_tracking.py seeds=[0,1] oracle_steps=2 oracle_rollouts=4 "
+          "eval_rollouts=4 decay_prompts=4 max_new_tokens=16 run_dir={tmp}/run out={tmp}/t.json "
+          "overrides=[rl.steps=2,rl.prompts_per_step=2,rl.group_size=2,sampling.max_new_tokens=16,rl.eval_prompts=4,"
           "run.tensorboard=false,online.canary_max_new_tokens=8]",
-          (Json("t.json", ("tracking_over_frozen", "tracking_over_oracle", "overhead_pct"), ("checkpoints",)),)),
+          (Json("t.json", ("tracking_over_frozen", "tracking_over_oracle", "frozen_decay_pct", "overhead_pct"),
+                ("seeds", "per_seed")),)),
+    Smoke("simulate", "python scripts/simulate.py gpus=[H100,B200] out={tmp}/sim.json plot={tmp}/sim.png",
+          (Json("sim.json", (), ("reproduction", "projection")), File("sim.png"))),
+    Smoke("simulate_curves", "python scripts/simulate.py gpus=[H200] live_acceptance=[0.8,0.7,0.6] "
+          "frozen_acceptance=[0.6,0.5,0.4] out={tmp}/sim.json plot={tmp}/sim.png",
+          (Json("sim.json", (), ("reproduction", "projection")),), slow=False),
     Smoke("check_acceptance", "python scripts/check_acceptance.py rollouts=2 seed=3 max_new_tokens=16 "
           "overrides=[engine.drafter_int8=true] out={tmp}/a.json", (Json("a.json"),)),
 ]
