@@ -8,21 +8,9 @@ import subprocess
 import sys
 
 import pytest
-import torch
 
 from drafttrain.config import PROJECT_ROOT, RECIPES_DIR
 
-TINY = dict(hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=4, intermediate_size=128)
-
-
-@pytest.fixture(scope="module")
-def policy_dir(tmp_path_factory):
-    from drafttrain.policy import build_policy, build_tokenizer, save_policy
-
-    torch.manual_seed(0)
-    path = tmp_path_factory.mktemp("policy") / "policy"
-    save_policy(build_policy(TINY), build_tokenizer(), str(path))
-    return path
 
 
 @pytest.mark.parametrize("flag", ["--help", "-h"])

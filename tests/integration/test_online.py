@@ -22,7 +22,7 @@ import torch
 from drafttrain.config import PROJECT_ROOT, load_recipe, sampling_params
 from drafttrain.report import read_jsonl
 
-TINY = dict(hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=4, intermediate_size=128)
+from tests.integration.conftest import TINY
 # the per-step keys DESIGN.md and the README promise in metrics.jsonl
 KEYS = {"step", "reward_mean", "resp_len_mean", "rollout_tokens_per_s", "live_mal", "live_acc_pos", "live_tf_mal",
         "live_tf_acc_pos", "frozen_tf_mal", "frozen_tf_acc_pos", "drafter_train_s", "swap_s",
@@ -35,16 +35,6 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
-
-
-@pytest.fixture(scope="module")
-def policy_dir(tmp_path_factory):
-    from drafttrain.policy import build_policy, build_tokenizer, save_policy
-
-    torch.manual_seed(0)
-    path = tmp_path_factory.mktemp("policy") / "policy"
-    save_policy(build_policy(TINY), build_tokenizer(), str(path))
-    return path
 
 
 def overrides(policy_dir, out, *extra) -> list[str]:
@@ -517,6 +507,17 @@ def test_publish_gate_decides_on_paired_rows(trained, monkeypatch):
     assert calls[7] is calls[4]  # the third update's estimate form serves as the fourth's reference
 
 
+def _capture_with_held_out_rows(tracker, trained) -> int:
+    """Three captured forwards of 4 rows each, so that some rows are held out; returns how many were."""
+    policy = trained["policy"]
+    for extra in range(3):
+        seqs = [p + list(range(5, 12 + extra)) for p in trained["prompts"][:4]]
+        ids = torch.tensor([s_[:min(map(len, seqs))] for s_ in seqs])
+        with tracker.capture(policy, response_start=ids.shape[1] - 7 - extra):
+            policy(input_ids=ids)
+    return int(torch.cat([f["heldout"] for f in tracker.pending]).sum())
+
+
 def test_publish_gate_scores_each_held_out_row_once_per_serving_version(trained, monkeypatch):
     """The serving drafter's score of a held-out row is kept with the row: an update that adds no rows to the gate's
     and publishes nothing scores its own weights only; after a publish (a new serving version) the rows are scored
@@ -526,12 +527,7 @@ def test_publish_gate_scores_each_held_out_row_once_per_serving_version(trained,
     tracker, _ = _tracker_with_features(trained, _engine(trained), "online.holdout_frac=0.5",
                                         "online.estimate_rows=64")
     policy = trained["policy"]
-    for extra in range(3):  # more rows, so that some are held out
-        seqs = [p + list(range(5, 12 + extra)) for p in trained["prompts"][:4]]
-        ids = torch.tensor([s_[:min(map(len, seqs))] for s_ in seqs])
-        with tracker.capture(policy, response_start=ids.shape[1] - 7 - extra):
-            policy(input_ids=ids)
-    held = int(torch.cat([f["heldout"] for f in tracker.pending]).sum())
+    held = _capture_with_held_out_rows(tracker, trained)
     assert held >= 2
     scored, decide = [], iter([False, True, False])  # publish at the second update only
     real = hooks.teacher_forced_acceptance
@@ -562,12 +558,7 @@ def test_measure_scores_the_served_drafter_on_the_gates_rows_for_it(trained, mon
     tracker, _ = _tracker_with_features(trained, _engine(trained), "online.holdout_frac=0.5",
                                         "online.measure_rows=64", "online.gate_min_rows=2", "online.estimate_rows=64")
     policy = trained["policy"]
-    for extra in range(3):
-        seqs = [p + list(range(5, 12 + extra)) for p in trained["prompts"][:4]]
-        ids = torch.tensor([s_[:min(map(len, seqs))] for s_ in seqs])
-        with tracker.capture(policy, response_start=ids.shape[1] - 7 - extra):
-            policy(input_ids=ids)
-    held = int(torch.cat([f["heldout"] for f in tracker.pending]).sum())
+    held = _capture_with_held_out_rows(tracker, trained)
     assert held >= 2
     tracker.measure()
     serving = tracker._serving_form()

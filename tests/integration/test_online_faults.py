@@ -15,18 +15,8 @@ import torch
 
 from drafttrain.config import PROJECT_ROOT
 from drafttrain.report import read_jsonl
-from tests.integration.test_online import TINY, overrides
+from tests.integration.test_online import overrides
 from tests.unit.test_runfolder import Touch, _holder
-
-
-@pytest.fixture(scope="module")
-def policy_dir(tmp_path_factory):
-    from drafttrain.policy import build_policy, build_tokenizer, save_policy
-
-    torch.manual_seed(0)
-    path = tmp_path_factory.mktemp("policy") / "policy"
-    save_policy(build_policy(TINY), build_tokenizer(), str(path))
-    return path
 
 
 @pytest.fixture(scope="module")

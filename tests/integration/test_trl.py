@@ -6,7 +6,7 @@ import torch
 
 pytest.importorskip("trl")
 
-TINY = dict(hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=4, intermediate_size=128)
+from tests.integration.conftest import TINY
 
 
 @pytest.fixture(autouse=True)
