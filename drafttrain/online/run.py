@@ -150,7 +150,7 @@ def _run(cfg, acc, out: Path, stopper: Stopper) -> list[dict]:
 
 
 def cli(argv: list[str] | None = None) -> None:
-    from drafttrain.config import check_out_dir, usage
+    from drafttrain.config import usage
 
     args = sys.argv[1:] if argv is None else argv
     if "-h" in args or "--help" in args:
@@ -160,7 +160,6 @@ def cli(argv: list[str] | None = None) -> None:
     overrides = [a for a in args if not a.startswith("recipe=")]
     try:
         cfg = load_recipe(recipe[-1] if recipe else "eagle3_track", overrides)
-        check_out_dir(cfg.run.out_dir)
         main(cfg)
     except (ConfigError, FileNotFoundError) as e:
         raise SystemExit(f"error: {e}") from None

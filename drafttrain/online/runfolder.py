@@ -20,7 +20,7 @@ import torch
 from omegaconf import OmegaConf
 from torch._weights_only_unpickler import get_globals_in_pkl
 
-from drafttrain.config import ConfigError
+from drafttrain.config import ConfigError, check_out_dir
 
 # every pickle global a checkpoint of this project holds: tensors (rebuilt from typed storages) and ordered dicts;
 # the rest is ints, floats, strings, bools, None, lists, tuples and dicts, which need no global
@@ -68,8 +68,7 @@ class RunLock:
     def acquire(self) -> None:
         import fcntl
 
-        if self.path.parent.exists() and not self.path.parent.is_dir():
-            raise ConfigError(f"run.out_dir: {self.path.parent} is a file, not a folder")
+        check_out_dir(self.path.parent)
         self.created = not self.path.parent.exists()
         self.path.parent.mkdir(parents=True, exist_ok=True)
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
