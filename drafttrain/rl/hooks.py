@@ -385,8 +385,7 @@ class DraftTracker:
         steps, up to online.estimate_rows (a random sample of one step's where it holds more)."""
         n = self.cfg.online.estimate_rows
         new = _records(self.latest, self.steps, heldout_only=True)
-        if len(new) > n:
-            new = [new[i] for i in sorted(torch.randperm(len(new), generator=self._gen["estimate"])[:n].tolist())]
+        new = _sample(new, n, self._gen["estimate"])
         self._heldout = ([{k: v.clone() if torch.is_tensor(v) else v for k, v in r.items()} for r in new]
                          + self._heldout)[:n]
 
@@ -509,10 +508,7 @@ class DraftTracker:
         held = [bool(self.pending[r["where"][0]]["heldout"][r["where"][1]]) for r in every]
         recs = [r for r, h in zip(every, held) if h][:m]
         rest = [r for r, h in zip(every, held) if not h]
-        if len(rest) > m - len(recs):
-            rest = [rest[i] for i in sorted(torch.randperm(len(rest), generator=self._gen["measure"])[:m - len(recs)]
-                                            .tolist())]
-        recs += rest
+        recs += _sample(rest, m - len(recs), self._gen["measure"])
         batch = collate(recs, self.steps)
         with self._lock:  # what the engines serve: the trainer's weights may be an update the gate holds back
             live_rt = self._serving_form()
@@ -628,7 +624,11 @@ def _records(features: list[dict], steps: int, heldout_only: bool = False, where
 
 def _rows(features: list[dict], steps: int, max_rows: int, gen: torch.Generator) -> dict:
     """max_rows sequences drawn at random (all if fewer) from several build_features batches, in one padded batch."""
-    recs = _records(features, steps)
-    if len(recs) > max_rows:
-        recs = [recs[i] for i in sorted(torch.randperm(len(recs), generator=gen)[:max_rows].tolist())]
-    return collate(recs, steps)
+    return collate(_sample(_records(features, steps), max_rows, gen), steps)
+
+
+def _sample(recs: list, n: int, gen: torch.Generator) -> list:
+    """n of recs drawn at random, in their order (all if there are no more than n)."""
+    if len(recs) <= n:
+        return recs
+    return [recs[i] for i in sorted(torch.randperm(len(recs), generator=gen)[:n].tolist())]
