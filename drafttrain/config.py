@@ -142,7 +142,7 @@ class RLConfig:
     prompt_seed: int = 1  # seed of the training prompts
     # held-out check of the policy before and after the run: this many fixed problems (eval_seed), scored sampled
     # (sampling.temperature) and greedy through the rollout engine; 0 = off
-    eval_prompts: int = 256  # held-out problems scored before and after the run (0 = off)
+    eval_prompts: int = 512  # held-out problems scored before and after the run (0 = off)
     eval_seed: int = 999  # held-out problems' seed (training: prompt_seed * 1_000_003 + 101 * step + rank)
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 from pathlib import Path
 
@@ -211,6 +212,18 @@ def summary_table(records: list[dict]) -> str:
             rows.append({"metric": k, "first": float(vals[0]), "last": float(vals[-1]),
                          "mean": float(sum(vals) / len(vals)), "last_quarter": float(sum(q) / len(q))})
     return format_table(rows, ["metric", "first", "last", "mean", "last_quarter"])
+
+
+def accuracy_change(before: dict | None, after: dict, n: int) -> dict:
+    """Per accuracy in `after` (GRPO.evaluate on `n` fixed problems): the change in points and its standard error,
+    binomial, the two evaluations taken as independent samples (they are fresh draws on the same problems, so
+    this slightly over-estimates the error). Empty without `before`."""
+    out = {}
+    for k, b in after.items():
+        if before and k in before and n > 0:
+            a = before[k]
+            out[k] = {"change_pts": 100 * (b - a), "se_pts": 100 * math.sqrt((a * (1 - a) + b * (1 - b)) / n)}
+    return out
 
 
 def eval_table(before: dict | None, after: dict) -> str:

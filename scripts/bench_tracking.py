@@ -48,7 +48,7 @@ from drafttrain.online.run import main as run_main
 from drafttrain.online.runfolder import load_checkpoint
 from drafttrain.online.trainer import DrafterTrainer
 from drafttrain.policy import encode_prompt, load_policy, make_prompts
-from drafttrain.report import format_table, plot_run, read_jsonl, write_json
+from drafttrain.report import accuracy_change, format_table, plot_run, read_jsonl, write_json
 from drafttrain.spec import SamplingParams, SpecStats
 
 DEFAULTS = dict(recipe="eagle3_track", seeds=[0, 1, 2], overrides=[], oracle_points=2, run_dir="runs/bench_tracking",
@@ -167,12 +167,12 @@ def over_seeds(values: list[float | None]) -> tuple[float | None, float | None]:
 
 
 def accuracy_gain(ev: dict | None) -> tuple[float | None, float | None]:
-    """(gain in points, its binomial standard error) of eval.json's sampled accuracy, after minus before on the same
-    problems (independent samples: a slight over-estimate of the error)."""
+    """(gain in points, its standard error) of eval.json's sampled accuracy, after minus before on the same
+    problems (report.accuracy_change)."""
     if not ev or not ev.get("before") or not ev.get("after"):
         return None, None
-    a, b, n = ev["before"]["eval_sampled_acc"], ev["after"]["eval_sampled_acc"], ev["prompts"]
-    return 100 * (b - a), 100 * math.sqrt((a * (1 - a) + b * (1 - b)) / n)
+    ch = accuracy_change(ev["before"], ev["after"], ev["prompts"]).get("eval_sampled_acc")
+    return (ch["change_pts"], ch["se_pts"]) if ch else (None, None)
 
 
 def load_tracking(frozen, ckpt: Path):

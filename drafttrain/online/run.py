@@ -31,7 +31,7 @@ from drafttrain.engines import build_engine
 from drafttrain.online.runfolder import (CheckpointError, Checkpointer, Stopper, changed_settings, load_checkpoint,
                                          lock_run_folder)
 from drafttrain.policy import load_policy
-from drafttrain.report import RunLogger, eval_table, plot_run, read_jsonl, summary_table, write_json
+from drafttrain.report import RunLogger, accuracy_change, eval_table, plot_run, read_jsonl, summary_table, write_json
 from drafttrain.rl.grpo import GRPO
 from drafttrain.rl.hooks import DraftTracker
 
@@ -142,8 +142,8 @@ def _run(cfg, acc, out: Path, stopper: Stopper) -> list[dict]:
         print(f"report: {png}  metrics: {logger.path}  config: {out / 'config.yaml'}")
     if cfg.rl.eval_prompts:
         after = grpo.evaluate()
-        write_json({"prompts": cfg.rl.eval_prompts, "seed": cfg.rl.eval_seed, "before": before, "after": after},
-                   out / "eval.json")
+        write_json({"prompts": cfg.rl.eval_prompts, "seed": cfg.rl.eval_seed, "before": before, "after": after,
+                    "change": accuracy_change(before, after, cfg.rl.eval_prompts)}, out / "eval.json")
         print(eval_table(before, after))
     ckpt.mark_finished()
     return logger.records

@@ -1,9 +1,11 @@
-"""RunLogger on resume: a step logged before the kill but after the checkpoint is logged again by the resumed run;
-neither the JSONL nor TensorBoard may then hold it twice."""
+"""RunLogger on resume (a step logged before the kill but after the checkpoint is logged again by the resumed run;
+neither the JSONL nor TensorBoard may then hold it twice), and eval.json's accuracy change with its error."""
 from __future__ import annotations
 
 import collections
 import time
+
+import pytest
 
 from drafttrain.report import RunLogger, read_jsonl
 
@@ -41,3 +43,17 @@ def test_resume_keeps_every_good_record_around_a_corrupt_line(tmp_path, capsys):
     assert [r["step"] for r in read_jsonl(tmp_path / "metrics.jsonl")] == [0, 1, 2, 3, *range(5, 13)]
     said = capsys.readouterr().out.splitlines()
     assert len(said) == 1 and "line 5" in said[0] and "metrics.jsonl" in said[0], said
+
+
+def test_accuracy_change_gives_points_and_binomial_standard_error():
+    from drafttrain.report import accuracy_change
+
+    ch = accuracy_change({"eval_sampled_acc": 0.5, "eval_greedy_acc": 0.7}, {"eval_sampled_acc": 0.6,
+                                                                             "eval_greedy_acc": 0.7}, 100)
+    assert ch["eval_sampled_acc"]["change_pts"] == pytest.approx(10.0)
+    assert ch["eval_sampled_acc"]["se_pts"] == pytest.approx(100 * ((0.25 + 0.24) / 100) ** 0.5)
+    assert ch["eval_greedy_acc"] == {"change_pts": pytest.approx(0.0), "se_pts": pytest.approx(100 * (0.42 / 100) ** 0.5)}
+    assert accuracy_change(None, {"eval_sampled_acc": 0.6}, 100) == {}  # no before: no change to give
+    # four times the problems halve the error
+    wide = accuracy_change({"a": 0.5}, {"a": 0.6}, 100)["a"]["se_pts"]
+    assert accuracy_change({"a": 0.5}, {"a": 0.6}, 400)["a"]["se_pts"] == pytest.approx(wide / 2)
