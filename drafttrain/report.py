@@ -1,10 +1,15 @@
 """Everything a run or a benchmark measures leaves through here: tables for the terminal and JSON files.
-(The online job adds per-step JSONL + TensorBoard records and end-of-run plots on top of these.)"""
+(The online job adds per-step JSONL + TensorBoard records and end-of-run plots on top of these.)
+
+    python -m drafttrain.report runs/eagle3_track runs/eagle3_frozen      # finished runs side by side
+"""
 from __future__ import annotations
 
 import json
 import math
 import os
+import statistics
+import sys
 from pathlib import Path
 
 
@@ -232,3 +237,137 @@ def eval_table(before: dict | None, after: dict) -> str:
     rows = [{"metric": k, "before": before.get(k), "after": v, "change": v - before[k] if k in before else None}
             for k, v in after.items()]
     return format_table(rows, ["metric", "before", "after", "change"])
+
+
+def overhead(recs: list[dict]) -> dict:
+    """Online training's time per RL step (capture hooks in the loss forward, drafter steps, estimate, publish) over
+    the RL step's own time (rollout + policy update): rl_step_s less that work and less measure_s (the per-step
+    live/frozen scoring, reported on its own as measure_pct). None where no step trained a drafter."""
+    work = [(r["drafter_train_s"] + (r.get("publish_s") or 0) + (r.get("capture_s") or 0), r["rl_step_s"],
+             r.get("measure_s") or 0.0) for r in recs if r.get("drafter_train_s") is not None]
+    own = sum(t - w - m for w, t, m in work)
+    per_step = [100 * w / max(t - w - m, 1e-9) for w, t, m in work]
+    return {"overhead_pct": 100 * sum(w for w, _, _ in work) / max(own, 1e-9) if work else None,
+            "overhead_pct_mean_of_steps": statistics.fmean(per_step) if per_step else None,
+            "overhead_pct_per_step": per_step,
+            "measure_pct": 100 * sum(m for _, _, m in work) / max(own, 1e-9) if work else None}
+
+
+class RunFolderError(ValueError):
+    """A folder given to the comparison is not a run's (one line, naming it)."""
+
+
+def load_run(path: str | Path) -> dict:
+    """A run folder's records (metrics.jsonl), held-out evaluation (eval.json, if written) and recipe name."""
+    path = Path(path)
+    if not path.is_dir():
+        raise RunFolderError(f"{path}: no such run folder")
+    records = read_jsonl(path / "metrics.jsonl")
+    if not records:
+        raise RunFolderError(f"{path}: no step records (metrics.jsonl missing or empty): not a run folder, or a run "
+                             "that has not finished a step")
+    ev = path / "eval.json"
+    recipe = None
+    if (path / "config.yaml").is_file():
+        from omegaconf import OmegaConf
+
+        recipe = OmegaConf.load(path / "config.yaml").get("recipe")
+    return {"name": path.name, "path": str(path), "records": records, "recipe": recipe,
+            "eval": json.loads(ev.read_text()) if ev.is_file() else None}
+
+
+def _last_quarter(records: list[dict], key: str) -> float | None:
+    vals = [r[key] for r in records if isinstance(r.get(key), (int, float)) and not isinstance(r.get(key), bool)]
+    q = vals[-max(1, len(vals) // 4):]
+    return sum(q) / len(q) if vals else None
+
+
+def compare_rows(runs: list[dict]) -> list[dict]:
+    """One row per run: last-quarter means of the per-step metrics, drafter overhead and held-out accuracy."""
+    rows = []
+    for run in runs:
+        recs, ev = run["records"], run["eval"] or {}
+        before, after = (ev.get("before") or {}), (ev.get("after") or {})
+        ch = accuracy_change(before, after, ev.get("prompts", 0)).get("eval_sampled_acc", {}) if after else {}
+        rows.append({"run": run["name"], "recipe": run["recipe"], "steps": len(recs),
+                     **{k: _last_quarter(recs, k) for k in ("reward_mean", "live_mal", "live_tf_mal", "frozen_tf_mal",
+                                                            "rollout_tokens_per_s")},
+                     "overhead_pct": overhead(recs)["overhead_pct"],
+                     "acc_before": before.get("eval_sampled_acc"), "acc_after": after.get("eval_sampled_acc"),
+                     "acc_change_pts": ch.get("change_pts"), "acc_change_se": ch.get("se_pts")})
+    return rows
+
+
+COMPARE_COLS = ["run", "recipe", "steps", "reward_mean", "live_mal", "live_tf_mal", "frozen_tf_mal",
+                "rollout_tokens_per_s", "overhead_pct", "acc_before", "acc_after", "acc_change_pts", "acc_change_se"]
+
+
+def compare_figure(runs: list[dict]):
+    """Runs over RL steps, one colour each: live (solid) and frozen (dashed) teacher-forced MAL, reward, rollout
+    tokens/s and drafter overhead (running means of 8 steps); held-out sampled accuracy before and after."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(2, 3, figsize=(16, 9), layout="constrained")
+    for i, run in enumerate(runs):
+        recs, c = run["records"], f"C{i}"
+        steps = [r["step"] for r in recs]
+        get = lambda k: [r.get(k) if r.get(k) is not None else float("nan") for r in recs]  # noqa: E731
+        ax[0][0].plot(steps, get("live_tf_mal"), "-", color=c, label=f"{run['name']} live")
+        ax[0][0].plot(steps, get("frozen_tf_mal"), "--", color=c, label=f"{run['name']} frozen step-0")
+        ax[0][1].plot(steps, running_mean(get("reward_mean")), color=c, label=run["name"])
+        ax[0][2].plot(steps, running_mean(get("rollout_tokens_per_s")), color=c, label=run["name"])
+        per = {r["step"]: p for r, p in zip([r for r in recs if r.get("drafter_train_s") is not None],
+                                            overhead(recs)["overhead_pct_per_step"])}
+        ax[1][0].plot(steps, running_mean([per.get(s, float("nan")) for s in steps]), color=c, label=run["name"])
+        ax[1][2].plot(steps, get("live_mal"), "o", ms=3, color=c, label=run["name"])
+    rows = compare_rows(runs)
+    x = range(len(rows))
+    for j, (key, label) in enumerate((("acc_before", "before"), ("acc_after", "after"))):
+        vals = [r[key] if r[key] is not None else float("nan") for r in rows]
+        ax[1][1].bar([i + 0.4 * j for i in x], vals, width=0.4, label=label)
+    ax[1][1].set_xticks([i + 0.2 for i in x], [r["run"] for r in rows])
+    for a, title in zip(ax.flat, ("teacher-forced MAL: live (solid), frozen step-0 (dashed)", "reward (running mean)",
+                                  "rollout tokens/s (running mean)", "drafter overhead, % of the RL step",
+                                  "held-out accuracy, sampled", "engine MAL (live drafter)")):
+        a.set(title=title, xlabel="" if a is ax[1][1] else "RL step")
+        if a.get_legend_handles_labels()[0]:
+            a.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.12), ncol=2, frameon=False)
+    return fig
+
+
+def compare_runs(paths: list[str], out: str | Path | None = None) -> tuple[str, Path]:
+    """(the table, the PNG's path) comparing finished runs; the PNG goes to `out` (default: compare.png beside the
+    first run folder)."""
+    import matplotlib.pyplot as plt
+
+    runs = [load_run(p) for p in paths]
+    out = Path(out) if out else Path(paths[0]).resolve().parent / "compare.png"
+    fig = compare_figure(runs)
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+    return format_table(compare_rows(runs), COMPARE_COLS), out
+
+
+def cli(argv: list[str] | None = None) -> int:
+    """`python -m drafttrain.report RUN [RUN ...] [out=PATH]`: the comparison's table and PNG; 2 on bad input."""
+    args = sys.argv[1:] if argv is None else argv
+    outs = [a.split("=", 1)[1] for a in args if a.startswith("out=")]
+    paths = [a for a in args if not a.startswith("out=")]
+    if not paths or "-h" in paths or "--help" in paths:
+        print("usage: python -m drafttrain.report RUN_DIR [RUN_DIR ...] [out=compare.png]", file=sys.stderr)
+        return 0 if paths else 2
+    try:
+        table, png = compare_runs(paths, outs[-1] if outs else None)
+    except RunFolderError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(table)
+    print(f"plot: {png}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(cli())

@@ -48,7 +48,7 @@ from drafttrain.online.run import main as run_main
 from drafttrain.online.runfolder import load_checkpoint
 from drafttrain.online.trainer import DrafterTrainer
 from drafttrain.policy import encode_prompt, load_policy, make_prompts
-from drafttrain.report import accuracy_change, format_table, plot_run, read_jsonl, write_json
+from drafttrain.report import accuracy_change, format_table, overhead, plot_run, read_jsonl, write_json
 from drafttrain.spec import SamplingParams, SpecStats
 
 DEFAULTS = dict(recipe="eagle3_track", seeds=[0, 1, 2], overrides=[], oracle_points=2, run_dir="runs/bench_tracking",
@@ -201,20 +201,6 @@ def rollout_speed(eng, tok, drafters: dict, cfg) -> dict:
         w["mal"] = statistics.fmean(w["mal"])
         w["tokens_per_s"] = w["tokens"] / w["wall_s"]
     return wall
-
-
-def overhead(recs: list[dict]) -> dict:
-    """Online training's time per RL step (capture hooks in the loss forward, drafter steps, estimate, publish) over
-    the RL step's own time (rollout + policy update): rl_step_s less that work and less measure_s (the per-step
-    live/frozen scoring, reported on its own as measure_pct)."""
-    work = [(r["drafter_train_s"] + (r.get("publish_s") or 0) + (r.get("capture_s") or 0), r["rl_step_s"],
-             r.get("measure_s") or 0.0) for r in recs if r.get("drafter_train_s") is not None]
-    own = sum(t - w - m for w, t, m in work)
-    per_step = [100 * w / max(t - w - m, 1e-9) for w, t, m in work]
-    return {"overhead_pct": 100 * sum(w for w, _, _ in work) / max(own, 1e-9) if work else None,
-            "overhead_pct_mean_of_steps": statistics.fmean(per_step) if per_step else None,
-            "overhead_pct_per_step": per_step,
-            "measure_pct": 100 * sum(m for _, _, m in work) / max(own, 1e-9) if work else None}
 
 
 def run_seed(cfg, seed: int) -> dict:

@@ -319,6 +319,8 @@ SMOKE: list[Smoke] = [
 NOT_RUN: list[NotRun] = [
     NotRun("bash scripts/install.sh", "CI runs it before the tests (.ci/run)"),
     NotRun("python -m pytest -q", "the test suite itself"),
+    NotRun("python -m drafttrain.report runs/eagle3_track runs/eagle3_frozen",
+           "needs two finished runs: tests/unit/test_report_compare.py runs the same entry point on run folders"),
 ]
 
 
