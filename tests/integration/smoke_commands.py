@@ -312,6 +312,8 @@ SMOKE: list[Smoke] = [
     Smoke("simulate_curves", "python scripts/simulate.py gpus=[H200] live_acceptance=[0.8,0.7,0.6] "
           "frozen_acceptance=[0.6,0.5,0.4] out={tmp}/sim.json plot={tmp}/sim.png",
           (Json("sim.json", (), ("reproduction", "projection")),), slow=False),
+    Smoke("gpu_check_plumbing", "python scripts/gpu_check.py model=tiny backend=torch device=cpu gpu=H100 "
+          "batches=[1] ctx=16 new_tokens=2 repeats=1 out={tmp}/g.json", (Json("g.json", (), ("rows",)),), slow=False),
     Smoke("check_acceptance", "python scripts/check_acceptance.py rollouts=2 seed=3 max_new_tokens=16 "
           "overrides=[engine.drafter_int8=true] out={tmp}/a.json", (Json("a.json"),)),
 ]
@@ -319,6 +321,11 @@ SMOKE: list[Smoke] = [
 NOT_RUN: list[NotRun] = [
     NotRun("bash scripts/install.sh", "CI runs it before the tests (.ci/run)"),
     NotRun("python -m pytest -q", "the test suite itself"),
+    NotRun("python scripts/gpu_check.py", "needs a CUDA GPU (vLLM on the 8B shape); CI has none"),
+    NotRun("python scripts/gpu_check.py backend=torch batches=[1,16] out=/tmp/gpu_check.json", "needs a CUDA GPU"),
+    NotRun("bash scripts/gpu_check.sh", "needs a CUDA GPU and installs the CUDA vLLM; tests/unit/test_gpu_check.py "
+           "checks its syntax and its refusal without a GPU"),
+    NotRun("PIP_FIND_LINKS=/path/to/wheels PIP_NO_INDEX=1 bash scripts/gpu_check.sh", "needs a CUDA GPU"),
     NotRun("python -m drafttrain.report runs/eagle3_track runs/eagle3_frozen",
            "needs two finished runs: tests/unit/test_report_compare.py runs the same entry point on run folders"),
 ]

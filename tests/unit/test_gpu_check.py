@@ -1,0 +1,55 @@
+"""scripts/gpu_check.py (decode step measured vs the simulator's roofline) and scripts/gpu_check.sh, where no GPU is."""
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from drafttrain.simulate import GPUS, Replica
+from tests.conftest import load_script
+
+ROOT = Path(__file__).resolve().parents[2]
+gc = load_script("gpu_check")
+
+
+def test_device_names_map_to_the_simulator_gpus():
+    assert gc.gpu_name("NVIDIA H200") == "H200"
+    assert gc.gpu_name("NVIDIA H100 80GB HBM3") == "H100"
+    assert gc.gpu_name("NVIDIA GB200") == "GB200"  # not B200, which its name also contains
+    with pytest.raises(ValueError, match="gpu"):
+        gc.gpu_name("NVIDIA GeForce RTX 4090")
+
+
+def test_measured_rows_carry_the_simulators_cost(tmp_path):
+    cfg = gc.GpuCheckConfig(model="tiny", backend="torch", device="cpu", gpu="H100", batches=[1, 2], ctx=16,
+                            new_tokens=2, repeats=1, out=str(tmp_path / "g.json"))
+    res = gc.main(cfg)
+    assert json.loads((tmp_path / "g.json").read_text()) == res
+    rep = Replica(gc.TINY, GPUS["H100"])
+    assert [r["batch"] for r in res["rows"]] == [1, 2]
+    for r in res["rows"]:
+        assert r["simulated_s"] == pytest.approx(rep.forward_s(r["batch"], 1, 16))
+        assert r["measured_s"] > 0 and r["measured_over_simulated"] == pytest.approx(r["measured_s"] / r["simulated_s"])
+
+
+@pytest.mark.parametrize("field,value", [("model", "13b"), ("backend", "tensorrt"), ("gpu", "TPU")])
+def test_bad_settings_name_the_field(tmp_path, field, value):
+    cfg = gc.GpuCheckConfig(model="tiny", backend="torch", device="cpu", gpu="H100", batches=[1], ctx=8,
+                            new_tokens=1, repeats=1, out=str(tmp_path / "g.json"))
+    setattr(cfg, field, value)
+    with pytest.raises(ValueError, match=f"^{field}:"):
+        gc.main(cfg)
+    assert not (tmp_path / "g.json").exists()
+
+
+def test_shell_script_parses_and_refuses_without_a_gpu(tmp_path):
+    sh = ROOT / "scripts" / "gpu_check.sh"
+    assert subprocess.run(["bash", "-n", str(sh)]).returncode == 0
+    if shutil.which("nvidia-smi"):
+        pytest.skip("this machine has nvidia-smi: the refusal is for machines without a GPU")
+    r = subprocess.run(["bash", str(sh), str(tmp_path / "out.json")], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "no CUDA GPU" in r.stdout
+    assert not (tmp_path / "out.json").exists()  # nothing installed, nothing written
