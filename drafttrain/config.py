@@ -105,7 +105,7 @@ class OnlineConfig:
     # (the served drafter's scores of them come from tracker.measure() where it runs). More rows detect a smaller
     # gain (the bound's half-width falls as 1/sqrt(rows)) and leave less of the bank to training
     estimate_rows: int = 8  # held-out rows the estimate after each update scores (the gate's rows)
-    # publish an update only if it beats the serving drafter on the same rows, paired row by row (online/gate.py):
+    # publish an update only if it beats the serving drafter on the same rows, paired row by row (tracking/gate.py):
     # the one-sided lower bound at gate_confidence of the mean per-row MAL difference must exceed gate_margin, on at
     # least gate_min_rows rows. Significantly worse: train on from the serving weights; undecided: train on from
     # the update. Online noise must not wear down a drafter the policy barely drifts from

@@ -1,13 +1,29 @@
-"""Launcher for the main job (see drafttrain/online/run.py):
+"""The main job's command line: recipe -> Config -> the GRPO loop with a DraftTracker (drafttrain/rl/job.py).
+
     accelerate launch drafttrain/online.py recipe=eagle3_track [key=value ...]
-Run as a file, so the package folder is dropped from sys.path first (its module names must not shadow others)."""
-import os
+    python -m drafttrain.online recipe=eagle3_track rl.steps=5
+
+Both commands run this module as __main__. Bad input (a config key, a missing file) ends in one line naming it.
+"""
 import sys
 
-if sys.path and os.path.abspath(sys.path[0]) == os.path.dirname(os.path.abspath(__file__)):
-    sys.path.pop(0)
+from drafttrain.config import ConfigError, load_recipe, usage
+from drafttrain.rl.job import main
 
-from drafttrain.online.run import cli  # noqa: E402
+
+def cli(argv: list[str] | None = None) -> None:
+    args = sys.argv[1:] if argv is None else argv
+    if "-h" in args or "--help" in args:
+        print(usage())
+        return
+    recipe = [a.split("=", 1)[1] for a in args if a.startswith("recipe=")]
+    overrides = [a for a in args if not a.startswith("recipe=")]
+    try:
+        cfg = load_recipe(recipe[-1] if recipe else "eagle3_track", overrides)
+        main(cfg)
+    except (ConfigError, FileNotFoundError) as e:
+        raise SystemExit(f"error: {e}") from None
+
 
 if __name__ == "__main__":
     cli()

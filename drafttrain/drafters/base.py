@@ -11,11 +11,13 @@ A drafter, as the engine sees it:
 """
 from __future__ import annotations
 
+import copy
 from typing import Protocol
 
 import torch
 
 from drafttrain.drafters import eagle3, selfquant
+from drafttrain.quant import quantize_module_int8
 
 
 class Drafter(Protocol):
@@ -85,3 +87,15 @@ def check_compatible(drafter, policy) -> None:
             drafter.aux_layer_ids) >= pc.num_hidden_layers:
         raise ValueError(f"drafter aux_layer_ids {list(drafter.aux_layer_ids)} do not fit the policy's "
                          f"{pc.num_hidden_layers} layers")
+
+
+def runtime_copy(drafter, int8: bool, owned: bool = False):
+    """The copy of `drafter` the embedded engine drafts with (owned: a fresh copy already, used as is): fused for
+    inference, or, for a drafter with no fused form, its linears int8-quantized (int8; not a self-drafter's:
+    quantized already). Also what teacher-forced scoring of the engine's drafter scores."""
+    rt = (drafter if owned else copy.deepcopy(drafter)).eval().requires_grad_(False)
+    if hasattr(rt, "fuse_for_inference"):
+        return rt.fuse_for_inference(int8=int8)
+    if int8 and not getattr(drafter, "in_place_update", False):
+        return quantize_module_int8(rt)
+    return rt

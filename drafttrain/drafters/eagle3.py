@@ -21,6 +21,7 @@ import torch.nn.functional as F
 
 from drafttrain.drafters.weights import check_tensors
 from drafttrain.modeling import KVCache, PackedLinear, Rope, attend, fold_norm, linear, rms_norm, rms_unit, step_mask
+from drafttrain.quant import AoInt8
 from drafttrain.spec import draft_chain
 
 
@@ -133,12 +134,10 @@ class Eagle3Drafter(nn.Module):
     def fuse_for_inference(self, int8: bool) -> "Eagle3Drafter":
         """The engine's runtime form (a copy that is never trained): q|k|v and gate|up fused into one matmul each,
         every linear prepacked for oneDNN (fp32) or torch.ao dynamic int8 per channel (int8: 4-8x cheaper than
-        fp32 here, ENVIRONMENT.md; it only changes acceptance, never the output distribution).
+        fp32 on CPU; it only changes acceptance, never the output distribution).
         RMS norms are folded away: the embedding table is stored already normed (input_layernorm), and every other
         norm's weight is folded into the columns of the linear it feeds (modeling.fold_norm), which then sees
         rms_unit(x): 3 ops against F.rms_norm's ~8 at these sizes, where the norms were a third of the step."""
-        from drafttrain.drafters.selfquant import AoInt8
-
         c, L = self.config, self.layers[0]
         a, mlp = L.self_attn, L.mlp
         H = c.hidden_size

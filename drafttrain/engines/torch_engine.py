@@ -15,37 +15,15 @@ from __future__ import annotations
 import copy
 import threading
 import time
-import warnings
 
 import torch
 
-from drafttrain.drafters.base import check_compatible
+from drafttrain.drafters.base import check_compatible, runtime_copy
 from drafttrain.drafters.weights import check_finite
 from drafttrain.engines.base import RolloutBatch, StaleVersionError
 from drafttrain.engines.schedule import CostModel, SpecController
 from drafttrain.modeling import LeanLlama, keep_order, share_prompts
 from drafttrain.spec import SamplingParams, SpecStats, processed_probs, rejection_sample, sample
-
-
-def quantize_int8(module: torch.nn.Module) -> torch.nn.Module:
-    """torch.ao dynamic int8 linears (x86/fbgemm): 4-8x cheaper than fp32 here (ENVIRONMENT.md)."""
-    from torch.ao.quantization import quantize_dynamic
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        return quantize_dynamic(module, {torch.nn.Linear}, dtype=torch.qint8)
-
-
-def runtime_copy(drafter, int8: bool, owned: bool = False):
-    """The copy of `drafter` the engine drafts with (owned: a fresh copy already, used as is): fused for inference
-    (int8: torch.ao dynamic int8 linears), or, for a drafter with no fused form, its linears int8-quantized (not a
-    self-drafter's: quantized already). Also what teacher-forced scoring of the engine's drafter scores."""
-    rt = (drafter if owned else copy.deepcopy(drafter)).eval().requires_grad_(False)
-    if hasattr(rt, "fuse_for_inference"):
-        return rt.fuse_for_inference(int8=int8)
-    if int8 and not getattr(drafter, "in_place_update", False):
-        return quantize_int8(rt)
-    return rt
 
 
 class TorchEngine:

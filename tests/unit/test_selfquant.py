@@ -14,9 +14,9 @@ from omegaconf import OmegaConf
 
 from drafttrain.config import Config, ConfigError, load_recipe
 from drafttrain.drafters import build_drafter
-from drafttrain.drafters.selfquant import (SelfQuantDrafter, pack_int4, quantize_int4, quantize_int8,
-                                           unpack_int4)
+from drafttrain.drafters.selfquant import SelfQuantDrafter
 from drafttrain.engines import build_engine
+from drafttrain.quant import pack_int4, quantize_int4, quantize_int8, unpack_int4
 from drafttrain.spec import SamplingParams
 from tests import contract as C
 from tests.conftest import engine_cfg, tiny_policy
