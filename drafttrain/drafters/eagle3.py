@@ -133,11 +133,9 @@ class Eagle3Drafter(nn.Module):
     @torch.no_grad()
     def fuse_for_inference(self, int8: bool) -> "Eagle3Drafter":
         """The engine's runtime form (a copy that is never trained): q|k|v and gate|up fused into one matmul each,
-        every linear prepacked for oneDNN (fp32) or torch.ao dynamic int8 per channel (int8: 4-8x cheaper than
-        fp32 on CPU; it only changes acceptance, never the output distribution).
-        RMS norms are folded away: the embedding table is stored already normed (input_layernorm), and every other
-        norm's weight is folded into the columns of the linear it feeds (modeling.fold_norm), which then sees
-        rms_unit(x): 3 ops against F.rms_norm's ~8 at these sizes, where the norms were a third of the step."""
+        every linear prepacked for oneDNN (fp32) or torch.ao dynamic int8 per channel (int8 only changes acceptance,
+        never the output distribution). RMS norms are folded away: the embedding table is stored already normed, and
+        every other norm's weight is folded into the columns of the linear it feeds (modeling.fold_norm)."""
         c, L = self.config, self.layers[0]
         a, mlp = L.self_attn, L.mlp
         H = c.hidden_size
@@ -214,8 +212,7 @@ class Eagle3Drafter(nn.Module):
         queries [S] (ascending positions, shared by the rows): logits at those positions only, [B, S, Vd], equal to
         the full result there. Every position still gives its step-0 key and value; the attention, the MLP, the head
         and every later step run for the S queries alone (cheaper training steps over more rollouts).
-        Runs in the training form or, after fuse_for_inference, in the engine's runtime form (teacher-forced scoring
-        of the drafter the engine runs: with int8, 1.7x cheaper)."""
+        Runs in the training form or in the engine's runtime form (fuse_for_inference: scoring what the engine runs)."""
         c = self.config
         B, T, _ = aux.shape
         pos = torch.arange(T).expand(B, T)

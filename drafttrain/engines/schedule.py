@@ -36,8 +36,12 @@ an offset in ms (what a batch-64 step adds) does not.
 from __future__ import annotations
 
 import bisect
+import time
 from dataclasses import dataclass, field
 
+import torch
+
+from drafttrain.spec import SamplingParams
 from drafttrain.spec.stats import drafts_kept
 
 
@@ -93,8 +97,6 @@ class CostModel:
         seconds here). Every m in 1..k_max+1 is measured: the curve is not smooth (batch 1: flat from 3 to 6 tokens
         per row, then a step; batch 64: +9 ms from 8 to 9), and interpolating between 5 and 9 mispriced the k in
         between (auto k on the long-tail batch: 1.08x AR against 1.14x with every point, one interleaved run)."""
-        from drafttrain.engines.torch_engine import measure_costs
-
         if engine.drafter is None:
             raise ValueError("engine.toggle / engine.k=auto: calibration needs a drafter (the engine has none)")
         ms = list(range(1, k_max + 2))
@@ -290,3 +292,49 @@ class SpecController:
 def _bucket(batch: int) -> int:
     """The power of two at or below batch (1, 2, 4, ...)."""
     return 1 << (max(batch, 1).bit_length() - 1)
+
+
+@torch.no_grad()
+def measure_costs(engine, batch: int, tokens_per_row: list[int], k: int, context: int = 64,
+                  repeats: int = 20) -> dict:
+    """Time the live embedded engine's pieces on synthetic inputs at a context length: target forward (ms) for each
+    m in tokens_per_row, and the drafter's propose of k tokens (ms per drafted token): the cost model's input.
+    Each figure is the fastest of `repeats` runs (the workload is deterministic: slower runs are noise). The target
+    forwards take turns, one run of each m per round, so a slow spell of the machine slows one round of every m
+    rather than every run of one m; the drafter's propose runs back to back, as in a chain of draft steps."""
+    lean = engine.lean
+    gen = torch.Generator().manual_seed(0)
+    L = context + max([1, *tokens_per_row]) + k + 2
+    pos = torch.full((batch,), context)
+
+    def fastest(pieces: dict) -> dict:
+        """ms of each piece's fastest run after a warm-up; the pieces take turns, one run of each per round (a
+        single piece: back to back)."""
+        for fn in pieces.values():
+            fn()
+        best = dict.fromkeys(pieces, float("inf"))
+        for _ in range(repeats):
+            for key, fn in pieces.items():
+                t0 = time.perf_counter()
+                fn()
+                best[key] = min(best[key], (time.perf_counter() - t0) * 1e3)
+        return best
+
+    cache = lean.new_cache(batch, L)
+    fwd = {m: torch.randint(0, lean.vocab_size, (batch, m), generator=gen) for m in tokens_per_row}
+    out = {"batch": batch,
+           "target_ms": fastest({m: (lambda t=toks: lean.forward(t, pos, cache, ())) for m, toks in fwd.items()})}
+    d = engine.drafter
+    if d is not None and k > 0:
+        st = d.new_state(batch, L)
+        X = len(d.aux_layer_ids) * lean.hidden
+        ids = torch.randint(0, lean.vocab_size, (batch, k + 1), generator=gen)
+        aux = torch.randn(batch, k + 1, X, generator=gen)
+        params = SamplingParams(temperature=1.0)
+        n_new = torch.full((batch,), k + 1)
+
+        def propose():
+            d.propose(st, ids, aux, n_new, pos - k - 1, k, params, False, gen)
+
+        out["draft_ms_per_token"] = fastest({"propose": propose})["propose"] / k
+    return out

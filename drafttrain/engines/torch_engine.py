@@ -21,7 +21,7 @@ import torch
 from drafttrain.drafters.base import check_compatible, runtime_copy
 from drafttrain.drafters.weights import check_finite
 from drafttrain.engines.base import RolloutBatch, StaleVersionError
-from drafttrain.engines.schedule import CostModel, SpecController
+from drafttrain.engines.schedule import CostModel, SpecController, measure_costs
 from drafttrain.modeling import LeanLlama, keep_order, share_prompts
 from drafttrain.spec import SamplingParams, SpecStats, processed_probs, rejection_sample, sample
 
@@ -342,53 +342,3 @@ class _Pending:
         self.ids, self.n, self.start = self.ids[keep], self.n[keep], self.start[keep]
         self.aux = None if self.aux is None else self.aux[keep]
         self._max = int(self.n.max()) if len(keep) else 0
-
-
-@torch.no_grad()
-def measure_costs(engine: TorchEngine, batch: int, tokens_per_row: list[int], k: int, context: int = 64,
-                  repeats: int = 20) -> dict:
-    """Time the live engine's pieces on synthetic inputs at a context length: target forward (ms) for each m in
-    tokens_per_row, and the drafter's propose of k tokens (ms per drafted token). The cost model's input.
-    Each figure is the fastest of `repeats` runs: the workload is deterministic, so slower runs are noise. The
-    target forwards take turns, one run of each m per round, so a slow spell of the machine slows one round of
-    every m rather than every run of one (timed back to back, a spell the length of one m's runs set its fastest:
-    m = 3 read 3.95 ms where 2 and 4 read 2.75 and 3.79... and 7 read 4.8 where 6 and 8 read 2.4 and 2.6; the
-    monotone curve then carried it to every larger m). The drafter's propose runs back to back, as in a chain of
-    draft steps (timed between target forwards, its weights out of cache, it read 0.49 ms per token against 0.36,
-    which steered auto k to short drafts: toggle + auto k 1.09x AR on the long-tail batch against 1.24x)."""
-    lean = engine.lean
-    gen = torch.Generator().manual_seed(0)
-    L = context + max([1, *tokens_per_row]) + k + 2
-    pos = torch.full((batch,), context)
-
-    def fastest(pieces: dict) -> dict:
-        """ms of each piece's fastest run after a warm-up; the pieces take turns, one run of each per round (a
-        single piece: back to back)."""
-        for fn in pieces.values():
-            fn()
-        best = dict.fromkeys(pieces, float("inf"))
-        for _ in range(repeats):
-            for key, fn in pieces.items():
-                t0 = time.perf_counter()
-                fn()
-                best[key] = min(best[key], (time.perf_counter() - t0) * 1e3)
-        return best
-
-    cache = lean.new_cache(batch, L)
-    fwd = {m: torch.randint(0, lean.vocab_size, (batch, m), generator=gen) for m in tokens_per_row}
-    out = {"batch": batch,
-           "target_ms": fastest({m: (lambda t=toks: lean.forward(t, pos, cache, ())) for m, toks in fwd.items()})}
-    d = engine.drafter
-    if d is not None and k > 0:
-        st = d.new_state(batch, L)
-        X = len(d.aux_layer_ids) * lean.hidden
-        ids = torch.randint(0, lean.vocab_size, (batch, k + 1), generator=gen)
-        aux = torch.randn(batch, k + 1, X, generator=gen)
-        params = SamplingParams(temperature=1.0)
-        n_new = torch.full((batch,), k + 1)
-
-        def propose():
-            d.propose(st, ids, aux, n_new, pos - k - 1, k, params, False, gen)
-
-        out["draft_ms_per_token"] = fastest({"propose": propose})["propose"] / k
-    return out
