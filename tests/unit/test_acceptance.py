@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from drafttrain.engines import build_engine
-from drafttrain.tracking.acceptance import expected_spec_stats, teacher_forced_acceptance
+from drafttrain.spec import SamplingParams, expected_spec_stats
+from drafttrain.tracking.acceptance import teacher_forced_acceptance
 from drafttrain.tracking.capture import teacher_forced_features
-from drafttrain.spec import SamplingParams
 from tests import contract as C
 from tests.conftest import engine_cfg
 
