@@ -24,46 +24,9 @@ import torch
 import torch.nn as nn
 
 from drafttrain.drafters.weights import check_finite, check_tensors
-from drafttrain.modeling import KVCache, LeanLlama, Rope, rms_norm
+from drafttrain.modeling import KVCache, LeanLlama, Rope, lean_parts, rms_norm
 from drafttrain.quant import LINEARS, QuantLinear, check_backend
 from drafttrain.spec import draft_chain
-
-
-# ---- policy layout --------------------------------------------------------------------------------------------
-
-def _hf_names(i: int) -> dict[str, str]:
-    a, m = f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp."
-    return {"q": a + "q_proj.weight", "k": a + "k_proj.weight", "v": a + "v_proj.weight", "o": a + "o_proj.weight",
-            "qb": a + "q_proj.bias", "kb": a + "k_proj.bias", "vb": a + "v_proj.bias", "ob": a + "o_proj.bias",
-            "gb": m + "gate_proj.bias", "ub": m + "up_proj.bias", "db": m + "down_proj.bias",
-            "q_norm": a + "q_norm.weight", "k_norm": a + "k_norm.weight",
-            "gate": m + "gate_proj.weight", "up": m + "up_proj.weight", "down": m + "down_proj.weight",
-            "ln1": f"model.layers.{i}.input_layernorm.weight",
-            "ln2": f"model.layers.{i}.post_attention_layernorm.weight"}
-
-
-def _lean_parts(sd: dict, n_layers: int) -> dict:
-    """HF policy state_dict -> LeanLlama's names: a linear ("lm_head", "0.qkv", "0.gate_up", ...) as its list of row
-    blocks ([q, k, v], [gate, up]); biases "0.qkv_b", "0.o_b", ... (concatenated as their linear); norms and the
-    embedding as tensors. No copies (the biases are small copies)."""
-    embed = sd["model.embed_tokens.weight"]
-    out = {"embed": embed, "norm": sd["model.norm.weight"], "lm_head": [sd.get("lm_head.weight", embed)]}
-    for i in range(n_layers):
-        n = _hf_names(i)
-        out[f"{i}.qkv"] = [sd[n["q"]], sd[n["k"]], sd[n["v"]]]
-        out[f"{i}.gate_up"] = [sd[n["gate"]], sd[n["up"]]]
-        out[f"{i}.o"], out[f"{i}.down"] = [sd[n["o"]]], [sd[n["down"]]]
-        out[f"{i}.ln1"], out[f"{i}.ln2"] = sd[n["ln1"]], sd[n["ln2"]]
-        if n["qb"] in sd:
-            out[f"{i}.qkv_b"] = torch.cat([sd[n["qb"]], sd[n["kb"]], sd[n["vb"]]]).float()
-        if n["ob"] in sd:  # Llama's attention_bias, Qwen3's
-            out[f"{i}.o_b"] = sd[n["ob"]].float()
-        if n["gb"] in sd:  # Llama's mlp_bias
-            out[f"{i}.gate_up_b"] = torch.cat([sd[n["gb"]], sd[n["ub"]]]).float()
-            out[f"{i}.down_b"] = sd[n["db"]].float()
-        if n["q_norm"] in sd:
-            out[f"{i}.q_norm"], out[f"{i}.k_norm"] = sd[n["q_norm"]], sd[n["k_norm"]]
-    return out
 
 
 # ---- the drafter ------------------------------------------------------------------------------------------------
@@ -101,7 +64,7 @@ class SelfQuantDrafter(nn.Module):
         super().__init__()
         cfg = policy.config
         sd = policy.state_dict()
-        t = _lean_parts(sd, cfg.num_hidden_layers)
+        t = lean_parts(sd, cfg.num_hidden_layers)
         # names/shapes a policy state_dict must have (meta tensors: no memory, no reference to the policy)
         self._policy_keys = {k: torch.empty(v.shape, dtype=v.dtype, device="meta") for k, v in sd.items()}
         sizes = {k: (sum(w.shape[0] for w in v), v[0].shape[1]) for k, v in t.items() if _is_linear(k)}
@@ -167,7 +130,7 @@ class SelfQuantDrafter(nn.Module):
         """Quantize the policy's current weights (a module or its state_dict) into the existing storage."""
         sd = policy if isinstance(policy, dict) else policy.state_dict()
         check_finite(sd)  # before any write
-        t = _lean_parts(sd, self.config.num_hidden_layers)
+        t = lean_parts(sd, self.config.num_hidden_layers)
         for name, cur in self._items():
             if isinstance(cur, QuantLinear):
                 cur.requantize_(t[name], t.get(f"{name}_b"))
