@@ -13,12 +13,13 @@ output back as the next position's hidden. Training unrolls that chain n steps (
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from drafttrain.drafters.contract import Reads
 from drafttrain.drafters.weights import check_tensors
 from drafttrain.modeling import KVCache, PackedLinear, Rope, attend, fold_norm, linear, rms_norm, rms_unit, step_mask
 from drafttrain.quant import AoInt8
@@ -82,6 +83,7 @@ class _MidLayer(nn.Module):
 
 class Eagle3Drafter(nn.Module):
     kind = "eagle3"
+    follows_policy = False  # trained online on the policy's hidden states
 
     def __init__(self, c: Eagle3Config):
         super().__init__()
@@ -119,6 +121,10 @@ class Eagle3Drafter(nn.Module):
     @property
     def aux_layer_ids(self) -> tuple[int, ...]:
         return self.config.aux_layer_ids
+
+    @property
+    def reads(self) -> Reads:
+        return Reads(aux_layers=self.config.aux_layer_ids)
 
     def set_vocab_map(self, draft_ids: torch.Tensor) -> None:
         """draft_ids [Vd]: the target token ids the draft vocabulary covers, ascending."""
@@ -257,8 +263,7 @@ class Eagle3Drafter(nn.Module):
         distribution at each position, so step i at t is scored against target_probs[:, t+1+i];
         valid [B, T+steps] bool: positions whose target distribution is real (not padding, not past the end).
         query_frac < 1: the loss over a random subset of that share of the positions whose step-0 target is valid in
-        some row (ttt_logits' queries): prompt and padding positions, a third of a batch of the shipped task, were
-        drawn as often as response ones and scored nothing.
+        some row (ttt_logits' queries; prompt and padding positions would score nothing).
         Returns (loss, per-step accuracy list) where accuracy = draft argmax == policy argmax."""
         T = aux.shape[1]
         ids = self.draft_ids()
@@ -390,11 +395,3 @@ def config_from_policy(policy_config, aux_layer_ids=None, draft_vocab_size=None,
 def _rope_theta(pc) -> float:
     rp = getattr(pc, "rope_parameters", None) or {}
     return rp.get("rope_theta", getattr(pc, "rope_theta", 10000.0))
-
-
-def build(cfg_dict: dict) -> Eagle3Drafter:
-    return Eagle3Drafter(Eagle3Config(**cfg_dict))
-
-
-def config_dict(d: Eagle3Drafter) -> dict:
-    return asdict(d.config)

@@ -1,6 +1,6 @@
 """Self-drafter: a weight-quantized copy of the policy that drafts k tokens autoregressively over its own KV cache.
 It cannot drift from the policy: after each policy update, `requantize(policy)` writes the new weights into the
-existing quantized storage (same tensors, same data pointers). No trainer, no aux hidden states (aux_layer_ids=()).
+existing quantized storage (same tensors, same data pointers). No trainer, no hidden states (follows_policy, reads nothing).
 
     d = build_drafter(DrafterConfig(kind="selfquant", path=None, quant="int8", backend="ao"), policy)
     d.requantize(policy)                      # after an RL step: in place
@@ -23,6 +23,7 @@ import copy
 import torch
 import torch.nn as nn
 
+from drafttrain.drafters.contract import Reads
 from drafttrain.drafters.weights import check_finite, check_tensors
 from drafttrain.modeling import KVCache, LeanLlama, Rope, lean_parts, rms_norm
 from drafttrain.quant import LINEARS, QuantLinear, check_backend
@@ -58,6 +59,8 @@ class _QuantLlama(LeanLlama):
 
 class SelfQuantDrafter(nn.Module):
     kind = "selfquant"
+    follows_policy = True  # requantized from the policy at every update: no features, no training
+    reads = Reads()  # nothing from the policy's forward
     in_place_update = True  # load_state_dict / requantize write the live storage: double-buffer it in an engine
 
     def __init__(self, policy, quant: str = "int8", backend: str = "ao", group_size: int = 64):
@@ -84,10 +87,6 @@ class SelfQuantDrafter(nn.Module):
         self.config = copy.deepcopy(cfg)
         self.body = _QuantLlama(self.config, rot.inv_freq.detach().clone(),
                                 float(getattr(rot, "attention_scaling", 1.0)), weights, packed)
-
-    @property
-    def aux_layer_ids(self) -> tuple[int, ...]:
-        return ()
 
     # ---- weights: in place ----------------------------------------------------------------------------------------
     def _storage(self) -> dict[str, torch.Tensor]:

@@ -1,7 +1,6 @@
 """Rollout engines behind one contract: the embedded PyTorch engine and the vLLM adapter."""
 from drafttrain.engines.base import RolloutBatch, RolloutEngine, StaleVersionError
 from drafttrain.engines.torch_engine import TorchEngine
-from drafttrain.engines.vllm_engine import VllmEngine
 
 
 def build_engine(cfg, policy, drafter=None) -> RolloutEngine:
@@ -9,6 +8,10 @@ def build_engine(cfg, policy, drafter=None) -> RolloutEngine:
     if cfg.kind == "torch":
         return TorchEngine(cfg, policy, drafter)
     if cfg.kind == "vllm":
+        # imported only when asked for: vLLM is an optional extra, and importing it (the worker module registers
+        # its weight transport) is heavy in every process that imports drafttrain.engines
+        from drafttrain.engines.vllm_engine import VllmEngine
+
         return VllmEngine(cfg, policy, drafter)
     raise ValueError(f"engine.kind: unknown engine {cfg.kind!r} (known: torch, vllm)")
 

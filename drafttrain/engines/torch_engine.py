@@ -42,6 +42,9 @@ class TorchEngine:
         self._ctl: SpecController | None = None
         self._draft_cost_stale = False
         if drafter is not None:
+            if drafter.reads.final_hidden:
+                raise ValueError(f"drafter: the embedded engine hands drafters aux layer inputs only; kind "
+                                 f"{drafter.kind!r} reads the final hidden state")
             check_compatible(drafter, policy)  # at build, not as a torch error at the first SD step
             check_finite(drafter.state_dict())  # no corrupt drafter reaches an engine (load_drafter checks too)
             self._active = (self._runtime(drafter), 0)
@@ -140,7 +143,7 @@ class TorchEngine:
         lean, cfg = self.lean, self.cfg
         active = self._active if speculative else None
         drafter, version = active if active else (None, self.drafter_version)
-        aux_ids = tuple(drafter.aux_layer_ids) if drafter is not None else ()
+        aux_ids = drafter.reads.aux_layers if drafter is not None else ()
         B = len(prompts)
         # rows in the order of share_prompts: each distinct prompt's first copy, then the repeats (a GRPO batch
         # holds G copies of each prompt), which take the prefill's cache and outputs instead of recomputing them

@@ -112,31 +112,34 @@ class PolicyCapture:
     """The tracker's capture: from start() to stop(), every policy forward becomes build_features and goes to
     sink(feats, started) (started: clock() when the forward's capture work began, so the sink can charge it).
 
-    Aux states come from HiddenCapture's layer pre-hooks, token ids and logits from a hook on the model itself.
+    It serves the drafter's Reads: aux layer inputs from HiddenCapture's layer pre-hooks, the final hidden state
+    from a hook on the backbone, token ids and logits from a hook on the model itself.
     response_start: int or [B] (first response column per row); None = the first column whose `labels` is not
     -100 when the forward gets labels, else 0. grad_only: keep only forwards run with autograd on (the loss
     forward), not no-grad generation or scoring forwards of the same model (TRL). A forward that returns no logits
     (TRL's fused LM head) has them projected from the captured final hidden state (no extra backbone pass); with
     logits_to_keep=n only the last n positions can be targets."""
 
-    def __init__(self, policy, layer_ids, steps: int, sink, clock, response_start=None, grad_only: bool = False):
-        self.policy, self.steps, self.sink, self.clock = policy, steps, sink, clock
+    def __init__(self, policy, reads, steps: int, sink, clock, response_start=None, grad_only: bool = False):
+        self.policy, self.reads, self.steps, self.sink, self.clock = policy, reads, steps, sink, clock
         self.response_start, self.grad_only = response_start, grad_only
-        self.hidden = HiddenCapture(policy, layer_ids)
+        self.hidden = HiddenCapture(policy, reads.aux_layers) if reads.aux_layers else None
         self._final: dict[str, torch.Tensor] = {}
         self._handles: list = []
 
     def start(self) -> "PolicyCapture":
         self._handles = [self.policy.register_forward_hook(self._on_forward, with_kwargs=True),
                          self.policy.model.register_forward_hook(self._on_backbone)]
-        self.hidden.__enter__()
+        if self.hidden is not None:
+            self.hidden.__enter__()
         return self
 
     def stop(self) -> None:
         for h in self._handles:
             h.remove()
         self._handles = []
-        self.hidden.__exit__(None, None, None)
+        if self.hidden is not None:
+            self.hidden.__exit__(None, None, None)
 
     def _on_backbone(self, module, args, output) -> None:
         self._final["h"] = (output[0] if isinstance(output, tuple) else output.last_hidden_state).detach()
@@ -161,7 +164,14 @@ class PolicyCapture:
         rs = response_columns(self.response_start, kwargs.get("labels"), B, T)
         if kept < T:
             rs = rs.clamp_min(T - kept + 1)  # a position's target needs its logits
-        self.sink(build_features(ids.detach(), mask.detach(), self.hidden.features(), logits, self.steps, rs), t0)
+        self.sink(build_features(ids.detach(), mask.detach(), self._aux(B, T), logits, self.steps, rs), t0)
+
+    def _aux(self, B: int, T: int) -> torch.Tensor:
+        """[B, T, X]: what the drafter reads (Reads), concatenated; X = 0 for none."""
+        parts = [self.hidden.features()] if self.hidden is not None else []
+        if self.reads.final_hidden:
+            parts.append(self._final["h"])
+        return torch.cat(parts, -1) if parts else torch.zeros(B, T, 0)
 
 
 def response_columns(given, labels, B: int, T: int) -> torch.Tensor:

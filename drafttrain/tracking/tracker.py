@@ -41,12 +41,11 @@ class DraftTracker:
     def __init__(self, cfg, policy, engines, drafter=None, accelerator=None, log=print):
         self.cfg, self.engines, self.log = cfg, list(engines), log
         self.drafter = drafter if drafter is not None else build_drafter(cfg.drafter, policy)
-        n_layers = policy.config.num_hidden_layers
-        # a self-drafter (selfquant) needs no hidden states and no training: it is requantized from the policy
-        self.self_drafter = not self.drafter.aux_layer_ids
-        if not self.self_drafter and max(self.drafter.aux_layer_ids) >= n_layers:
-            raise ValueError(f"drafter.aux_layer_ids: {list(self.drafter.aux_layer_ids)} do not exist in the "
-                             f"policy ({n_layers} layers)")
+        n_layers, aux = policy.config.num_hidden_layers, self.drafter.reads.aux_layers
+        # a self-drafter (selfquant) needs no features and no training: it is rebuilt from the policy
+        self.self_drafter = bool(self.drafter.follows_policy)
+        if not self.self_drafter and aux and max(aux) >= n_layers:
+            raise ValueError(f"drafter.aux_layer_ids: {list(aux)} do not exist in the policy ({n_layers} layers)")
         # features serve both training and k-step measurement
         self.steps = max(cfg.drafter.ttt_steps, max_draft_len(cfg.engine))
         self.buffer = FeatureBuffer(int(cfg.online.buffer_mb * 2 ** 20), seed=cfg.run.seed, name="online.buffer_mb",
@@ -122,7 +121,7 @@ class DraftTracker:
         self._mark_rl_start()
         if self.self_drafter:
             return None  # nothing to capture
-        self._capture = PolicyCapture(policy, self.drafter.aux_layer_ids, self.steps, self._keep, self._now,
+        self._capture = PolicyCapture(policy, self.drafter.reads, self.steps, self._keep, self._now,
                                       response_start, grad_only).start()
         return self._capture
 

@@ -75,3 +75,15 @@ def test_no_module_is_over_400_lines():
     long = {str(p.relative_to(ROOT.parent)): n for p in _modules().values()
             if (n := len(p.read_text().splitlines())) > MAX_LINES}
     assert not long, long
+
+
+def test_the_package_imports_without_vllm():
+    """vLLM is an optional extra and heavy to import (every spawned process of a multi-process run pays it):
+    only an engine.kind=vllm build imports it."""
+    import subprocess
+    import sys
+
+    code = ("import sys, drafttrain.engines, drafttrain.tracking.tracker, drafttrain.rl.job, drafttrain.online; "
+            "print(sorted(m for m in sys.modules if m == 'vllm' or m.startswith('drafttrain.engines.vllm')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=True)
+    assert out.stdout.strip() == "[]", out.stdout
