@@ -28,10 +28,9 @@ _LINEAR_POINTWISE = torch.ops.mkldnn._linear_pointwise.default if ONEDNN else No
 class PackedLinear:
     """An fp32 linear whose weight also has a oneDNN-prepacked copy (the layout inductor uses on CPU).
 
-    On this CPU F.linear over M rows costs close to M times one row for the engine's small weights, so verifying
-    k+1 tokens cost ~2.5x a decode step; the packed GEMM costs about one row's time up to M~8 (ENVIRONMENT.md).
-    Measured in the engine's forward, it is also faster for one row and for small weights (the packed layout reads
-    better than F.linear's), so every fp32 linear is packed. `repack()` after the weight changed in place."""
+    On CPU F.linear over M rows costs close to M times one row for the engine's small weights, while the packed GEMM
+    costs about one row's time up to small M: verifying k+1 tokens then costs little more than a decode step. Every
+    fp32 linear is packed. `repack()` after the weight changed in place."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
         self.weight, self.bias = weight, bias

@@ -14,11 +14,8 @@ prediction sits near the threshold (>= PROBE_NEAR x threshold: acceptance that d
 odd text, tends to come back, and the toggle must notice soon), and never where SD could not pay even with a
 very good drafter (acceptance probe_alpha at every position, or the estimate where it is higher: a probe's SD step
 also catches the drafter up on every position since it last ran, which at a large batch costs several AR steps).
-probe_alpha is 0.9 (shipped EAGLE-3: 0.85-0.94) for every drafter. A self-drafter (the policy, quantized: ~0.98)
-is not probed at its own 0.98: the model prices neither the drafter's catch-up on the positions of the AR steps
-before (for a self-drafter a prefill of a policy copy) nor the few steps left in a tail, and with a 0.98 bar the
-self-drafters ran SD in the long tail of the workload at 0.92-0.95x AR (0.99-1.0x kept off), though at batch 1 from
-a generation's start it pays (int4 toggle 1.09x AR against 0.94x off).
+probe_alpha is 0.9 for every drafter, a self-drafter included: the model prices neither a drafter's catch-up on
+the positions of the AR steps before nor the few steps left in a tail (bench/NOTES.md has the measurements).
 The toggle never changes outputs: AR and SD are both exact.
 
 The calibrated T and D are bare forward times. A real decode step also samples, verifies, catches the drafter up on
@@ -28,10 +25,7 @@ average of the ratio measured / modelled (each observation clipped to [1/2, 2] x
 a trend, while a persistent ratio of any size is reached in a few steps), which scales the model's step times:
     speed-up(B, k) = E[tokens | k] * T(B, 1) f_ar(B) / ((T(B, k+1) + k * D(B)) f_sd(B))
 The two are read as a pair: f_ar(B) / f_sd(B) comes from the nearest bucket where both modes were observed (1
-before any). A mode's ratio borrowed on its own from a far bucket mis-scaled one side only: with the toggle probing
-each batch, SD ran nearly every step and the only AR ratio (2.1, from batch 2) scaled batch 64's AR steps, which
-predicted 1.9x where SD measured ~1.1x. Ratios, not ms: a ratio learnt at batch 64 transfers to batch 1 about right,
-an offset in ms (what a batch-64 step adds) does not.
+before any). Ratios, not ms: a ratio learnt at batch 64 transfers to batch 1 about right, an offset in ms does not.
 """
 from __future__ import annotations
 

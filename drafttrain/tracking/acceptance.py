@@ -13,16 +13,12 @@ i inside the response). Exact, not a stand-in:
    verify steps start).
 
 Why not the per-position average 1 + sum_i prod_{j<=i} alpha_j(t), alpha = sum_v min(p, q) (the common
-estimate)? It is another statistic. The engine starts a step only where the previous one ended, mostly just
-after a rejection, so its draft 0 seldom targets a hard token: on the shipped policy (scripts/check_acceptance.py,
-64 rollouts) draft 0 is accepted 0.91 of the time in the engine and here, 0.86 averaged over every position. And
-chaining alpha_j at the real prefix ignores that an accepted draft is a token the drafter liked (MAL 0.04 low on
-the tiny random policy of tests/unit/test_acceptance.py). At the end, a row's last verify step is cut at the stop
-token: no bonus token, drafts past it not counted (SpecStats). The engine used to count both (3.88 instead of
-3.64 on those 64 rollouts), and the per-position average a bonus token at the end.
+estimate)? It is another statistic: the engine starts a step only where the previous one ended, mostly just after
+a rejection, so its draft 0 seldom targets a hard token; and chaining alpha_j at the real prefix ignores that an
+accepted draft is a token the drafter liked. A row's last verify step is cut at the stop token (SpecStats).
 Used for the frozen-drafter baseline, the trainer's estimate the canary compares the engine against, and the
-tracking/oracle benchmark. Scored in length_chunks from the first response position on: the same counts, and on 64
-rollouts of the shipped task 4.4x less time than the whole batch padded to its longest row (1030 -> 230 ms).
+tracking/oracle benchmark. Scored in length_chunks from the first response position on: the same counts, at a
+fraction of the padded positions.
 """
 from __future__ import annotations
 
