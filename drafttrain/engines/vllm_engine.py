@@ -41,7 +41,7 @@ import torch
 from drafttrain.drafters.weights import check_finite
 from drafttrain.engines.base import RolloutBatch, StaleVersionError
 from drafttrain.engines.vllm_procs import children, shutdown
-from drafttrain.engines.vllm_transfer import checkpoint_shapes, push, read_back, spec_stats
+from drafttrain.engines.vllm_transfer import checkpoint_shapes, push_weights, read_back, spec_stats
 from drafttrain.engines.vllm_worker import EXTENSION, TRANSFER_BACKEND
 from drafttrain.spec import SamplingParams
 
@@ -228,11 +228,11 @@ class VllmEngine:
         if not self.worker_info["drafter_has_d2t"] and weights.get("d2t", torch.zeros(1)).any():
             raise ValueError("load_drafter: d2t is non-zero but the served drafter covers the whole vocabulary")
         push = self._drafter_tensors(weights)
-        push(self, push, draft=True)
+        self._push(push, draft=True)
         try:
             read_back(self, push, draft=True, what="load_drafter")
         except ValueError:  # the worker may hold a mix now: put the served weights back
-            push(self, self._served, draft=True)
+            self._push(self._served, draft=True)
             raise
         # a copy: the caller may keep training its tensors in place, and a failed swap restores these
         self._served = {n: t.detach().to("cpu", copy=True) for n, t in push.items()}
@@ -257,6 +257,9 @@ class VllmEngine:
         if not self.worker_info["drafter_has_d2t"]:
             drop.add("d2t")
         return {n: t for n, t in sd.items() if n not in drop}
+
+    def _push(self, weights: dict, draft: bool) -> None:
+        push_weights(self, weights, draft)  # one update session over this package's transport
 
     # ---- policy updates -------------------------------------------------------------------------------------
     def update_policy(self, policy=None) -> None:
@@ -288,7 +291,7 @@ class VllmEngine:
             missing = sorted(set(self._policy_shapes) - set(sd))
             if missing:
                 raise ValueError(f"update_policy: missing tensor {missing[0]!r} ({len(missing)} missing)")
-            push(self, weights, draft=False)
+            self._push(weights, draft=False)
             self.llm.reset_prefix_cache()
             read_back(self, weights, draft=False, what="update_policy")
             self.last_policy_update_s = time.perf_counter() - t0

@@ -26,7 +26,7 @@ from drafttrain.engines.vllm_worker import probe, unpack, vllm_name
 from drafttrain.spec import SpecStats
 
 
-def push(engine, weights: dict, draft: bool) -> None:
+def push_weights(engine, weights: dict, draft: bool) -> None:
     """vLLM's native update session over this module's transport. The worker runs on this host, so the
     tensors go through a safetensors file in shared memory: one copy each way instead of the four that
     collective_rpc's serialization and relays make of an inline blob."""
