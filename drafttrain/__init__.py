@@ -6,7 +6,7 @@
 
 def __getattr__(name):  # lazy, so `import drafttrain.spec` stays light
     if name == "DraftTracker":
-        from drafttrain.rl.hooks import DraftTracker
+        from drafttrain.tracking.tracker import DraftTracker
 
         return DraftTracker
     raise AttributeError(name)

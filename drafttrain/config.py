@@ -5,7 +5,7 @@
 A recipe name resolves to recipes/<name>.yaml in the project root; a path to a .yaml file is used as given.
 Unknown keys and wrong types fail at load time with a one-line `ConfigError` naming the key. Relative input paths
 (policy.path, drafter.path) resolve against the project root; run.out_dir resolves against the working directory.
-A field's trailing `# ...` comment is its key's one-line doc: the main job's --help prints it (`usage`).
+A field's trailing `# ...` comment is its key's one-line doc (key_docs): the main job's --help prints it.
 """
 from __future__ import annotations
 
@@ -92,20 +92,16 @@ class OnlineConfig:
     track: bool = True  # false: the drafter is never updated (the frozen baseline)
     mode: str = "sync"  # sync: train between RL steps | async: train in the background during rollouts
     buffer_mb: float = 64.0  # feature buffer cap (reduced precision)
-    # draws favour recent policies: a record v policy versions older than the newest weighs 0.5^(v / half_life);
-    # null = uniform over the buffer (which, at 64 MB, spans ~10 RL steps of the shipped task)
+    # draws favour recent policies: a record v policy versions older than the newest weighs 0.5^(v / half_life)
     buffer_half_life: Optional[float] = 2.0  # in policy versions; null = uniform draws
     steps_per_update: int = 16  # at most this many drafter optimizer steps per RL step
     time_budget_s: float = 10.0  # sync mode: hard cap on drafter work per RL step
-    # sync mode: drafter work (training, its estimate, publishing) is held to this fraction of the RL steps' own
-    # time on average: each step earns budget_frac x its time, training spends it (a time bank; 0 = no cap)
+    # sync mode: each RL step earns budget_frac x its own time, drafter work spends it (tracking/bank.py)
     budget_frac: float = 0.05  # sync: drafter work / RL step time, on average (0 = no cap)
-    # held-out rows (the most recent, over the last steps) the acceptance estimate after each update scores: the
-    # canary's reference and the publish gate's rows. Paid from the sync time bank: about one drafter step per 4 rows
-    # (the served drafter's scores of them come from tracker.measure() where it runs). More rows detect a smaller
-    # gain (the bound's half-width falls as 1/sqrt(rows)) and leave less of the bank to training
+    # the canary's reference and the publish gate's rows, paid from the time bank: more rows detect a smaller gain
+    # (the bound's half-width falls as 1/sqrt(rows)) and leave less of the bank to training
     estimate_rows: int = 8  # held-out rows the estimate after each update scores (the gate's rows)
-    # publish an update only if it beats the serving drafter on the same rows, paired row by row (online/gate.py):
+    # publish an update only if it beats the serving drafter on the same rows, paired row by row (tracking/gate.py):
     # the one-sided lower bound at gate_confidence of the mean per-row MAL difference must exceed gate_margin, on at
     # least gate_min_rows rows. Significantly worse: train on from the serving weights; undecided: train on from
     # the update. Online noise must not wear down a drafter the policy barely drifts from
@@ -113,12 +109,10 @@ class OnlineConfig:
     gate_confidence: float = 0.9  # equal drafters are published in at most 1 - gate_confidence of the decisions
     gate_margin: float = 0.0  # in MAL: the lower bound must exceed it
     gate_min_rows: int = 8  # fewer paired rows than this: no publish
-    # share of the captured rollouts kept out of the training buffer: the estimate is taken on them, so the gate and
-    # the canary compare the new weights on rollouts they did not train on (the latest step's, in the buffer, made
-    # every update look +0.1% better than the serving drafter on average while the live one fell 0.9% below frozen)
+    # the estimate is taken on these, so the gate and the canary judge the new weights on rollouts they did not
+    # train on
     holdout_frac: float = 0.0625  # share of captured rollouts kept out of training, in [0, 1)
-    # sequences of each RL step the per-step live/frozen scoring (tracker.measure) runs on, a random sample: it costs
-    # about one policy forward per drafter over them (k chained drafter steps at every position)
+    # a random sample; costs about one policy forward per drafter over them
     measure_rows: int = 32  # rows per RL step of the live/frozen drafter scoring (reporting)
     # inline: the first rollout batch after a swap is the canary (no extra generation); probe: generate a short SD
     # probe on recent prompts right after the swap (canary_prompts x canary_max_new_tokens)
@@ -344,41 +338,6 @@ def key_docs() -> dict[str, tuple[Any, str]]:
 
     walk(Config(), "")
     return out
-
-
-def recipe_summaries() -> list[tuple[str, str]]:
-    """(name, first comment line without its `# name:` prefix) for each recipes/*.yaml."""
-    out = []
-    for p in sorted(RECIPES_DIR.glob("*.yaml")):
-        first = (p.read_text().splitlines() or [""])[0].lstrip("#").strip()
-        out.append((p.stem, first.removeprefix(f"{p.stem}:").strip()))
-    return out
-
-
-def usage() -> str:
-    """The main job's --help: how to launch it, the recipes, and every key with its default and doc."""
-    def show(v) -> str:  # as an override writes it
-        if isinstance(v, (bool, type(None))):
-            return {None: "null", True: "true", False: "false"}[v]
-        return "[" + ",".join(map(str, v)) + "]" if isinstance(v, list) else str(v)
-
-    keys = [(f"{k}={show(v)}", doc) for k, (v, doc) in key_docs().items() if k != "recipe"]  # recipe=: above
-    w = max(len(k) for k, _ in keys) + 2
-    return "\n".join([
-        "usage: accelerate launch [-q] drafttrain/online.py [recipe=NAME] [key=value ...]",
-        "       python -m drafttrain.online [recipe=NAME] [key=value ...]",
-        "",
-        "GRPO on the policy with speculative rollouts and a drafter that tracks it. recipe= names recipes/NAME.yaml or",
-        "a .yaml path (default eagle3_track); each key=value overrides the recipe. A rerun into the same run.out_dir",
-        "resumes from its latest checkpoint. accelerate's own options go before the script; its -q ends a failed",
-        "single-process launch without accelerate's traceback (README: Troubleshooting).",
-        "",
-        "recipes:",
-        *(f"  {name:<22}{line}" for name, line in recipe_summaries()),
-        "",
-        "keys (key=default  doc):",
-        *(f"  {k:<{w}}{doc}" for k, doc in keys),
-    ])
 
 
 def save_config(cfg: Config, out_dir: str | Path) -> Path:

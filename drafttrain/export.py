@@ -11,6 +11,7 @@ renamed into place: never half-written.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -53,7 +54,7 @@ def speculators_config(d: eagle3.Eagle3Drafter, verifier: str, k: int) -> dict:
             "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": int(k)}],
             "verifier": {"name_or_path": str(verifier), "architectures": ["LlamaForCausalLM"]},
         },
-        "drafttrain": {"format_version": FORMAT_VERSION, "kind": d.kind, "config": eagle3.config_dict(d)},
+        "drafttrain": {"format_version": FORMAT_VERSION, "kind": d.kind, "config": dataclasses.asdict(d.config)},
     }
 
 
@@ -104,7 +105,7 @@ def load_drafter(path: str | Path, target_num_layers: int | None = None) -> eagl
         if diff:
             raise ValueError(f"{where}: the drafttrain block's {diff[0]} {block.get(diff[0])} disagrees with the "
                              f"speculators keys' {c[diff[0]]}")
-    d = eagle3.build(c)
+    d = eagle3.Eagle3Drafter(eagle3.Eagle3Config(**c))
     if "d2t" not in weights and _identity_vocab_map(d):
         weights.update(d2t=d.d2t.clone(), t2d=d.t2d.clone())  # omitted on save: the identity map
     unfit = sorted(set(weights) - set(d.state_dict()))

@@ -28,10 +28,9 @@ _LINEAR_POINTWISE = torch.ops.mkldnn._linear_pointwise.default if ONEDNN else No
 class PackedLinear:
     """An fp32 linear whose weight also has a oneDNN-prepacked copy (the layout inductor uses on CPU).
 
-    On this CPU F.linear over M rows costs close to M times one row for the engine's small weights, so verifying
-    k+1 tokens cost ~2.5x a decode step; the packed GEMM costs about one row's time up to M~8 (ENVIRONMENT.md).
-    Measured in the engine's forward, it is also faster for one row and for small weights (the packed layout reads
-    better than F.linear's), so every fp32 linear is packed. `repack()` after the weight changed in place."""
+    On CPU F.linear over M rows costs close to M times one row for the engine's small weights, while the packed GEMM
+    costs about one row's time up to small M: verifying k+1 tokens then costs little more than a decode step. Every
+    fp32 linear is packed. `repack()` after the weight changed in place."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
         self.weight, self.bias = weight, bias
@@ -227,6 +226,43 @@ def attend(q: torch.Tensor, cache: KVCache, layer: int, mask: torch.Tensor | Non
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=H != k.shape[1])
 
 
+def hf_layer_names(i: int) -> dict[str, str]:
+    """The HF names of decoder layer i's tensors (Llama / Qwen2 / Qwen3), by short name."""
+    a, m = f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp."
+    return {"q": a + "q_proj.weight", "k": a + "k_proj.weight", "v": a + "v_proj.weight", "o": a + "o_proj.weight",
+            "qb": a + "q_proj.bias", "kb": a + "k_proj.bias", "vb": a + "v_proj.bias", "ob": a + "o_proj.bias",
+            "gb": m + "gate_proj.bias", "ub": m + "up_proj.bias", "db": m + "down_proj.bias",
+            "q_norm": a + "q_norm.weight", "k_norm": a + "k_norm.weight",
+            "gate": m + "gate_proj.weight", "up": m + "up_proj.weight", "down": m + "down_proj.weight",
+            "ln1": f"model.layers.{i}.input_layernorm.weight",
+            "ln2": f"model.layers.{i}.post_attention_layernorm.weight"}
+
+
+def lean_parts(sd: dict, n_layers: int) -> dict:
+    """HF policy state_dict -> LeanLlama's names: a linear ("lm_head", "0.qkv", "0.gate_up", ...) as its list of row
+    blocks ([q, k, v], [gate, up]); biases "0.qkv_b", "0.o_b", ... (concatenated as their linear); norms and the
+    embedding as tensors. No copies (the biases are small copies)."""
+    embed = sd["model.embed_tokens.weight"]
+    out = {"embed": embed, "norm": sd["model.norm.weight"], "lm_head": [sd.get("lm_head.weight", embed)]}
+    for i in range(n_layers):
+        n = hf_layer_names(i)
+        out[f"{i}.qkv"] = [sd[n["q"]], sd[n["k"]], sd[n["v"]]]
+        out[f"{i}.gate_up"] = [sd[n["gate"]], sd[n["up"]]]
+        out[f"{i}.o"], out[f"{i}.down"] = [sd[n["o"]]], [sd[n["down"]]]
+        out[f"{i}.ln1"], out[f"{i}.ln2"] = sd[n["ln1"]], sd[n["ln2"]]
+        if n["qb"] in sd:
+            out[f"{i}.qkv_b"] = torch.cat([sd[n["qb"]], sd[n["kb"]], sd[n["vb"]]]).float()
+        if n["ob"] in sd:  # Llama's attention_bias, Qwen3's
+            out[f"{i}.o_b"] = sd[n["ob"]].float()
+        if n["gb"] in sd:  # Llama's mlp_bias
+            out[f"{i}.gate_up_b"] = torch.cat([sd[n["gb"]], sd[n["ub"]]]).float()
+        if n["db"] in sd:
+            out[f"{i}.down_b"] = sd[n["db"]].float()
+        if n["q_norm"] in sd:
+            out[f"{i}.q_norm"], out[f"{i}.k_norm"] = sd[n["q_norm"]], sd[n["k_norm"]]
+    return out
+
+
 class LeanLlama:
     """Inference-only forward of an HF Llama/Qwen2/Qwen3 causal LM over a KVCache.
 
@@ -261,28 +297,16 @@ class LeanLlama:
     def refresh(self) -> None:
         """Snapshot the policy's current weights into the engine's own buffers (packed q|k|v and gate|up).
         In place after the first call: no reallocation, and training the policy never touches a decode step."""
-        m = self.model
+        p = lean_parts(self.model.state_dict(), self.n_layers)
         # the rms_norm weights are folded into the linears they feed (fold_norm); forward normalizes with rms_unit
-        snap = {"embed": m.model.embed_tokens.weight, "lm_head": fold_norm(m.lm_head.weight, m.model.norm.weight)}
-        for i, layer in enumerate(self.layers):
-            a, mlp = layer.self_attn, layer.mlp
-            snap[f"{i}.qkv"] = fold_norm(torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]),
-                                         layer.input_layernorm.weight)
-            snap[f"{i}.gate_up"] = fold_norm(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]),
-                                             layer.post_attention_layernorm.weight)
-            snap[f"{i}.o"], snap[f"{i}.down"] = a.o_proj.weight, mlp.down_proj.weight
-            # biases (Qwen2's q/k/v; Llama's attention_bias and mlp_bias; Qwen3's attention_bias): each packed
-            # linear holds its own (PackedLinear.wrap)
-            if a.q_proj.bias is not None:
-                snap[f"{i}.qkv_b"] = torch.cat([a.q_proj.bias, a.k_proj.bias, a.v_proj.bias])
-            if a.o_proj.bias is not None:
-                snap[f"{i}.o_b"] = a.o_proj.bias
-            if mlp.gate_proj.bias is not None:
-                snap[f"{i}.gate_up_b"] = torch.cat([mlp.gate_proj.bias, mlp.up_proj.bias])
-            if mlp.down_proj.bias is not None:
-                snap[f"{i}.down_b"] = mlp.down_proj.bias
-            if getattr(a, "q_norm", None) is not None:
-                snap[f"{i}.q_norm"], snap[f"{i}.k_norm"] = a.q_norm.weight, a.k_norm.weight
+        snap = {"embed": p["embed"], "lm_head": fold_norm(p["lm_head"][0], p["norm"])}
+        for i in range(self.n_layers):
+            snap[f"{i}.qkv"] = fold_norm(torch.cat(p[f"{i}.qkv"]), p[f"{i}.ln1"])
+            snap[f"{i}.gate_up"] = fold_norm(torch.cat(p[f"{i}.gate_up"]), p[f"{i}.ln2"])
+            snap[f"{i}.o"], snap[f"{i}.down"] = p[f"{i}.o"][0], p[f"{i}.down"][0]
+            # biases and q/k norms where the family has them: each packed linear holds its own (PackedLinear.wrap)
+            snap.update({f"{i}.{k}": p[f"{i}.{k}"] for k in ("qkv_b", "o_b", "gate_up_b", "down_b", "q_norm",
+                                                             "k_norm") if f"{i}.{k}" in p})
         if not self.weights:
             self.weights = {k: t.detach().float().clone().contiguous() for k, t in snap.items()}
             w = self.weights

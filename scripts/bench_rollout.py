@@ -28,7 +28,7 @@ from omegaconf import OmegaConf
 from drafttrain.config import load_recipe, max_draft_len, resolve_path, script_config
 from drafttrain.drafters import build_drafter
 from drafttrain.engines import build_engine
-from drafttrain.engines.torch_engine import measure_costs
+from drafttrain.engines.schedule import measure_costs
 from drafttrain.policy import encode_prompt, load_policy, make_prompts
 from drafttrain.report import format_table, write_json
 from drafttrain.spec import SamplingParams

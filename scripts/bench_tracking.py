@@ -41,15 +41,15 @@ import torch
 from drafttrain.config import load_recipe, max_draft_len, resolve_path, script_config
 from drafttrain.drafters import build_drafter
 from drafttrain.engines import build_engine
-from drafttrain.online.acceptance import teacher_forced_acceptance
-from drafttrain.online.buffer import FeatureBuffer
-from drafttrain.online.capture import teacher_forced_features
-from drafttrain.online.run import main as run_main
-from drafttrain.online.runfolder import load_checkpoint
-from drafttrain.online.trainer import DrafterTrainer
 from drafttrain.policy import encode_prompt, load_policy, make_prompts
 from drafttrain.report import accuracy_change, format_table, overhead, plot_run, read_jsonl, write_json
+from drafttrain.rl.job import main as run_main
 from drafttrain.spec import SamplingParams, SpecStats
+from drafttrain.tracking.acceptance import teacher_forced_acceptance
+from drafttrain.tracking.buffer import FeatureBuffer
+from drafttrain.tracking.capture import teacher_forced_features
+from drafttrain.tracking.runfolder import load_checkpoint
+from drafttrain.tracking.trainer import DrafterTrainer
 
 DEFAULTS = dict(recipe="eagle3_track", seeds=[0, 1, 2], overrides=[], oracle_points=2, run_dir="runs/bench_tracking",
                 fresh=True, oracle_rollouts=96, oracle_steps=300, oracle_lr=3e-4, oracle_batch=16, eval_rollouts=48,

@@ -21,8 +21,8 @@ import torch
 from drafttrain.config import load_recipe, max_draft_len, resolve_path, sampling_params, script_config
 from drafttrain.drafters import build_drafter
 from drafttrain.engines import build_engine
-from drafttrain.online.acceptance import teacher_forced_acceptance
-from drafttrain.online.capture import teacher_forced_features
+from drafttrain.tracking.acceptance import teacher_forced_acceptance
+from drafttrain.tracking.capture import teacher_forced_features
 from drafttrain.policy import encode_prompt, load_policy, make_prompts
 from drafttrain.report import format_table, write_json
 from drafttrain.spec import SpecStats

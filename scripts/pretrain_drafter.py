@@ -45,8 +45,8 @@ from drafttrain.config import ConfigError, load_recipe, resolve_path, sampling_p
 from drafttrain.drafters import build_drafter
 from drafttrain.engines import build_engine
 from drafttrain.export import save_drafter
-from drafttrain.online import DrafterTrainer, FeatureBuffer, teacher_forced_features
-from drafttrain.online.buffer import collate
+from drafttrain.tracking import DrafterTrainer, FeatureBuffer, teacher_forced_features
+from drafttrain.tracking.buffer import collate
 from drafttrain.policy import encode_prompt, load_policy, make_prompts
 from drafttrain.spec import SpecStats
 

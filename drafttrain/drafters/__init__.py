@@ -1,4 +1,6 @@
-"""Drafters: EAGLE-3 (more kinds register in base.DRAFTERS)."""
-from drafttrain.drafters.base import DRAFTERS, Drafter, build_drafter, check_compatible
+"""Drafters: the protocols (contract.py), the registry (base.py) and one file per kind (eagle3, selfquant)."""
+from drafttrain.drafters.base import DRAFTERS, build_drafter, check_compatible, register_drafter
+from drafttrain.drafters.contract import Drafter, Reads, TrainableDrafter
 
-__all__ = ["Drafter", "DRAFTERS", "build_drafter", "check_compatible"]
+__all__ = ["Drafter", "TrainableDrafter", "Reads", "DRAFTERS", "build_drafter", "register_drafter",
+           "check_compatible"]

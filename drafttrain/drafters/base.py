@@ -1,36 +1,13 @@
-"""The Drafter protocol and the registry: adding a drafter kind is one file plus one line in DRAFTERS.
-
-A drafter, as the engine sees it:
-    kind: str; aux_layer_ids: tuple[int, ...]      policy layers whose inputs the verify pass must hand back
-    state_dict() / load_state_dict(weights)         one layout, the one exported to vLLM
-    new_state(batch, max_len, prompts[B, P]) -> state  per-generation cache (prompts right-padded: a drafter
-                                                    with its own context reads position 0 there);
-                                                    state.select_rows(idx) drops rows
-    propose(state, new_ids[B, m], aux[B, m, X], n_new[B], start[B], k, params, greedy_drafts, generator)
-        -> (draft_tokens[B, k], draft_probs[B, k, V] | None)
-"""
+"""The drafter registry: adding a drafter kind is one file plus one line in DRAFTERS (or register_drafter).
+The protocols a kind implements are in contract.py."""
 from __future__ import annotations
 
-from typing import Protocol
+import copy
 
 import torch
 
 from drafttrain.drafters import eagle3, selfquant
-
-
-class Drafter(Protocol):
-    kind: str
-
-    @property
-    def aux_layer_ids(self) -> tuple[int, ...]: ...
-
-    def state_dict(self) -> dict: ...
-
-    def load_state_dict(self, weights: dict, strict: bool = True): ...
-
-    def new_state(self, batch: int, max_len: int, prompts=None): ...
-
-    def propose(self, state, new_ids, aux, n_new, start, k, params, greedy_drafts, generator=None): ...
+from drafttrain.quant import quantize_module_int8
 
 
 def _fresh_eagle3(cfg, policy):
@@ -41,7 +18,12 @@ def _fresh_eagle3(cfg, policy):
     return d
 
 
-DRAFTERS = {"eagle3": _fresh_eagle3, "selfquant": selfquant.from_config}
+DRAFTERS = {"eagle3": _fresh_eagle3, "selfquant": selfquant.from_config}  # kind -> build(cfg.drafter, policy)
+
+
+def register_drafter(kind: str, build) -> None:
+    """Add a drafter kind: build(cfg.drafter, policy) -> a fresh Drafter (contract.py)."""
+    DRAFTERS[kind] = build
 
 
 def build_drafter(cfg, policy):
@@ -79,9 +61,22 @@ def check_compatible(drafter, policy) -> None:
         raise ValueError(f"drafter hidden_size {c.hidden_size} != policy hidden_size {pc.hidden_size}")
     if c.vocab_size != pc.vocab_size:
         raise ValueError(f"drafter vocab_size {c.vocab_size} != policy vocab_size {pc.vocab_size}")
-    if not drafter.aux_layer_ids:
+    aux = drafter.reads.aux_layers
+    if not aux:
         return
     if getattr(c, "target_num_layers", pc.num_hidden_layers) != pc.num_hidden_layers or max(
-            drafter.aux_layer_ids) >= pc.num_hidden_layers:
-        raise ValueError(f"drafter aux_layer_ids {list(drafter.aux_layer_ids)} do not fit the policy's "
+            aux) >= pc.num_hidden_layers:
+        raise ValueError(f"drafter aux_layer_ids {list(aux)} do not fit the policy's "
                          f"{pc.num_hidden_layers} layers")
+
+
+def runtime_copy(drafter, int8: bool, owned: bool = False):
+    """The copy of `drafter` the embedded engine drafts with (owned: a fresh copy already, used as is): fused for
+    inference, or, for a drafter with no fused form, its linears int8-quantized (int8; not a self-drafter's:
+    quantized already). Also what teacher-forced scoring of the engine's drafter scores."""
+    rt = (drafter if owned else copy.deepcopy(drafter)).eval().requires_grad_(False)
+    if hasattr(rt, "fuse_for_inference"):
+        return rt.fuse_for_inference(int8=int8)
+    if int8 and not getattr(drafter, "in_place_update", False):
+        return quantize_module_int8(rt)
+    return rt

@@ -13,14 +13,16 @@ output back as the next position's hidden. Training unrolls that chain n steps (
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from drafttrain.drafters.contract import Reads
 from drafttrain.drafters.weights import check_tensors
 from drafttrain.modeling import KVCache, PackedLinear, Rope, attend, fold_norm, linear, rms_norm, rms_unit, step_mask
+from drafttrain.quant import AoInt8
 from drafttrain.spec import draft_chain
 
 
@@ -81,6 +83,7 @@ class _MidLayer(nn.Module):
 
 class Eagle3Drafter(nn.Module):
     kind = "eagle3"
+    follows_policy = False  # trained online on the policy's hidden states
 
     def __init__(self, c: Eagle3Config):
         super().__init__()
@@ -119,6 +122,10 @@ class Eagle3Drafter(nn.Module):
     def aux_layer_ids(self) -> tuple[int, ...]:
         return self.config.aux_layer_ids
 
+    @property
+    def reads(self) -> Reads:
+        return Reads(aux_layers=self.config.aux_layer_ids)
+
     def set_vocab_map(self, draft_ids: torch.Tensor) -> None:
         """draft_ids [Vd]: the target token ids the draft vocabulary covers, ascending."""
         ids = draft_ids.sort().values
@@ -132,13 +139,9 @@ class Eagle3Drafter(nn.Module):
     @torch.no_grad()
     def fuse_for_inference(self, int8: bool) -> "Eagle3Drafter":
         """The engine's runtime form (a copy that is never trained): q|k|v and gate|up fused into one matmul each,
-        every linear prepacked for oneDNN (fp32) or torch.ao dynamic int8 per channel (int8: 4-8x cheaper than
-        fp32 here, ENVIRONMENT.md; it only changes acceptance, never the output distribution).
-        RMS norms are folded away: the embedding table is stored already normed (input_layernorm), and every other
-        norm's weight is folded into the columns of the linear it feeds (modeling.fold_norm), which then sees
-        rms_unit(x): 3 ops against F.rms_norm's ~8 at these sizes, where the norms were a third of the step."""
-        from drafttrain.drafters.selfquant import AoInt8
-
+        every linear prepacked for oneDNN (fp32) or torch.ao dynamic int8 per channel (int8 only changes acceptance,
+        never the output distribution). RMS norms are folded away: the embedding table is stored already normed, and
+        every other norm's weight is folded into the columns of the linear it feeds (modeling.fold_norm)."""
         c, L = self.config, self.layers[0]
         a, mlp = L.self_attn, L.mlp
         H = c.hidden_size
@@ -215,8 +218,7 @@ class Eagle3Drafter(nn.Module):
         queries [S] (ascending positions, shared by the rows): logits at those positions only, [B, S, Vd], equal to
         the full result there. Every position still gives its step-0 key and value; the attention, the MLP, the head
         and every later step run for the S queries alone (cheaper training steps over more rollouts).
-        Runs in the training form or, after fuse_for_inference, in the engine's runtime form (teacher-forced scoring
-        of the drafter the engine runs: with int8, 1.7x cheaper)."""
+        Runs in the training form or in the engine's runtime form (fuse_for_inference: scoring what the engine runs)."""
         c = self.config
         B, T, _ = aux.shape
         pos = torch.arange(T).expand(B, T)
@@ -261,8 +263,7 @@ class Eagle3Drafter(nn.Module):
         distribution at each position, so step i at t is scored against target_probs[:, t+1+i];
         valid [B, T+steps] bool: positions whose target distribution is real (not padding, not past the end).
         query_frac < 1: the loss over a random subset of that share of the positions whose step-0 target is valid in
-        some row (ttt_logits' queries): prompt and padding positions, a third of a batch of the shipped task, were
-        drawn as often as response ones and scored nothing.
+        some row (ttt_logits' queries; prompt and padding positions would score nothing).
         Returns (loss, per-step accuracy list) where accuracy = draft argmax == policy argmax."""
         T = aux.shape[1]
         ids = self.draft_ids()
@@ -394,11 +395,3 @@ def config_from_policy(policy_config, aux_layer_ids=None, draft_vocab_size=None,
 def _rope_theta(pc) -> float:
     rp = getattr(pc, "rope_parameters", None) or {}
     return rp.get("rope_theta", getattr(pc, "rope_theta", 10000.0))
-
-
-def build(cfg_dict: dict) -> Eagle3Drafter:
-    return Eagle3Drafter(Eagle3Config(**cfg_dict))
-
-
-def config_dict(d: Eagle3Drafter) -> dict:
-    return asdict(d.config)

@@ -1,4 +1,4 @@
-"""The RolloutEngine contract (both engines pass one contract test suite) and build_engine.
+"""The RolloutEngine contract (both engines pass one contract test suite); build_engine is in engines/__init__.py.
 
     engine = build_engine(cfg.engine, policy, drafter=None)
     batch = engine.generate(prompts, params, speculative=True)   # -> RolloutBatch
@@ -48,16 +48,3 @@ class RolloutEngine(Protocol):
 
 class StaleVersionError(ValueError):
     """load_drafter with a version that is not newer than the one being served."""
-
-
-def build_engine(cfg, policy, drafter=None) -> RolloutEngine:
-    """cfg: EngineConfig. policy: an HF causal LM (torch) or its checkpoint folder (vllm)."""
-    if cfg.kind == "torch":
-        from drafttrain.engines.torch_engine import TorchEngine
-
-        return TorchEngine(cfg, policy, drafter)
-    if cfg.kind == "vllm":
-        from drafttrain.engines.vllm_engine import VllmEngine
-
-        return VllmEngine(cfg, policy, drafter)
-    raise ValueError(f"engine.kind: unknown engine {cfg.kind!r} (known: torch, vllm)")

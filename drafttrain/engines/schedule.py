@@ -14,11 +14,8 @@ prediction sits near the threshold (>= PROBE_NEAR x threshold: acceptance that d
 odd text, tends to come back, and the toggle must notice soon), and never where SD could not pay even with a
 very good drafter (acceptance probe_alpha at every position, or the estimate where it is higher: a probe's SD step
 also catches the drafter up on every position since it last ran, which at a large batch costs several AR steps).
-probe_alpha is 0.9 (shipped EAGLE-3: 0.85-0.94) for every drafter. A self-drafter (the policy, quantized: ~0.98)
-is not probed at its own 0.98: the model prices neither the drafter's catch-up on the positions of the AR steps
-before (for a self-drafter a prefill of a policy copy) nor the few steps left in a tail, and with a 0.98 bar the
-self-drafters ran SD in the long tail of the workload at 0.92-0.95x AR (0.99-1.0x kept off), though at batch 1 from
-a generation's start it pays (int4 toggle 1.09x AR against 0.94x off).
+probe_alpha is 0.9 for every drafter, a self-drafter included: the model prices neither a drafter's catch-up on
+the positions of the AR steps before nor the few steps left in a tail (bench/NOTES.md has the measurements).
 The toggle never changes outputs: AR and SD are both exact.
 
 The calibrated T and D are bare forward times. A real decode step also samples, verifies, catches the drafter up on
@@ -28,16 +25,17 @@ average of the ratio measured / modelled (each observation clipped to [1/2, 2] x
 a trend, while a persistent ratio of any size is reached in a few steps), which scales the model's step times:
     speed-up(B, k) = E[tokens | k] * T(B, 1) f_ar(B) / ((T(B, k+1) + k * D(B)) f_sd(B))
 The two are read as a pair: f_ar(B) / f_sd(B) comes from the nearest bucket where both modes were observed (1
-before any). A mode's ratio borrowed on its own from a far bucket mis-scaled one side only: with the toggle probing
-each batch, SD ran nearly every step and the only AR ratio (2.1, from batch 2) scaled batch 64's AR steps, which
-predicted 1.9x where SD measured ~1.1x. Ratios, not ms: a ratio learnt at batch 64 transfers to batch 1 about right,
-an offset in ms (what a batch-64 step adds) does not.
+before any). Ratios, not ms: a ratio learnt at batch 64 transfers to batch 1 about right, an offset in ms does not.
 """
 from __future__ import annotations
 
 import bisect
+import time
 from dataclasses import dataclass, field
 
+import torch
+
+from drafttrain.spec import SamplingParams
 from drafttrain.spec.stats import drafts_kept
 
 
@@ -93,8 +91,6 @@ class CostModel:
         seconds here). Every m in 1..k_max+1 is measured: the curve is not smooth (batch 1: flat from 3 to 6 tokens
         per row, then a step; batch 64: +9 ms from 8 to 9), and interpolating between 5 and 9 mispriced the k in
         between (auto k on the long-tail batch: 1.08x AR against 1.14x with every point, one interleaved run)."""
-        from drafttrain.engines.torch_engine import measure_costs
-
         if engine.drafter is None:
             raise ValueError("engine.toggle / engine.k=auto: calibration needs a drafter (the engine has none)")
         ms = list(range(1, k_max + 2))
@@ -290,3 +286,49 @@ class SpecController:
 def _bucket(batch: int) -> int:
     """The power of two at or below batch (1, 2, 4, ...)."""
     return 1 << (max(batch, 1).bit_length() - 1)
+
+
+@torch.no_grad()
+def measure_costs(engine, batch: int, tokens_per_row: list[int], k: int, context: int = 64,
+                  repeats: int = 20) -> dict:
+    """Time the live embedded engine's pieces on synthetic inputs at a context length: target forward (ms) for each
+    m in tokens_per_row, and the drafter's propose of k tokens (ms per drafted token): the cost model's input.
+    Each figure is the fastest of `repeats` runs (the workload is deterministic: slower runs are noise). The target
+    forwards take turns, one run of each m per round, so a slow spell of the machine slows one round of every m
+    rather than every run of one m; the drafter's propose runs back to back, as in a chain of draft steps."""
+    lean = engine.lean
+    gen = torch.Generator().manual_seed(0)
+    L = context + max([1, *tokens_per_row]) + k + 2
+    pos = torch.full((batch,), context)
+
+    def fastest(pieces: dict) -> dict:
+        """ms of each piece's fastest run after a warm-up; the pieces take turns, one run of each per round (a
+        single piece: back to back)."""
+        for fn in pieces.values():
+            fn()
+        best = dict.fromkeys(pieces, float("inf"))
+        for _ in range(repeats):
+            for key, fn in pieces.items():
+                t0 = time.perf_counter()
+                fn()
+                best[key] = min(best[key], (time.perf_counter() - t0) * 1e3)
+        return best
+
+    cache = lean.new_cache(batch, L)
+    fwd = {m: torch.randint(0, lean.vocab_size, (batch, m), generator=gen) for m in tokens_per_row}
+    out = {"batch": batch,
+           "target_ms": fastest({m: (lambda t=toks: lean.forward(t, pos, cache, ())) for m, toks in fwd.items()})}
+    d = engine.drafter
+    if d is not None and k > 0:
+        st = d.new_state(batch, L)
+        X = len(d.reads.aux_layers) * lean.hidden
+        ids = torch.randint(0, lean.vocab_size, (batch, k + 1), generator=gen)
+        aux = torch.randn(batch, k + 1, X, generator=gen)
+        params = SamplingParams(temperature=1.0)
+        n_new = torch.full((batch,), k + 1)
+
+        def propose():
+            d.propose(st, ids, aux, n_new, pos - k - 1, k, params, False, gen)
+
+        out["draft_ms_per_token"] = fastest({"propose": propose})["propose"] / k
+    return out

@@ -15,37 +15,15 @@ from __future__ import annotations
 import copy
 import threading
 import time
-import warnings
 
 import torch
 
-from drafttrain.drafters.base import check_compatible
+from drafttrain.drafters.base import check_compatible, runtime_copy
 from drafttrain.drafters.weights import check_finite
 from drafttrain.engines.base import RolloutBatch, StaleVersionError
-from drafttrain.engines.schedule import CostModel, SpecController
+from drafttrain.engines.schedule import CostModel, SpecController, measure_costs
 from drafttrain.modeling import LeanLlama, keep_order, share_prompts
 from drafttrain.spec import SamplingParams, SpecStats, processed_probs, rejection_sample, sample
-
-
-def quantize_int8(module: torch.nn.Module) -> torch.nn.Module:
-    """torch.ao dynamic int8 linears (x86/fbgemm): 4-8x cheaper than fp32 here (ENVIRONMENT.md)."""
-    from torch.ao.quantization import quantize_dynamic
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        return quantize_dynamic(module, {torch.nn.Linear}, dtype=torch.qint8)
-
-
-def runtime_copy(drafter, int8: bool, owned: bool = False):
-    """The copy of `drafter` the engine drafts with (owned: a fresh copy already, used as is): fused for inference
-    (int8: torch.ao dynamic int8 linears), or, for a drafter with no fused form, its linears int8-quantized (not a
-    self-drafter's: quantized already). Also what teacher-forced scoring of the engine's drafter scores."""
-    rt = (drafter if owned else copy.deepcopy(drafter)).eval().requires_grad_(False)
-    if hasattr(rt, "fuse_for_inference"):
-        return rt.fuse_for_inference(int8=int8)
-    if int8 and not getattr(drafter, "in_place_update", False):
-        return quantize_int8(rt)
-    return rt
 
 
 class TorchEngine:
@@ -64,6 +42,9 @@ class TorchEngine:
         self._ctl: SpecController | None = None
         self._draft_cost_stale = False
         if drafter is not None:
+            if drafter.reads.final_hidden:
+                raise ValueError(f"drafter: the embedded engine hands drafters aux layer inputs only; kind "
+                                 f"{drafter.kind!r} reads the final hidden state")
             check_compatible(drafter, policy)  # at build, not as a torch error at the first SD step
             check_finite(drafter.state_dict())  # no corrupt drafter reaches an engine (load_drafter checks too)
             self._active = (self._runtime(drafter), 0)
@@ -162,7 +143,7 @@ class TorchEngine:
         lean, cfg = self.lean, self.cfg
         active = self._active if speculative else None
         drafter, version = active if active else (None, self.drafter_version)
-        aux_ids = tuple(drafter.aux_layer_ids) if drafter is not None else ()
+        aux_ids = drafter.reads.aux_layers if drafter is not None else ()
         B = len(prompts)
         # rows in the order of share_prompts: each distinct prompt's first copy, then the repeats (a GRPO batch
         # holds G copies of each prompt), which take the prefill's cache and outputs instead of recomputing them
@@ -364,53 +345,3 @@ class _Pending:
         self.ids, self.n, self.start = self.ids[keep], self.n[keep], self.start[keep]
         self.aux = None if self.aux is None else self.aux[keep]
         self._max = int(self.n.max()) if len(keep) else 0
-
-
-@torch.no_grad()
-def measure_costs(engine: TorchEngine, batch: int, tokens_per_row: list[int], k: int, context: int = 64,
-                  repeats: int = 20) -> dict:
-    """Time the live engine's pieces on synthetic inputs at a context length: target forward (ms) for each m in
-    tokens_per_row, and the drafter's propose of k tokens (ms per drafted token). The cost model's input.
-    Each figure is the fastest of `repeats` runs: the workload is deterministic, so slower runs are noise. The
-    target forwards take turns, one run of each m per round, so a slow spell of the machine slows one round of
-    every m rather than every run of one (timed back to back, a spell the length of one m's runs set its fastest:
-    m = 3 read 3.95 ms where 2 and 4 read 2.75 and 3.79... and 7 read 4.8 where 6 and 8 read 2.4 and 2.6; the
-    monotone curve then carried it to every larger m). The drafter's propose runs back to back, as in a chain of
-    draft steps (timed between target forwards, its weights out of cache, it read 0.49 ms per token against 0.36,
-    which steered auto k to short drafts: toggle + auto k 1.09x AR on the long-tail batch against 1.24x)."""
-    lean = engine.lean
-    gen = torch.Generator().manual_seed(0)
-    L = context + max([1, *tokens_per_row]) + k + 2
-    pos = torch.full((batch,), context)
-
-    def fastest(pieces: dict) -> dict:
-        """ms of each piece's fastest run after a warm-up; the pieces take turns, one run of each per round (a
-        single piece: back to back)."""
-        for fn in pieces.values():
-            fn()
-        best = dict.fromkeys(pieces, float("inf"))
-        for _ in range(repeats):
-            for key, fn in pieces.items():
-                t0 = time.perf_counter()
-                fn()
-                best[key] = min(best[key], (time.perf_counter() - t0) * 1e3)
-        return best
-
-    cache = lean.new_cache(batch, L)
-    fwd = {m: torch.randint(0, lean.vocab_size, (batch, m), generator=gen) for m in tokens_per_row}
-    out = {"batch": batch,
-           "target_ms": fastest({m: (lambda t=toks: lean.forward(t, pos, cache, ())) for m, toks in fwd.items()})}
-    d = engine.drafter
-    if d is not None and k > 0:
-        st = d.new_state(batch, L)
-        X = len(d.aux_layer_ids) * lean.hidden
-        ids = torch.randint(0, lean.vocab_size, (batch, k + 1), generator=gen)
-        aux = torch.randn(batch, k + 1, X, generator=gen)
-        params = SamplingParams(temperature=1.0)
-        n_new = torch.full((batch,), k + 1)
-
-        def propose():
-            d.propose(st, ids, aux, n_new, pos - k - 1, k, params, False, gen)
-
-        out["draft_ms_per_token"] = fastest({"propose": propose})["propose"] / k
-    return out

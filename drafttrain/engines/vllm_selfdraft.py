@@ -35,7 +35,7 @@ from pathlib import Path
 import torch
 
 from drafttrain.atomic import replace_dir
-from drafttrain.drafters.selfquant import unpack_int4
+from drafttrain.quant import unpack_int4
 
 _ACTIVATIONS = {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "token", "dynamic": True}
 

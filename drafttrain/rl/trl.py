@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from transformers import TrainerCallback
 
-from drafttrain.rl.hooks import DraftTracker
+from drafttrain.tracking.tracker import DraftTracker
 
 
 class DraftTrackerCallback(TrainerCallback):

@@ -5,7 +5,7 @@ A step emits num_accepted + 1 tokens (the accepted drafts, then the resampled or
 step when a stop token or the length limit cuts it: it emits only the tokens up to the cut, and drafts past the cut
 count as neither drafted nor reached (they are not part of the response, whatever the verify pass said about them).
 The prefill's first token is no verify step and is not counted. So MAL = (response tokens - 1) / verify steps per
-row, pooled over rows; teacher_forced_acceptance (online/acceptance.py) reports the expectation of the same counts.
+row, pooled over rows; teacher_forced_acceptance (tracking/acceptance.py) reports the expectation of the same counts.
 acceptance_per_position[i] = P(draft i accepted | drafts 0..i-1 accepted) as a rate over rows that drafted i.
 """
 from __future__ import annotations

@@ -118,8 +118,7 @@ def documented_commands(root: Path = PROJECT_ROOT) -> list[Command]:
                 break
             header.append(line)
         cmds += docstring_commands("\n".join(header), f"recipes/{recipe.name}")
-    main_job = [root / "drafttrain" / "online.py", root / "drafttrain" / "online" / "run.py"]
-    for py in [*sorted((root / "scripts").glob("*.py")), *main_job]:
+    for py in [*sorted((root / "scripts").glob("*.py")), root / "drafttrain" / "online.py"]:
         doc = ast.get_docstring(ast.parse(py.read_text())) or ""
         cmds += docstring_commands(doc, str(py.relative_to(root)))
     return cmds

@@ -15,7 +15,7 @@ from drafttrain.config import PROJECT_ROOT, RECIPES_DIR
 
 @pytest.mark.parametrize("flag", ["--help", "-h"])
 def test_help_prints_usage(capsys, flag):
-    from drafttrain.online.run import cli
+    from drafttrain.online import cli
 
     cli(["recipe=eagle3_frozen", flag, "engine.kind=tpu"])  # help wins over whatever else is on the line
     out = capsys.readouterr().out
@@ -52,7 +52,7 @@ def _damaged(policy_dir, tmp_path):
 
 @pytest.mark.parametrize("case", ["policy_truncated", "max_len", "out_dir_file", "drafter_path_empty"])
 def test_bad_input_is_one_line_naming_it(policy_dir, tmp_path, case):
-    from drafttrain.online.run import cli
+    from drafttrain.online import cli
 
     out = tmp_path / "run"
     (tmp_path / "notes.md").write_text("a file\n")

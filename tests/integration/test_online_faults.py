@@ -15,13 +15,13 @@ import torch
 
 from drafttrain.config import PROJECT_ROOT
 from drafttrain.report import read_jsonl
-from tests.integration.test_online import overrides
+from tests.integration.test_job import overrides
 from tests.unit.test_runfolder import Touch, _holder
 
 
 @pytest.fixture(scope="module")
 def finished(policy_dir, tmp_path_factory):
-    from drafttrain.online.run import cli
+    from drafttrain.online import cli
 
     torch.set_num_threads(1)
     out = tmp_path_factory.mktemp("finished")
@@ -41,7 +41,7 @@ def _files(root: Path) -> dict:
 
 
 def _cli_error(policy_dir, out, *extra) -> str:
-    from drafttrain.online.run import cli
+    from drafttrain.online import cli
 
     with pytest.raises(SystemExit) as e:
         cli(["recipe=eagle3_track", *overrides(policy_dir, out), *extra])
@@ -90,7 +90,7 @@ def test_second_job_in_a_held_folder_fails_naming_the_holder(policy_dir, tmp_pat
 
 
 def test_finished_run_is_left_untouched(run, policy_dir, capsys):
-    from drafttrain.online.run import cli
+    from drafttrain.online import cli
 
     before = _files(run)
     cli(["recipe=eagle3_track", *overrides(policy_dir, run)])
@@ -110,7 +110,7 @@ def test_resume_with_other_settings_is_refused_listing_them(run, policy_dir):
 
 def test_raising_rl_steps_continues_a_finished_run(run, policy_dir):
     from drafttrain.config import load_recipe
-    from drafttrain.online.run import main
+    from drafttrain.rl.job import main
 
     recs = main(load_recipe("eagle3_track", overrides(policy_dir, run, "rl.steps=2")))
     assert [r["step"] for r in read_jsonl(run / "metrics.jsonl")] == [0, 1] and recs[-1]["step"] == 1

@@ -1,4 +1,4 @@
-"""Teacher-forced acceptance (online/acceptance.py) reports what the engine's SpecStats count, in expectation:
+"""Teacher-forced acceptance (tracking/acceptance.py) reports what the engine's SpecStats count, in expectation:
 exact checks of the step recursion on hand-made acceptance ratios, and the engine against the estimate on the very
 rollouts it generated (tiny random policy, many rows, sampled drafts at T=1)."""
 from __future__ import annotations
@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from drafttrain.engines import build_engine
-from drafttrain.online.acceptance import expected_spec_stats, teacher_forced_acceptance
-from drafttrain.online.capture import teacher_forced_features
-from drafttrain.spec import SamplingParams
+from drafttrain.spec import SamplingParams, expected_spec_stats
+from drafttrain.tracking.acceptance import teacher_forced_acceptance
+from drafttrain.tracking.capture import teacher_forced_features
 from tests import contract as C
 from tests.conftest import engine_cfg
 

@@ -6,9 +6,9 @@ import torch
 from omegaconf import OmegaConf
 
 from drafttrain.config import Config
-from drafttrain.online import DrafterTrainer, FeatureBuffer, HiddenCapture, build_features
-from drafttrain.online.buffer import collate
-from drafttrain.online.capture import teacher_forced_features
+from drafttrain.tracking import DrafterTrainer, FeatureBuffer, HiddenCapture, build_features
+from drafttrain.tracking.buffer import collate
+from drafttrain.tracking.capture import teacher_forced_features
 
 STEPS = 2
 

@@ -221,7 +221,8 @@ def test_every_key_has_its_default_and_a_doc():
 
 
 def test_usage_lists_launch_recipes_and_every_key():
-    from drafttrain.config import key_docs, usage
+    from drafttrain.config import key_docs
+    from drafttrain.online import usage
 
     text = usage()
     assert "accelerate launch" in text and "python -m drafttrain.online" in text and "resumes" in text

@@ -12,6 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from drafttrain.drafters import Reads
 from drafttrain.engines import build_engine
 from drafttrain.modeling import KVCache, LeanLlama, Rope, attend, keep_order, share_prompts, step_mask
 from drafttrain.spec import SamplingParams, processed_probs
@@ -315,7 +316,8 @@ class OracleDrafter(torch.nn.Module):
     accepted and long accepted runs reach the engine's commit logic."""
 
     kind = "oracle"
-    aux_layer_ids = ()
+    follows_policy = False
+    reads = Reads()
 
     def __init__(self, policy):
         super().__init__()

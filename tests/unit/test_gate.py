@@ -1,4 +1,4 @@
-"""The publish gate's statistics (online/gate.py) on synthetic score streams: per-row MALs of a serving and a
+"""The publish gate's statistics (tracking/gate.py) on synthetic score streams: per-row MALs of a serving and a
 candidate drafter on the same rows, the rows differing widely in how predictable they are (as rollouts do)."""
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from drafttrain.online.gate import gate_decision, paired_bound, paired_sums
+from drafttrain.tracking.gate import gate_decision, paired_bound, paired_sums
 
 
 def stream(n: int, gain: float, gen: torch.Generator, noise: float = 0.3, shape: str = "normal"):

@@ -390,7 +390,7 @@ def test_a_slow_spell_of_the_machine_does_not_set_one_pieces_cost(monkeypatch):
     calls 7-12 take 20."""
     import types
 
-    from drafttrain.engines import torch_engine
+    from drafttrain.engines import schedule
 
     clock, calls = [0.0], [0]
 
@@ -400,6 +400,6 @@ def test_a_slow_spell_of_the_machine_does_not_set_one_pieces_cost(monkeypatch):
 
     lean = types.SimpleNamespace(forward=forward, new_cache=lambda b, L: None, vocab_size=8, hidden=4)
     engine = types.SimpleNamespace(lean=lean, drafter=None)
-    monkeypatch.setattr(torch_engine.time, "perf_counter", lambda: clock[0])
-    c = torch_engine.measure_costs(engine, 1, [1, 2, 3], 0, repeats=5)
+    monkeypatch.setattr(schedule.time, "perf_counter", lambda: clock[0])
+    c = schedule.measure_costs(engine, 1, [1, 2, 3], 0, repeats=5)
     assert c["target_ms"] == pytest.approx({1: 2.0, 2: 2.0, 3: 2.0})

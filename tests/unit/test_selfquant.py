@@ -14,9 +14,9 @@ from omegaconf import OmegaConf
 
 from drafttrain.config import Config, ConfigError, load_recipe
 from drafttrain.drafters import build_drafter
-from drafttrain.drafters.selfquant import (SelfQuantDrafter, pack_int4, quantize_int4, quantize_int8,
-                                           unpack_int4)
+from drafttrain.drafters.selfquant import SelfQuantDrafter
 from drafttrain.engines import build_engine
+from drafttrain.quant import pack_int4, quantize_int4, quantize_int8, unpack_int4
 from drafttrain.spec import SamplingParams
 from tests import contract as C
 from tests.conftest import engine_cfg, tiny_policy
@@ -266,7 +266,7 @@ def _drafter_cfg(**kw):
 
 def test_build_drafter_registry(policy):
     d = build_drafter(_drafter_cfg(quant="int4", backend="ref", group_size=32), policy)
-    assert isinstance(d, SelfQuantDrafter) and d.kind == "selfquant" and d.aux_layer_ids == ()
+    assert isinstance(d, SelfQuantDrafter) and d.kind == "selfquant" and d.follows_policy and not d.reads.hidden_states
     assert d.in_place_update and (d.quant, d.backend, d.group_size) == ("int4", "ref", 32)
 
 

@@ -5,8 +5,8 @@ import torch
 from omegaconf import OmegaConf
 
 from drafttrain.config import Config
-from drafttrain.online import DrafterTrainer, FeatureBuffer
-from drafttrain.online.capture import teacher_forced_features
+from drafttrain.tracking import DrafterTrainer, FeatureBuffer
+from drafttrain.tracking.capture import teacher_forced_features
 
 STEPS = 2
 

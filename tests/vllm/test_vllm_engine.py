@@ -14,7 +14,7 @@ import torch
 
 from drafttrain.engines import StaleVersionError, build_engine
 from drafttrain.export import save_drafter
-from drafttrain.online import teacher_forced_features
+from drafttrain.tracking import teacher_forced_features
 from drafttrain.spec import SamplingParams
 from tests import contract as C
 from tests.conftest import engine_cfg

@@ -9,22 +9,16 @@ i inside the response). Exact, not a stand-in:
    x at the target of draft i, P(draft i accepted | drafts < i accepted, x) = min(1, q_i(x) / p_i(x)) =: r_i(t)
    (rejection sampling accepts-and-emits x with probability min(p, q)(x), and emits x at all with p(x)); once
    drafts < i are accepted they equal the real tokens, so the chain's context is the real prefix, as here.
-2. A verify step starting after response token s accepts n >= j drafts with probability prod_{i<j} r_i, emits
-   min(n + 1, tokens left) and the next step starts there. A forward pass over s gives the probability pi(s) that
-   a step starts at s, hence the expected verify steps sum_s pi(s), the expected reached / accepted draft counts
-   at each position, and MAL = (response tokens - 1) / E[verify steps], pooled over rows as the engine pools.
+2. From the r_i, spec.expected_row_stats gives the engine's SpecStats in expectation (a forward pass over where
+   verify steps start).
 
 Why not the per-position average 1 + sum_i prod_{j<=i} alpha_j(t), alpha = sum_v min(p, q) (the common
-estimate)? It is another statistic. The engine starts a step only where the previous one ended, mostly just
-after a rejection, so its draft 0 seldom targets a hard token: on the shipped policy (scripts/check_acceptance.py,
-64 rollouts) draft 0 is accepted 0.91 of the time in the engine and here, 0.86 averaged over every position. And
-chaining alpha_j at the real prefix ignores that an accepted draft is a token the drafter liked (MAL 0.04 low on
-the tiny random policy of tests/unit/test_acceptance.py). At the end, a row's last verify step is cut at the stop
-token: no bonus token, drafts past it not counted (SpecStats). The engine used to count both (3.88 instead of
-3.64 on those 64 rollouts), and the per-position average a bonus token at the end.
+estimate)? It is another statistic: the engine starts a step only where the previous one ended, mostly just after
+a rejection, so its draft 0 seldom targets a hard token; and chaining alpha_j at the real prefix ignores that an
+accepted draft is a token the drafter liked. A row's last verify step is cut at the stop token (SpecStats).
 Used for the frozen-drafter baseline, the trainer's estimate the canary compares the engine against, and the
-tracking/oracle benchmark. Scored in length_chunks from the first response position on: the same counts, and on 64
-rollouts of the shipped task 4.4x less time than the whole batch padded to its longest row (1030 -> 230 ms).
+tracking/oracle benchmark. Scored in length_chunks from the first response position on: the same counts, at a
+fraction of the padded positions.
 """
 from __future__ import annotations
 
@@ -32,7 +26,7 @@ import math
 
 import torch
 
-from drafttrain.spec import SpecStats
+from drafttrain.spec import SpecStats, expected_row_stats
 
 
 @torch.no_grad()
@@ -104,58 +98,6 @@ def length_chunks(batch: dict[str, torch.Tensor], k: int, max_pad: float = 1.25)
                      "target_probs": batch["target_probs"][idx, :Tc + k], "valid": valid[idx, :Tc + k],
                      "rows": idx}, int(first[idx].min())))
     return out
-
-
-def expected_spec_stats(r: torch.Tensor, valid: torch.Tensor, k: int) -> SpecStats:
-    """expected_row_stats' pooled SpecStats."""
-    return expected_row_stats(r, valid, k)[0]
-
-
-def expected_row_stats(r: torch.Tensor, valid: torch.Tensor, k: int
-                       ) -> tuple[SpecStats, torch.Tensor, torch.Tensor]:
-    """r [B, T, k] (acceptance_ratios), valid [B, >=T+1] (a contiguous run per row: position j predicts response
-    token j+1) -> (the engine's SpecStats in expectation (float counts), steps 2. of the module docstring; each
-    row's own MAL [B], nan for a row with no verify step; each row's expected verify steps [B]).
-
-    Everything a step starting after token s does is linear in w = P(a step starts there), so the per-draft
-    factors are computed for every s at once; only the propagation of w along s is a loop, of 3 ops per s (a loop
-    over s and j of ~8 ops each was 20 ms of the online trainer's 90 ms estimate on 8 rollouts)."""
-    B, T, _ = r.shape
-    v = valid[:, :T + 1].long()
-    R = v.sum(1)  # response tokens per row
-    first = v.argmax(1)  # drafter position of the prefill's token: its step drafts response token 1
-    S = int(R.max()) if B else 0
-    n = max(S - 1, 0)  # step starts s = 0 .. S-2
-    s_idx = torch.arange(n)
-    t_idx = (first.view(B, 1) + s_idx.view(1, -1)).clamp_max(T - 1)  # [B, n] drafter position of step start s
-    rr = r.gather(1, t_idx.unsqueeze(-1).expand(B, n, k)).transpose(0, 1)  # [n, B, k]
-    left = R.view(1, B) - 1 - s_idx.view(n, 1)  # [n, B] tokens still to emit
-    inside = left.unsqueeze(-1) > torch.arange(k)  # [n, B, k] draft j targets a response token
-    factor = torch.where(inside, rr, torch.ones_like(rr))
-    surv = torch.cat([torch.ones(n, B, 1), factor.cumprod(-1)], -1)  # [n, B, k+1] P(drafts < j accepted) / w
-    ok = surv[..., :k] * rr * inside  # P(draft j accepted) / w
-    out = (surv[..., :k] - ok) * inside  # P(rejected at j: j + 1 tokens emitted) / w
-    alive = (left > 0).float()  # [n, B]
-    full = surv[..., k] * alive  # all drafts inside the response accepted: k + 1 tokens, or a cut at the end
-    end = s_idx.view(n, 1) + torch.minimum(left.clamp_min(0), torch.tensor(k + 1))  # [n, B]
-    rows = torch.arange(B)
-    pi = torch.zeros(B, S + k + 1)  # P(a verify step starts after response token s)
-    pi[:, 0] = 1.0
-    W = torch.zeros(n, B)
-    for s in range(n):
-        w = pi[:, s] * alive[s]
-        W[s] = w
-        pi[:, s + 1:s + k + 1] += w.unsqueeze(1) * out[s]
-        pi[rows, end[s]] += w * full[s]
-    Wk = W.unsqueeze(-1)
-    reach, acc = (Wk * surv[..., :k] * inside).sum((0, 1)), (Wk * ok).sum((0, 1))
-    drafted = k * W.sum() - (W * full * (k - left).clamp_min(0)).sum()  # drafts past the end not counted
-    st = SpecStats(drafted=float(drafted), accepted=float(acc.sum()), verify_rows=float(W.sum()),
-                   emitted=float((R - 1).clamp_min(0).sum()))
-    st.accepted_per_position, st.reached_per_position = acc.tolist(), reach.tolist()
-    steps = W.sum(0)  # [B] expected verify steps per row
-    row_mal = torch.where(steps > 0, (R - 1).clamp_min(0) / steps.clamp_min(1e-30), torch.full_like(steps, math.nan))
-    return st, row_mal, steps
 
 
 @torch.no_grad()

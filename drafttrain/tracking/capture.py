@@ -1,4 +1,5 @@
-"""Hidden-state capture from an ordinary policy forward, and the features the drafter trains on.
+"""Hidden-state capture from an ordinary policy forward, and the features the drafter trains on (PolicyCapture: the
+tracker's, for every forward between start and stop).
 
     with HiddenCapture(policy, drafter.aux_layer_ids) as cap:
         logits = policy(ids, attention_mask=mask).logits       # e.g. the RL loss forward: no extra pass
@@ -105,3 +106,79 @@ def teacher_forced_features(policy, prompts: list[list[int]], responses: list[li
     with HiddenCapture(policy, layer_ids) as cap:
         logits = policy(input_ids=ids, attention_mask=mask).logits  # [B, T, V]
     return build_features(ids, lengths, cap.features(), logits, steps, torch.tensor([len(p) for p in prompts]))
+
+
+class PolicyCapture:
+    """The tracker's capture: from start() to stop(), every policy forward becomes build_features and goes to
+    sink(feats, started) (started: clock() when the forward's capture work began, so the sink can charge it).
+
+    It serves the drafter's Reads: aux layer inputs from HiddenCapture's layer pre-hooks, the final hidden state
+    from a hook on the backbone, token ids and logits from a hook on the model itself.
+    response_start: int or [B] (first response column per row); None = the first column whose `labels` is not
+    -100 when the forward gets labels, else 0. grad_only: keep only forwards run with autograd on (the loss
+    forward), not no-grad generation or scoring forwards of the same model (TRL). A forward that returns no logits
+    (TRL's fused LM head) has them projected from the captured final hidden state (no extra backbone pass); with
+    logits_to_keep=n only the last n positions can be targets."""
+
+    def __init__(self, policy, reads, steps: int, sink, clock, response_start=None, grad_only: bool = False):
+        self.policy, self.reads, self.steps, self.sink, self.clock = policy, reads, steps, sink, clock
+        self.response_start, self.grad_only = response_start, grad_only
+        self.hidden = HiddenCapture(policy, reads.aux_layers) if reads.aux_layers else None
+        self._final: dict[str, torch.Tensor] = {}
+        self._handles: list = []
+
+    def start(self) -> "PolicyCapture":
+        self._handles = [self.policy.register_forward_hook(self._on_forward, with_kwargs=True),
+                         self.policy.model.register_forward_hook(self._on_backbone)]
+        if self.hidden is not None:
+            self.hidden.__enter__()
+        return self
+
+    def stop(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+        if self.hidden is not None:
+            self.hidden.__exit__(None, None, None)
+
+    def _on_backbone(self, module, args, output) -> None:
+        self._final["h"] = (output[0] if isinstance(output, tuple) else output.last_hidden_state).detach()
+
+    def _on_forward(self, module, args, kwargs, output) -> None:
+        if self.grad_only and not torch.is_grad_enabled():
+            return
+        t0 = self.clock()
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        mask = kwargs.get("attention_mask")
+        if mask is None:
+            mask = torch.ones_like(ids)
+        logits = getattr(output, "logits", None)
+        if logits is None:
+            with torch.no_grad():
+                logits = self.policy.get_output_embeddings()(self._final["h"])  # [B, T, V]
+        B, T = ids.shape
+        logits = logits.detach()
+        kept = logits.shape[1]  # logits_to_keep: the last `kept` positions
+        if kept < T:
+            logits = torch.cat([logits.new_zeros(B, T - kept, logits.shape[-1]), logits], 1)
+        rs = response_columns(self.response_start, kwargs.get("labels"), B, T)
+        if kept < T:
+            rs = rs.clamp_min(T - kept + 1)  # a position's target needs its logits
+        self.sink(build_features(ids.detach(), mask.detach(), self._aux(B, T), logits, self.steps, rs), t0)
+
+    def _aux(self, B: int, T: int) -> torch.Tensor:
+        """[B, T, X]: what the drafter reads (Reads), concatenated; X = 0 for none."""
+        parts = [self.hidden.features()] if self.hidden is not None else []
+        if self.reads.final_hidden:
+            parts.append(self._final["h"])
+        return torch.cat(parts, -1) if parts else torch.zeros(B, T, 0)
+
+
+def response_columns(given, labels, B: int, T: int) -> torch.Tensor:
+    """[B] first response column: as given, else the first column whose label is not -100 (T if none), else 0."""
+    if given is not None:
+        return torch.as_tensor(given, dtype=torch.long).flatten()[:B].expand(B)
+    if labels is None:
+        return torch.zeros(B, dtype=torch.long)
+    scored = labels != -100  # [B, T]
+    return torch.where(scored.any(1), scored.long().argmax(1), torch.full((B,), T)).long()

@@ -19,7 +19,7 @@ import torch
 import torch.nn as nn
 from accelerate import Accelerator
 
-from drafttrain.online.runfolder import load_checkpoint
+from drafttrain.tracking.runfolder import load_checkpoint
 
 
 class _TTTLoss(nn.Module):

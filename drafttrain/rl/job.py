@@ -1,7 +1,5 @@
-"""The main job: GRPO on the tiny policy with speculative rollouts and a drafter that tracks the policy.
-
-    accelerate launch drafttrain/online.py recipe=eagle3_track [key=value ...]
-    python -m drafttrain.online recipe=eagle3_track rl.steps=5
+"""The main job: GRPO on the tiny policy with speculative rollouts and a drafter that tracks the policy (launched
+through drafttrain/online.py).
 
 Writes into run.out_dir: config.yaml (resolved), metrics.jsonl (+ tb/), ckpt/ (resumable after any kill: the
 latest complete step wins), report.png and a summary table at the end, and eval.json with its table: the policy's
@@ -11,13 +9,11 @@ the drafter's gradients.
 
 A rerun into the same run.out_dir resumes it, if its settings are the checkpoint's (raising rl.steps continues a
 run; a finished run is left as it is). One job at a time holds a run folder. SIGTERM/SIGINT stop the job after the
-current step's checkpoint, and the job ends with the process that started it (run it inside tmux or screen to keep
-it going after you log out): see online/runfolder.py.
+current step's checkpoint, and the job ends with the process that started it: see tracking/runfolder.py.
 """
 from __future__ import annotations
 
 import os
-import sys
 import time
 from pathlib import Path
 
@@ -25,15 +21,15 @@ import torch
 import transformers
 from tqdm import tqdm
 
-from drafttrain.config import ConfigError, load_recipe, resolve_path, save_config
+from drafttrain.config import ConfigError, resolve_path, save_config
 from drafttrain.drafters import build_drafter
 from drafttrain.engines import build_engine
-from drafttrain.online.runfolder import (CheckpointError, Checkpointer, Stopper, changed_settings, load_checkpoint,
-                                         lock_run_folder)
 from drafttrain.policy import load_policy
 from drafttrain.report import RunLogger, accuracy_change, eval_table, plot_run, read_jsonl, summary_table, write_json
 from drafttrain.rl.grpo import GRPO
-from drafttrain.rl.hooks import DraftTracker
+from drafttrain.tracking.runfolder import (CheckpointError, Checkpointer, Stopper, changed_settings, load_checkpoint,
+                                           lock_run_folder)
+from drafttrain.tracking.tracker import DraftTracker
 
 
 RESUME_HINT = "set run.resume=false to start over, or restore an earlier ckpt/step-N and name it in ckpt/latest"
@@ -43,7 +39,7 @@ def main(cfg) -> list[dict]:
     from accelerate import Accelerator, InitProcessGroupKwargs
 
     transformers.utils.logging.disable_progress_bar()
-    multi = int(os.environ.get("WORLD_SIZE", "1")) > 1  # launched with N processes: gloo (ENVIRONMENT.md)
+    multi = int(os.environ.get("WORLD_SIZE", "1")) > 1  # launched with N processes: gloo (CPU)
     acc = Accelerator(cpu=True, kwargs_handlers=[InitProcessGroupKwargs(backend="gloo")] if multi else [])
     torch.manual_seed(cfg.run.seed + acc.process_index)
     out = Path(cfg.run.out_dir)
@@ -147,23 +143,3 @@ def _run(cfg, acc, out: Path, stopper: Stopper) -> list[dict]:
         print(eval_table(before, after))
     ckpt.mark_finished()
     return logger.records
-
-
-def cli(argv: list[str] | None = None) -> None:
-    from drafttrain.config import usage
-
-    args = sys.argv[1:] if argv is None else argv
-    if "-h" in args or "--help" in args:
-        print(usage())
-        return
-    recipe = [a.split("=", 1)[1] for a in args if a.startswith("recipe=")]
-    overrides = [a for a in args if not a.startswith("recipe=")]
-    try:
-        cfg = load_recipe(recipe[-1] if recipe else "eagle3_track", overrides)
-        main(cfg)
-    except (ConfigError, FileNotFoundError) as e:
-        raise SystemExit(f"error: {e}") from None
-
-
-if __name__ == "__main__":
-    cli()

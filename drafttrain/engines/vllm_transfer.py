@@ -1,0 +1,116 @@
+"""What crosses between VllmEngine and the running vLLM engine: weight pushes (load_drafter, update_policy), their
+read-back, and vLLM's spec-decode metrics read out as SpecStats.
+
+Weight updates use vLLM's native update session, start_[draft_]weight_update -> update_weights ->
+finish_weight_update, with a transport this module registers (backend "drafttrain_inline": a safetensors file
+in /dev/shm, or inline bytes; vLLM's NCCL and IPC backends need CUDA). It reloads layerwise, as vLLM's IPC
+backend does, because vLLM-CPU repacks linear weights into oneDNN kernels after loading. Every update is read
+back: each tensor is probed in the worker through the layer's own kernel (W @ x for a fixed x) and compared
+with the same probe of what was sent; a drafter swap that does not land is refused and the served weights are
+pushed back. A self-drafter swap takes what the embedded engine takes (the policy's state dict, requantized
+here, or the drafter's own); its quantized weights and scales are pushed as they are, loaded by rebuilding the
+layers (vLLM-CPU's layerwise reload breaks its int8 kernel), and probed through vLLM's quantized kernels with an
+integer probe that their activation quantization keeps exact (vllm_worker.probe).
+vLLM shares the target's embed_tokens with an EAGLE head whose embed_tokens equal the target's (ours are a
+frozen copy). A shared tensor is never written by a drafter swap (that would overwrite the policy); it follows
+the policy instead. A drafter lm_head shared that way is refused at swap time if it changed.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+
+from drafttrain.engines.vllm_worker import probe, unpack, vllm_name
+from drafttrain.spec import SpecStats
+
+
+def push_weights(engine, weights: dict, draft: bool) -> None:
+    """vLLM's native update session over this module's transport. The worker runs on this host, so the
+    tensors go through a safetensors file in shared memory: one copy each way instead of the four that
+    collective_rpc's serialization and relays make of an inline blob."""
+    from safetensors.torch import save_file
+
+    path = engine._shm / f"drafttrain-update-{os.getpid()}-{id(engine)}.safetensors"
+    save_file({n: t.detach().to("cpu").contiguous() for n, t in weights.items()}, str(path))
+    try:
+        engine._rpc("start_draft_weight_update" if draft else "start_weight_update")
+        try:
+            engine._rpc("update_weights", {"path": str(path)})
+        finally:
+            engine._rpc("finish_weight_update")
+    finally:
+        path.unlink(missing_ok=True)
+
+
+def checkpoint_shapes(path: Path) -> dict[str, tuple[int, ...]]:
+    """Tensor names and shapes of an HF checkpoint folder, from the safetensors headers (no tensor is read)."""
+    from safetensors import safe_open
+
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"policy {path}: no *.safetensors weights")
+    shapes = {}
+    for f in files:
+        with safe_open(str(f), "pt") as h:
+            for k in h.keys():
+                shapes[k] = tuple(h.get_slice(k).get_shape())
+    return shapes
+
+
+# ---- read-back: what the worker's kernels hold, compared with what was sent ------------------------------------
+
+_TOL = 3e-5  # fp32 kernels differ by ~1e-6 of the scale; an optimizer step moves a probe by far more
+
+
+def read_back(engine, weights: dict, draft: bool, what: str) -> None:
+    """Probe every sent tensor in the worker (through the layer's own kernel where weights are repacked, as on
+    CPU) and compare with the same probe of the sent tensor; ValueError naming the first tensor that differs."""
+    groups: dict[str, list[tuple[int, str]]] = {}
+    eagle = draft and engine._method == "eagle3"  # a draft_model uses the policy's own names
+    asym = draft and not eagle and engine._template.quant == "int4"  # vLLM's W4A8 kernel: see vllm_worker.probe
+    for name in weights:
+        base = weights.get(name[:-len("_scale")]) if name.endswith(".weight_scale") else None
+        if base is not None and base.dtype == torch.int8:
+            continue  # read back through its weight's probe (quantized kernels may drop the parameter)
+        theirs, shard = vllm_name(name, eagle)
+        groups.setdefault(theirs, []).append((shard or 0, name))
+    got = unpack(engine._rpc("dt_probe", sorted(groups), draft))
+    for theirs, members in groups.items():
+        if theirs not in got:
+            raise ValueError(f"{what}: read-back found no tensor {members[0][1]!r} in the worker's model")
+        members = [n for _, n in sorted(members)]
+        wants, scales = zip(*(probe(weights[n], weights.get(n + "_scale"), asym) for n in members))
+        want, scale = torch.cat(wants), torch.cat(scales)
+        y = got[theirs].float()
+        if theirs.endswith(("embed_tokens.weight", "lm_head.weight")) and len(y) > len(want):
+            y = y[: len(want)]  # vLLM pads vocabulary rows to a multiple of 64
+        if y.shape != want.shape:
+            raise ValueError(f"{what}: read-back of {members[0]} has {len(y)} values, sent {len(want)}")
+        ok = ((y - want).abs() <= _TOL * scale + 1e-6) | (y.isnan() & want.isnan())  # NaN sent, NaN held
+        if not bool(ok.all()):
+            first = int((~ok).nonzero()[0])
+            name = members[int((torch.tensor([len(w) for w in wants]).cumsum(0) <= first).sum())]
+            raise ValueError(f"{what}: read-back of {name} does not match what was sent (off by "
+                             f"{float((y - want).abs()[~ok].max()):.3g}): the update did not land")
+
+
+def spec_stats(toks, metrics, spec: bool, forwards: int) -> SpecStats:
+    """SpecStats from vLLM's per-row metrics: per_step_accepted / per_step_drafted of each verify step, counted
+    as the torch engine counts them (SpecStats.update): a step emits accepted + 1 tokens, the last one only up to
+    the row's end (drafts vLLM accepted past a stop token are not counted)."""
+    st = SpecStats()
+    for row, m in zip(toks, metrics):
+        acc = list(m.per_step_accepted) if (spec and m is not None) else []
+        drafted = list(m.per_step_drafted) if (spec and m is not None) else []
+        left = len(row) - 1  # the prefill emitted the first token
+        for a, d in zip(acc, drafted):
+            kept = max(0, min(a + 1, left))
+            st.update(torch.tensor([a]), d, torch.tensor([kept]))
+            left -= kept
+        # decode steps without drafts (AR, or vLLM skipped drafting) emitted one token each
+        for _ in range(max(0, left)):
+            st.update(torch.zeros(1, dtype=torch.long), 0)
+    st.target_forwards = forwards
+    return st

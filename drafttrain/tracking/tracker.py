@@ -1,0 +1,394 @@
+"""DraftTracker: what any RL loop calls to keep its rollout engines' drafter fresh.
+
+    tracker = DraftTracker.from_recipe("eagle3_track", policy=policy, engines=[engine])
+    with tracker.capture(policy, response_start=prompt_lens):   # hidden states of the loss forward: no extra pass
+        loss = rl_loss(policy(ids, attention_mask=mask))
+    tracker.on_policy_update(policy, step)                      # train the drafter, publish v+1 to every engine
+    tracker.measure(k)                                          # live vs frozen step-0 drafter, teacher-forced
+    tracker.start_capture(policy, grad_only=True) ... tracker.stop_capture()   # the same, for callback APIs (TRL)
+
+Orchestration only: capture (capture.py), the time bank (bank.py), scoring (scoring.py), the publish gate (gate.py),
+publishing with a canary (hotswap.py), agreement across processes (collective.py).
+online.mode=sync trains between RL steps within the time bank; online.mode=async trains and publishes in a
+background thread (wait() returns its record and raises what it raised; the next on_policy_update waits by itself).
+online.track=false keeps the drafter frozen but still captures for measurement. An update whose every step was
+non-finite publishes nothing; one that diverged is not published and training goes back to the last good weights.
+With online.publish_gate an update is published only if it beats the serving drafter on the same held-out rows;
+one significantly worse goes back to the serving weights.
+"""
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+
+import torch
+
+from drafttrain.config import load_recipe, max_draft_len, sampling_params
+from drafttrain.drafters import build_drafter
+from drafttrain.tracking.bank import TimeBank
+from drafttrain.tracking.buffer import FeatureBuffer, collate
+from drafttrain.tracking.capture import PolicyCapture
+from drafttrain.tracking.collective import Collective
+from drafttrain.tracking.gate import gate_decision, paired_sums
+from drafttrain.tracking.hotswap import Publisher
+from drafttrain.tracking.record import UpdateRecord
+from drafttrain.tracking.scoring import Scorer
+from drafttrain.tracking.trainer import DrafterTrainer
+
+
+class DraftTracker:
+    def __init__(self, cfg, policy, engines, drafter=None, accelerator=None, log=print):
+        self.cfg, self.engines, self.log = cfg, list(engines), log
+        self.drafter = drafter if drafter is not None else build_drafter(cfg.drafter, policy)
+        n_layers, aux = policy.config.num_hidden_layers, self.drafter.reads.aux_layers
+        # a self-drafter (selfquant) needs no features and no training: it is rebuilt from the policy
+        self.self_drafter = bool(self.drafter.follows_policy)
+        if not self.self_drafter and aux and max(aux) >= n_layers:
+            raise ValueError(f"drafter.aux_layer_ids: {list(aux)} do not exist in the policy ({n_layers} layers)")
+        # features serve both training and k-step measurement
+        self.steps = max(cfg.drafter.ttt_steps, max_draft_len(cfg.engine))
+        self.buffer = FeatureBuffer(int(cfg.online.buffer_mb * 2 ** 20), seed=cfg.run.seed, name="online.buffer_mb",
+                                    half_life=cfg.online.buffer_half_life)
+        self.trainer = None if self.self_drafter else DrafterTrainer(self.drafter, cfg.train, cfg.drafter,
+                                                                     accelerator, buffer=self.buffer)
+        self.collective = Collective(self.trainer.acc if self.trainer is not None else None)
+        if self.trainer is not None and cfg.online.mode == "async" and self.collective.n > 1:
+            # a background update's collectives (DDP backward, reduces) would run beside the RL loop's on the same
+            # process group, in no agreed order: a hang or a mismatched reduce
+            raise ValueError(f"online.mode: async runs with one process only (got {self.collective.n}"
+                             "); use online.mode=sync under accelerate launch with several processes")
+        # several processes: canary verdicts on what every process saw, alike everywhere
+        pool = self.collective.sum if self.collective.n > 1 else None
+        self.publisher = Publisher(self.engines, self.drafter.state_dict(), cfg.online, log, tag=0, pool=pool)
+        self.bank = TimeBank(cfg.online.budget_frac, cfg.online.time_budget_s)
+        self._gen = {"estimate": torch.Generator().manual_seed(cfg.run.seed + 11),
+                     "measure": torch.Generator().manual_seed(cfg.run.seed + 12),
+                     "holdout": torch.Generator().manual_seed(cfg.run.seed + 13)}
+        self.scorer = Scorer(cfg, self.drafter, self.publisher, self.steps, self._gen)
+        self.pending: list[dict] = []  # features captured since the last on_policy_update
+        self.latest: list[dict] = []  # the previous step's: the background update reads only these
+        self.probe_prompts: list[list[int]] = []
+        self.policy_version = 0
+        self._last_update_t: float | None = None  # RL time is measured from here: set by the first rollout or
+        # capture (not construction: loading and engine set-up are not RL time), then after each update's work
+        self._capture_s = 0.0  # time spent capturing since the last update (drafter work inside RL time)
+        self._capture_last = 0.0  # that time, for the update now running
+        self._measure_s = 0.0  # time measure() took since the last update: reporting, neither RL time nor training
+        self._thread: threading.Thread | None = None
+        self._result: dict = {}
+        self._error: BaseException | None = None  # what the background update raised, for wait() to raise
+        self._lock = threading.Lock()  # guards the drafter and the buffer against a background update
+        self._capture: PolicyCapture | None = None  # start_capture's, until stop_capture
+
+    @classmethod
+    def from_recipe(cls, name_or_path, policy, engines, overrides=(), **kw) -> "DraftTracker":
+        return cls(load_recipe(name_or_path, list(overrides)), policy, engines, **kw)
+
+    @property
+    def version(self) -> int:
+        return self.publisher.version
+
+    @property
+    def frozen(self):
+        return self.scorer.frozen
+
+    @property
+    def drafter_lag(self) -> int | None:
+        """Policy updates since the serving drafter was published (not the difference of the version counters:
+        an update the time bank skipped would widen that for good)."""
+        t = self.publisher.tags.get(self.version)
+        return None if t is None else self.policy_version - t
+
+    @staticmethod
+    def _now() -> float:
+        return time.perf_counter()
+
+    # ---- capture ------------------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def capture(self, policy, response_start=None, grad_only: bool = False):
+        """Every policy forward inside the block feeds the buffer (start_capture ... stop_capture)."""
+        cap = self.start_capture(policy, response_start, grad_only)
+        try:
+            yield cap
+        finally:
+            self.stop_capture()
+
+    def start_capture(self, policy, response_start=None, grad_only: bool = False) -> PolicyCapture | None:
+        """From now until stop_capture(), every policy forward feeds the buffer (PolicyCapture says how)."""
+        if self._capture is not None:
+            raise RuntimeError("start_capture: a capture is already running (call stop_capture first)")
+        self._mark_rl_start()
+        if self.self_drafter:
+            return None  # nothing to capture
+        self._capture = PolicyCapture(policy, self.drafter.reads, self.steps, self._keep, self._now,
+                                      response_start, grad_only).start()
+        return self._capture
+
+    def _keep(self, feats: dict, started: float) -> None:
+        """A captured forward's features: some rows held out of training (the estimate, the publish gate's and the
+        canary's reference, scores rollouts the update did not train on), the rest into the buffer."""
+        B = feats["aux"].shape[0]
+        feats["heldout"] = torch.rand(B, generator=self._gen["holdout"]) < self.cfg.online.holdout_frac
+        with self._lock:
+            self.buffer.add(feats, version=self.policy_version, skip=feats["heldout"])
+        self.pending.append(feats)
+        self._capture_s += self._now() - started
+
+    def stop_capture(self) -> None:
+        """Remove the hooks start_capture installed (a no-op when none are)."""
+        if self._capture is not None:
+            cap, self._capture = self._capture, None
+            cap.stop()
+
+    def set_probe(self, prompts: list[list[int]]) -> None:
+        """Recent prompts the canary generates from after each swap."""
+        self.probe_prompts = [list(p) for p in prompts[: self.cfg.online.canary_prompts]]
+
+    # ---- training + publishing ----------------------------------------------------------------------------
+    def on_policy_update(self, policy=None, step: int | None = None, background: bool | None = None) -> dict:
+        """The policy just changed: train the drafter on buffered features and publish v+1 to every engine."""
+        self.wait()
+        # several processes: the inline canary of the version published last is judged here, on every process's
+        # rollouts at once (one process: judged as its first batch came, {} here)
+        verdict = self.publisher.settle()
+        out = self._on_policy_update(policy, step, background)
+        if verdict:
+            out["canary_mal"], out["rolled_back"] = verdict["canary_mal"], verdict["rolled_back"] or out.get(
+                "rolled_back", False)
+            out["drafter_version"] = self.version
+        return out
+
+    def _on_policy_update(self, policy, step, background) -> dict:
+        self._result = {}  # until this update sets it: a failed update must not leave the last one's record
+        self.latest, self.pending = self.pending, []
+        self._capture_last, self._capture_s = self._capture_s, 0.0
+        measured, self._measure_s = self._measure_s, 0.0
+        self.policy_version = step + 1 if step is not None else self.policy_version + 1
+        if self.self_drafter and self.cfg.online.track:
+            return self._requantize(policy)
+        if not self.cfg.online.track:
+            return self._idle()
+        self.scorer.keep_heldout(self.latest)  # before any idle return: a skipped update still adds its rows
+        # every go/no-go before a drafter step is agreed by all processes. This first one also lines them up: the
+        # wait here for a slower process is RL time, so every process earns the same bank
+        if not self.collective.everywhere(len(self.buffer) > 0):  # no update
+            return self._idle()
+        now = self._now()
+        # the RL step's own time since the last update (its drafter work and measure() excluded) earns the budget
+        rl_s = now - (self._last_update_t if self._last_update_t is not None else now) - self._capture_last - measured
+        bg = self.cfg.online.mode == "async" if background is None else background
+        if bg:
+            self._thread = threading.Thread(target=self._background, daemon=True)
+            self._thread.start()
+            self._last_update_t = self._now()
+            return {}
+        out = self._update(rl_s)
+        self._last_update_t = self._now()
+        return out
+
+    @contextlib.contextmanager
+    def outside_rl_step(self):
+        """Host work between RL steps that is not RL time (checkpoint saves, logging): it earns the bank nothing."""
+        t = self._now()
+        try:
+            yield
+        finally:
+            if self._last_update_t is not None:
+                self._last_update_t += self._now() - t
+
+    def wait(self) -> dict:
+        """The background update's result, once it is done; what it raised is raised here (its traceback kept)."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        if self._error is not None:
+            err, self._error = self._error, None
+            raise err
+        return self._result
+
+    def _background(self) -> None:
+        try:
+            self._update(None)
+        except BaseException as err:  # a thread's exception reaches no caller: wait() raises it in the RL loop
+            self._error = err
+
+    def _train(self, rl_s: float | None, t0: float) -> tuple[list[float], int] | None:
+        """Up to online.steps_per_update drafter steps on length-grouped batches. Sync mode (rl_s: the RL step's
+        own time) within time_budget_s and the bank: each step trains on as many records of its batch as the bank
+        covers after the update's fixed work; the update ends when not one record fits (the bank's first update,
+        with nothing measured, takes one whole batch). Returns (losses, non-finite steps); None: the bank is
+        empty."""
+        oc, bank = self.cfg.online, self.bank
+        banked = bank.on and rl_s is not None
+        groups: list[list[dict]] = []
+
+        def refill(left: int) -> None:  # length-grouped batches (less padding), collated only when used
+            if not groups and left > 0:
+                with self._lock:
+                    groups.extend(self.buffer.sample_groups(self.cfg.train.batch_size, left))
+
+        def allowance(spent: float) -> float | None:
+            return None if rl_s is None else bank.allowance(spent, banked)
+
+        refill(oc.steps_per_update)
+        if banked:
+            bank.earn(rl_s, self._capture_last)
+            if not self.collective.everywhere(bank.bank_s > 0 and bank.fit(groups[-1], allowance(0.0)) is not None):
+                return None
+        losses, skipped = [], 0
+        first = banked and not bank.measured  # the bank's first update: one batch
+        while True:
+            go = groups and len(losses) < oc.steps_per_update and not (first and losses)
+            group = bank.fit(groups.pop(), allowance(self._now() - t0)) if go else None  # None: not one record fits
+            if not self.collective.everywhere(group is not None):  # every process takes this step, or none does
+                break
+            ts = self._now()
+            with self._lock:  # per step, so captures and measurements wait at most one drafter step
+                out = self.trainer.step(collate(group, self.buffer.steps))
+            bank.step_took(self._now() - ts, group)
+            skipped += out["nonfinite"]
+            losses.append(out["loss"])
+            refill(oc.steps_per_update - len(losses))
+        return losses, skipped
+
+    def _update(self, rl_s: float | None) -> dict:
+        """Train (_train), estimate the new weights' acceptance, gate, publish; the record of it all."""
+        oc, t0, bank = self.cfg.online, self._now(), self.bank
+        banked = bank.on and rl_s is not None
+        trained = self._train(rl_s, t0)
+        if not trained or not trained[0]:  # the bank is empty, or not one record fit what it had left
+            if banked and trained:
+                bank.spend(self._now() - t0)
+            return self._idle()
+        losses, skipped = trained
+        t_fixed = self._now()
+        gating = oc.publish_gate and skipped < len(losses)
+        with self._lock:
+            weights = {k: v.detach().clone() for k, v in self.drafter.state_dict().items()}
+            est = serving = new_rt = None  # scored here, then the MAL pooled over the processes
+            rows = self.scorer.estimate_rows(self.latest)
+            if rows is not None:
+                est, new_rt = self.scorer.estimate(self.drafter, rows)
+                if gating:
+                    serving = self.scorer.serving_scores(rows)
+        # every process gates (and publishes or resets) alike: a decision on its own rows alone would leave the
+        # processes' drafters different
+        gate = None
+        if gating:  # agreed by every process: the sums are a collective
+            sums = paired_sums(est["row_mal"], serving["row_mal"]) if serving is not None else [0.0, 0.0, 0.0]
+            gate = gate_decision(*self.collective.sum(sums), oc.gate_confidence, oc.gate_margin, oc.gate_min_rows)
+        est, serving = self.collective.pooled_mal(est, serving)
+        rec = UpdateRecord(self.version, self._capture_last, drafter_train_s=self._now() - t0,
+                           drafter_loss=sum(losses) / len(losses), drafter_steps=len(losses),
+                           drafter_skipped_nonfinite=skipped, expected_mal=est, serving_mal=serving)
+        rec.set_gate(gate)
+        t1 = self._now()
+        # not shown better on the rows (a NaN estimate goes on to the publisher's check)
+        rec.gated = gate is not None and not gate["publish"] and est == est
+        if skipped == len(losses):  # every step was skipped: the weights did not change, nothing new to publish
+            self.log(f"[drafttrain] NOT PUBLISHED: all {skipped} drafter steps had a NaN/inf loss or gradient; "
+                     f"engines keep v{self.version}")
+            pub = {"published": False}
+        elif rec.gated:  # shown worse: train on from the serving weights; undecided: from these
+            if gate["worse"]:
+                with self._lock:
+                    self.drafter.load_state_dict(self.scorer.serving_weights())
+            pub = {"published": False}
+        else:
+            params = sampling_params(self.cfg, max_new_tokens=oc.canary_max_new_tokens)
+            probe = self.probe_prompts if oc.canary == "probe" else None
+            pub = self.publisher.publish(weights, est, probe, params, tag=self.policy_version)
+            if new_rt is not None and pub["published"] and not pub.get("rolled_back"):
+                self.scorer.served(pub["version"], new_rt)  # the gate's next reference: these very weights
+        if pub.get("reason", "").startswith("nonfinite"):  # diverged: train on from the last good weights
+            with self._lock:
+                self.trainer.restore(self.publisher.good_weights)
+        rec.publish_s, rec.swap_s, rec.canary_mal = self._now() - t1, pub.get("swap_s"), pub.get("canary_mal")
+        rec.rolled_back, rec.published = pub.get("rolled_back", False), pub["published"]
+        rec.drafter_version = self.version
+        t_end = self._now()
+        bank.fixed_took(t_end - t_fixed)
+        if banked:
+            bank.spend(t_end - t0)
+            rec.budget_bank_s = bank.bank_s
+        self._result = rec.as_dict()
+        return self._result
+
+    def _idle(self) -> dict:
+        """No update (frozen, nothing captured, or the time bank in debt): the same keys."""
+        self._result = UpdateRecord(self.version, self._capture_last,
+                                    budget_bank_s=self.bank.bank_s if self.bank.on else None).as_dict()
+        return self._result
+
+    def _requantize(self, policy) -> dict:
+        """Self-drafter: every engine requantizes the new policy weights into its standby drafter and swaps."""
+        t0 = self._now()
+        pub = self.publisher.publish({k: v.detach() for k, v in policy.state_dict().items()},
+                                     tag=self.policy_version)
+        self._result = UpdateRecord(self.version, publish_s=self._now() - t0, swap_s=pub.get("swap_s"),
+                                    published=pub["published"]).as_dict()
+        return self._result
+
+    def observe_rollout(self, batch) -> dict:
+        """Hand a rollout batch of one of the engines to the inline canary (online.canary=inline): the first batch
+        the newly published version generated decides keep or roll back. {} while nothing is decided."""
+        return self.publisher.observe(batch)
+
+    def generate(self, engine, prompts, params, speculative: bool = True):
+        """engine.generate, with the inline canary watching: if it fails while a newly published drafter is on
+        probation, roll back to the last good drafter and generate again. Returns (batch, canary verdict)."""
+        self._mark_rl_start()
+        try:
+            batch = engine.generate(prompts, params, speculative=speculative)
+        except (RuntimeError, ValueError) as err:  # e.g. NaN draft probabilities from broken weights
+            verdict = self.publisher.fail(err)
+            if not verdict:
+                raise
+            if verdict.get("deferred"):  # several processes: rolled back at the next update, everywhere alike;
+                return engine.generate(prompts, params, speculative=False), {}  # this batch decodes without it
+            return engine.generate(prompts, params, speculative=speculative), verdict
+        return batch, self.observe_rollout(batch)
+
+    def _mark_rl_start(self) -> None:
+        if self._last_update_t is None:
+            self._last_update_t = self._now()
+
+    # ---- measurement --------------------------------------------------------------------------------------
+    def measure(self, k: int | None = None) -> dict:
+        """Teacher-forced acceptance of the live (served) and the frozen step-0 drafter on the rollouts captured since
+        the last on_policy_update (call it before on_policy_update: live is then the drafter that generated them).
+        Its time (measure_s) is reporting: the time bank counts it neither as RL time nor as drafter work."""
+        if self.self_drafter:  # no teacher-forced scoring for a self-drafter; the same keys all the same
+            return {"live_tf_mal": None, "live_tf_acc_pos": None, "frozen_tf_mal": None, "frozen_tf_acc_pos": None,
+                    "policy_minus_drafter_version": self.drafter_lag, "measure_s": 0.0}
+        if not self.pending:
+            return {}
+        t0 = self._now()
+        with self._lock:  # what the engines serve: the trainer's weights may be an update the gate holds back
+            live = self.scorer.serving_form()
+        out = self.scorer.measure(self.pending, k or self.scorer.k, live)
+        dt = self._now() - t0
+        self._measure_s += dt
+        return {**out, "policy_minus_drafter_version": self.drafter_lag, "measure_s": dt}
+
+    # ---- checkpointing ------------------------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        self.wait()
+        return {"frozen": self.frozen.state_dict(), "version": self.publisher.version,
+                "good_weights": self.publisher.good_weights, "good_version": self.publisher.good_version,
+                "version_tags": dict(self.publisher.tags), "policy_version": self.policy_version,
+                **self.bank.state_dict(), "row_gens": {k: g.get_state() for k, g in self._gen.items()}}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.scorer.load_frozen(state["frozen"])
+        self.policy_version = state["policy_version"]
+        self.bank.load_state_dict(state)
+        for k, g in state.get("row_gens", {}).items():
+            self._gen[k].set_state(g)
+        self.publisher.good_weights, self.publisher.good_version = state["good_weights"], state["good_version"]
+        self.publisher.tags.update(state.get("version_tags", {}))
+        if state["version"] > 0:  # engines serve the last good weights; the drafter may hold newer, rejected ones
+            back = max(state["version"], self.publisher.version + 1)
+            self.publisher._load_all({k: v.detach().clone() for k, v in state["good_weights"].items()}, back)
+            self.publisher.tags[back] = self.publisher.tags.get(state["good_version"])

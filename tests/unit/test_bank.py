@@ -1,0 +1,61 @@
+"""The time bank alone (tracking/bank.py): what an RL step earns, what a step may cost, and how a batch is cut to
+what the bank covers. No model, no clock: times are given."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from drafttrain.tracking.bank import MARGIN, TimeBank, padded_tokens
+
+
+def _group(*lengths: int) -> list[dict]:
+    return [{"aux": torch.zeros(n, 2)} for n in lengths]
+
+
+def test_an_rl_step_earns_its_share_capped_and_pays_its_capture_at_once():
+    bank = TimeBank(budget_frac=0.05, time_budget_s=0.1)
+    bank.earn(rl_s=1.0, capture_s=0.01)
+    assert bank.bank_s == pytest.approx(0.04)
+    bank.earn(rl_s=100.0, capture_s=0.0)  # 5 s earned, capped at time_budget_s
+    assert bank.bank_s == pytest.approx(0.1)
+    bank.spend(0.12)
+    assert bank.bank_s == pytest.approx(-0.02)
+
+
+def test_allowance_keeps_back_the_updates_predicted_fixed_work():
+    bank = TimeBank(0.05, time_budget_s=1.0)
+    bank.bank_s = 0.5
+    assert bank.allowance(spent=0.1, banked=False) == pytest.approx(0.9)  # time_budget_s alone
+    assert bank.allowance(spent=0.1, banked=True) == pytest.approx(0.4)  # nothing measured: no fixed work yet
+    bank.fixed_took(0.08)
+    assert bank.allowance(spent=0.1, banked=True) == pytest.approx(0.4 - MARGIN * 0.08)
+
+
+def test_fit_takes_the_longest_prefix_whose_predicted_step_fits():
+    bank = TimeBank(0.05, 1.0)
+    group = _group(2, 2, 4, 8)  # ascending lengths, as the buffer groups them
+    assert bank.fit(group, 1e-9) is group  # nothing measured: the whole group
+    bank.step_took(0.01, _group(10))  # 1 ms a padded token
+    assert bank.tok_cost_s == pytest.approx(0.001)
+    per_tok = MARGIN * 0.001
+    assert bank.fit(group, None) is group
+    assert bank.fit(group, per_tok * 1 * 2 - 1e-12) is None  # not one record
+    assert bank.fit(group, per_tok * 2 * 2) == group[:2]  # 2 rows x 2 tokens
+    assert bank.fit(group, per_tok * 3 * 4) == group[:3]  # the third row pads the batch to 4
+    assert bank.fit(group, per_tok * 4 * 8) == group
+
+
+def test_costs_are_moving_averages_and_travel_with_the_state():
+    bank = TimeBank(0.05, 1.0)
+    assert not bank.measured
+    bank.step_took(0.010, _group(5, 5))  # 1 ms a padded token
+    bank.step_took(0.060, _group(3, 10))  # 3 ms a padded token
+    assert padded_tokens(_group(3, 10)) == 20
+    assert bank.tok_cost_s == pytest.approx(0.8 * 0.001 + 0.2 * 0.003)
+    bank.fixed_took(0.5)
+    bank.fixed_took(1.0)
+    assert bank.measured and bank.fixed_cost_s == pytest.approx(0.6)
+    bank.earn(1.0, 0.0)
+    again = TimeBank(0.05, 1.0)
+    again.load_state_dict(bank.state_dict())
+    assert again.state_dict() == bank.state_dict() and again.bank_s == pytest.approx(0.05)
