@@ -96,9 +96,9 @@ class EnginePool:
 
 
 def C_dict(drafter) -> dict:
-    from drafttrain.drafters.eagle3 import config_dict
+    from dataclasses import asdict
 
-    return {k: (tuple(v) if isinstance(v, list) else v) for k, v in config_dict(drafter).items()}
+    return {k: (tuple(v) if isinstance(v, list) else v) for k, v in asdict(drafter.config).items()}
 
 
 @pytest.fixture(scope="session")
