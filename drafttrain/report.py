@@ -103,6 +103,26 @@ def read_jsonl(path: str | Path, bad: list[int] | None = None) -> list[dict]:
     return out
 
 
+def _col(records: list[dict], key: str) -> list[float]:
+    """One metric over the records, nan where a record lacks it (matplotlib leaves a gap)."""
+    return [r.get(key) if r.get(key) is not None else float("nan") for r in records]
+
+
+def _numbers(records: list[dict], key: str) -> list[float]:
+    """The records' numeric values of one metric (missing, None and bool values left out)."""
+    return [r[key] for r in records if isinstance(r.get(key), (int, float)) and not isinstance(r.get(key), bool)]
+
+
+def last_quarter(items: list) -> list:
+    """The last quarter of a run's per-step items (at least one; none of none): what the summaries average."""
+    return items[-max(1, len(items) // 4):] if items else []
+
+
+def _last_quarter_mean(vals: list[float]) -> float | None:
+    q = last_quarter(vals)
+    return sum(q) / len(q) if q else None
+
+
 def running_mean(xs: list[float], w: int = 8) -> list[float]:
     """Mean of the last w finite values at each point (nan until there is one): one step is noisy, the trend is
     not."""
@@ -150,7 +170,7 @@ def run_figure(records: list[dict], title: str = ""):
     import matplotlib.pyplot as plt
 
     steps = [r["step"] for r in records]
-    get = lambda k, rs=records: [r.get(k) if r.get(k) is not None else float("nan") for r in rs]  # noqa: E731
+    get = lambda k, rs=records: _col(rs, k)  # noqa: E731
     more = derived(records)
     fig, ax = plt.subplots(2, 3, figsize=(16, 9), layout="constrained")
     a = ax[0][0]
@@ -211,11 +231,10 @@ def summary_table(records: list[dict]) -> str:
     records = [{**r, **d} for r, d in zip(records, derived(records))]
     rows = []
     for k in SUMMARY_KEYS:
-        vals = [r[k] for r in records if isinstance(r.get(k), (int, float)) and not isinstance(r.get(k), bool)]
+        vals = _numbers(records, k)
         if vals:
-            q = vals[-max(1, len(vals) // 4):]
             rows.append({"metric": k, "first": float(vals[0]), "last": float(vals[-1]),
-                         "mean": float(sum(vals) / len(vals)), "last_quarter": float(sum(q) / len(q))})
+                         "mean": float(sum(vals) / len(vals)), "last_quarter": float(_last_quarter_mean(vals))})
     return format_table(rows, ["metric", "first", "last", "mean", "last_quarter"])
 
 
@@ -239,14 +258,27 @@ def eval_table(before: dict | None, after: dict) -> str:
     return format_table(rows, ["metric", "before", "after", "change"])
 
 
+def _step_work(r: dict) -> tuple[float, float, float] | None:
+    """(drafter work, RL step time, measurement time) of one step record; None where no drafter was trained."""
+    if r.get("drafter_train_s") is None:
+        return None
+    return (r["drafter_train_s"] + (r.get("publish_s") or 0) + (r.get("capture_s") or 0), r["rl_step_s"],
+            r.get("measure_s") or 0.0)
+
+
+def step_overhead_pct(r: dict) -> float | None:
+    """One step's drafter work as a % of its own RL time (overhead's per-step term); None where not trained."""
+    wtm = _step_work(r)
+    return None if wtm is None else 100 * wtm[0] / max(wtm[1] - wtm[0] - wtm[2], 1e-9)
+
+
 def overhead(recs: list[dict]) -> dict:
     """Online training's time per RL step (capture hooks in the loss forward, drafter steps, estimate, publish) over
     the RL step's own time (rollout + policy update): rl_step_s less that work and less measure_s (the per-step
     live/frozen scoring, reported on its own as measure_pct). None where no step trained a drafter."""
-    work = [(r["drafter_train_s"] + (r.get("publish_s") or 0) + (r.get("capture_s") or 0), r["rl_step_s"],
-             r.get("measure_s") or 0.0) for r in recs if r.get("drafter_train_s") is not None]
+    work = [wtm for wtm in map(_step_work, recs) if wtm is not None]
     own = sum(t - w - m for w, t, m in work)
-    per_step = [100 * w / max(t - w - m, 1e-9) for w, t, m in work]
+    per_step = [p for p in map(step_overhead_pct, recs) if p is not None]
     return {"overhead_pct": 100 * sum(w for w, _, _ in work) / max(own, 1e-9) if work else None,
             "overhead_pct_mean_of_steps": statistics.fmean(per_step) if per_step else None,
             "overhead_pct_per_step": per_step,
@@ -276,12 +308,6 @@ def load_run(path: str | Path) -> dict:
             "eval": json.loads(ev.read_text()) if ev.is_file() else None}
 
 
-def _last_quarter(records: list[dict], key: str) -> float | None:
-    vals = [r[key] for r in records if isinstance(r.get(key), (int, float)) and not isinstance(r.get(key), bool)]
-    q = vals[-max(1, len(vals) // 4):]
-    return sum(q) / len(q) if vals else None
-
-
 def compare_rows(runs: list[dict]) -> list[dict]:
     """One row per run: last-quarter means of the per-step metrics, drafter overhead and held-out accuracy."""
     rows = []
@@ -290,8 +316,8 @@ def compare_rows(runs: list[dict]) -> list[dict]:
         before, after = (ev.get("before") or {}), (ev.get("after") or {})
         ch = accuracy_change(before, after, ev.get("prompts", 0)).get("eval_sampled_acc", {}) if after else {}
         rows.append({"run": run["name"], "recipe": run["recipe"], "steps": len(recs),
-                     **{k: _last_quarter(recs, k) for k in ("reward_mean", "live_mal", "live_tf_mal", "frozen_tf_mal",
-                                                            "rollout_tokens_per_s")},
+                     **{k: _last_quarter_mean(_numbers(recs, k)) for k in ("reward_mean", "live_mal", "live_tf_mal",
+                                                                       "frozen_tf_mal", "rollout_tokens_per_s")},
                      "overhead_pct": overhead(recs)["overhead_pct"],
                      "acc_before": before.get("eval_sampled_acc"), "acc_after": after.get("eval_sampled_acc"),
                      "acc_change_pts": ch.get("change_pts"), "acc_change_se": ch.get("se_pts")})
@@ -302,9 +328,10 @@ COMPARE_COLS = ["run", "recipe", "steps", "reward_mean", "live_mal", "live_tf_ma
                 "rollout_tokens_per_s", "overhead_pct", "acc_before", "acc_after", "acc_change_pts", "acc_change_se"]
 
 
-def compare_figure(runs: list[dict]):
+def compare_figure(runs: list[dict], rows: list[dict]):
     """Runs over RL steps, one colour each: live (solid) and frozen (dashed) teacher-forced MAL, reward, rollout
-    tokens/s and drafter overhead (running means of 8 steps); held-out sampled accuracy before and after."""
+    tokens/s and drafter overhead (running means of 8 steps); held-out sampled accuracy before and after (from
+    compare_rows' rows)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -314,16 +341,14 @@ def compare_figure(runs: list[dict]):
     for i, run in enumerate(runs):
         recs, c = run["records"], f"C{i}"
         steps = [r["step"] for r in recs]
-        get = lambda k: [r.get(k) if r.get(k) is not None else float("nan") for r in recs]  # noqa: E731
+        get = lambda k: _col(recs, k)  # noqa: E731
         ax[0][0].plot(steps, get("live_tf_mal"), "-", color=c, label=f"{run['name']} live")
         ax[0][0].plot(steps, get("frozen_tf_mal"), "--", color=c, label=f"{run['name']} frozen step-0")
         ax[0][1].plot(steps, running_mean(get("reward_mean")), color=c, label=run["name"])
         ax[0][2].plot(steps, running_mean(get("rollout_tokens_per_s")), color=c, label=run["name"])
-        per = {r["step"]: p for r, p in zip([r for r in recs if r.get("drafter_train_s") is not None],
-                                            overhead(recs)["overhead_pct_per_step"])}
-        ax[1][0].plot(steps, running_mean([per.get(s, float("nan")) for s in steps]), color=c, label=run["name"])
+        per = [step_overhead_pct(r) for r in recs]
+        ax[1][0].plot(steps, running_mean([float("nan") if p is None else p for p in per]), color=c, label=run["name"])
         ax[1][2].plot(steps, get("live_mal"), "o", ms=3, color=c, label=run["name"])
-    rows = compare_rows(runs)
     x = range(len(rows))
     for j, (key, label) in enumerate((("acc_before", "before"), ("acc_after", "after"))):
         vals = [r[key] if r[key] is not None else float("nan") for r in rows]
@@ -344,11 +369,12 @@ def compare_runs(paths: list[str], out: str | Path | None = None) -> tuple[str, 
     import matplotlib.pyplot as plt
 
     runs = [load_run(p) for p in paths]
+    rows = compare_rows(runs)
     out = Path(out) if out else Path(paths[0]).resolve().parent / "compare.png"
-    fig = compare_figure(runs)
+    fig = compare_figure(runs, rows)
     fig.savefig(out, dpi=100)
     plt.close(fig)
-    return format_table(compare_rows(runs), COMPARE_COLS), out
+    return format_table(rows, COMPARE_COLS), out
 
 
 def cli(argv: list[str] | None = None) -> int:

@@ -42,7 +42,8 @@ from drafttrain.config import load_recipe, max_draft_len, resolve_path, script_c
 from drafttrain.drafters import build_drafter
 from drafttrain.engines import build_engine
 from drafttrain.policy import encode_prompt, load_policy, make_prompts
-from drafttrain.report import accuracy_change, format_table, overhead, plot_run, read_jsonl, write_json
+from drafttrain.report import (accuracy_change, format_table, last_quarter, overhead, plot_run, read_jsonl,
+                               write_json)
 from drafttrain.rl.job import main as run_main
 from drafttrain.spec import SamplingParams, SpecStats
 from drafttrain.tracking.acceptance import teacher_forced_acceptance
@@ -144,16 +145,15 @@ def oracle_checkpoints(steps: int, n: int) -> list[int]:
     return sorted({min(steps, max(1, q0 + round((i + 1) * (steps - q0) / n))) for i in range(n)})
 
 
-def last_quarter(records: list[dict]) -> list[dict]:
+def scored_last_quarter(records: list[dict]) -> list[dict]:
     """The records of the last quarter of a run's steps that scored both drafters (at least one)."""
-    scored = [r for r in records if r.get("live_tf_mal") is not None and r.get("frozen_tf_mal") is not None]
-    return scored[-max(1, len(scored) // 4):] if scored else []
+    return last_quarter([r for r in records if r.get("live_tf_mal") is not None and r.get("frozen_tf_mal") is not None])
 
 
 def tracking_over_frozen(records: list[dict]) -> float | None:
     """Live over frozen step-0 drafter's teacher-forced MAL on the same rollouts, each the mean over the run's last
     quarter of steps."""
-    q = last_quarter(records)
+    q = scored_last_quarter(records)
     return statistics.fmean(r["live_tf_mal"] for r in q) / statistics.fmean(r["frozen_tf_mal"] for r in q) \
         if q else None
 
