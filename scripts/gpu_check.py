@@ -64,6 +64,15 @@ def _timed(fn, sync) -> float:
     return time.perf_counter() - t0
 
 
+def decode_step_s(gen, cfg: GpuCheckConfig, sync=lambda: None) -> float:
+    """Median over cfg.repeats of (gen(n + 1) - gen(1)) / n, n = cfg.new_tokens: one decode step with the prefill
+    taken out; `gen(n)` generates n tokens for the whole batch. One warm-up call first."""
+    gen(2)
+    n = cfg.new_tokens
+    return statistics.median((_timed(lambda: gen(n + 1), sync) - _timed(lambda: gen(1), sync)) / n
+                             for _ in range(cfg.repeats))
+
+
 def measure_torch(m: Model, cfg: GpuCheckConfig) -> dict[int, float]:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -80,9 +89,7 @@ def measure_torch(m: Model, cfg: GpuCheckConfig) -> dict[int, float]:
             with torch.inference_mode():
                 model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
                                do_sample=False, pad_token_id=0)
-        gen(2)  # warm-up
-        out[B] = statistics.median((_timed(lambda: gen(cfg.new_tokens + 1), sync) - _timed(lambda: gen(1), sync))
-                                   / cfg.new_tokens for _ in range(cfg.repeats))
+        out[B] = decode_step_s(gen, cfg, sync)
     return out
 
 
@@ -101,9 +108,7 @@ def measure_vllm(m: Model, cfg: GpuCheckConfig) -> dict[int, float]:
         def gen(n):
             llm.generate(prompts, SamplingParams(max_tokens=n, min_tokens=n, ignore_eos=True, temperature=0.0,
                                                  detokenize=False), use_tqdm=False)
-        gen(2)
-        out[B] = statistics.median((_timed(lambda: gen(cfg.new_tokens + 1), lambda: None)
-                                    - _timed(lambda: gen(1), lambda: None)) / cfg.new_tokens for _ in range(cfg.repeats))
+        out[B] = decode_step_s(gen, cfg)  # LLM.generate returns once the batch is done
     return out
 
 
