@@ -24,6 +24,13 @@ def tiny_policy(vocab=32, hidden=64, layers=4, heads=4, kv_heads=2, inter=128, m
     return m
 
 
+def seq_logprobs(policy, prompt, response):
+    """Log-probs of each response token from a forward on this one sequence alone (no padding)."""
+    ids = torch.tensor([prompt + response])
+    lp = policy(input_ids=ids).logits.float().log_softmax(-1)[0, :-1].gather(-1, ids[0, 1:, None]).squeeze(-1)
+    return lp[len(prompt) - 1:]  # [len(response)]
+
+
 def load_script(name: str):
     """scripts/<name>.py as a module (registered in sys.modules: its dataclasses look their module up there)."""
     import importlib.util

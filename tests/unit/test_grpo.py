@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from drafttrain.config import load_recipe
+from tests.conftest import seq_logprobs
 
 TINY = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, intermediate_size=128)
 REWARDS = [1, 0, 0, 1, 0, 0, 0, 0, 1, 1, 1, 1, 0, 1, 0, 0]  # groups 1 and 2 all equal: advantage 0
@@ -26,13 +27,6 @@ def setup():
     ro = grpo.rollout(0)
     ro.rewards = [float(r) for r in REWARDS]
     return grpo, ro
-
-
-def seq_logprobs(policy, prompt, response):
-    """Log-probs of each response token from a forward on this one sequence alone (no padding)."""
-    ids = torch.tensor([prompt + response])
-    lp = policy(input_ids=ids).logits.float().log_softmax(-1)[0, :-1].gather(-1, ids[0, 1:, None]).squeeze(-1)
-    return lp[len(prompt) - 1:]  # [len(response)]
 
 
 def test_engine_logprobs_match_the_training_forward(setup):
