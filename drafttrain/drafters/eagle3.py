@@ -331,7 +331,6 @@ class Eagle3Drafter(nn.Module):
         """Extend the drafter cache with the n_new[b] newly verified positions of each row (new_ids [B, m] =
         token_{t+1}, aux [B, m, A*H] at positions start[b] + j), then chain-draft k tokens.
         Returns (draft tokens [B, k], draft probs [B, k, V] or None for one-hot greedy drafts)."""
-        B = new_ids.shape[0]
         lg, h = self._cached_step(st, self._embed(new_ids), self._fc(aux), start, n_new)  # [B, Vd], [B, H]
         pos = start + n_new  # next chain position per row
 

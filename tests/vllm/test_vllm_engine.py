@@ -7,15 +7,14 @@ from __future__ import annotations
 import builtins
 import copy
 import json
-import shutil
 
 import pytest
 import torch
 
 from drafttrain.engines import StaleVersionError, build_engine
 from drafttrain.export import save_drafter
-from drafttrain.tracking import teacher_forced_features
 from drafttrain.spec import SamplingParams
+from drafttrain.tracking import teacher_forced_features
 from tests import contract as C
 from tests.conftest import engine_cfg
 from tests.vllm.conftest import engine_processes, vllm_policy
