@@ -133,22 +133,27 @@ class Stopper:
         self.parent = os.getppid()
         self._old: dict = {}
         self._done = threading.Event()
+        self._watcher: threading.Thread | None = None
 
     def __enter__(self) -> Stopper:
         if self.parent > 1 and launched():  # parent 1 (or 0): started detached, there is no launcher to follow
-            threading.Thread(target=self._watch_parent, daemon=True).start()
+            self._watcher = threading.Thread(target=self._watch_parent, name="drafttrain-launcher-watch", daemon=True)
+            self._watcher.start()
         if threading.current_thread() is threading.main_thread():  # signals reach the main thread only
             self._old = {s: signal.signal(s, self._on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
         return self
 
     def __exit__(self, *exc) -> None:
         self._done.set()
+        if self._watcher is not None:  # joined: a daemon thread still running at interpreter exit, and dropping the
+            self._watcher.join()  # last reference to the job's tensors there, aborts the process (C++ terminate)
+            self._watcher = None
         for s, h in self._old.items():
             signal.signal(s, h)
         self._old = {}
 
     def _watch_parent(self) -> None:
-        while not self._done.wait(0.5):
+        while not self._done.wait(0.2):
             if os.getppid() != self.parent:
                 self._exit_now(signal.SIGTERM, f"its launcher, PID {self.parent}, ended")
 
