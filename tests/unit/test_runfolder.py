@@ -174,6 +174,7 @@ def test_the_launcher_watch_ends_with_the_stopper(monkeypatch, tmp_path):
     interpreter exit and drops the job's last references there, freeing tensors, which aborts the process ("terminate
     called without an active exception", SIGABRT after a finished run: 3 of 8 two-process smoke runs)."""
     monkeypatch.setenv("LOCAL_RANK", "0")
+    monkeypatch.setattr(os, "getppid", lambda: 4242)  # a launcher that stays (pytest itself may have PPID 1)
 
     class Acc:
         num_processes, is_main_process = 1, True
