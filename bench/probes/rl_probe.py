@@ -5,7 +5,7 @@ from drafttrain.config import load_recipe
 from drafttrain.engines import build_engine
 from drafttrain.policy import load_policy, save_policy, decode
 from drafttrain.rl.grpo import GRPO
-from drafttrain.policy.task import careful_share
+from drafttrain.policy.task import countdown_share as careful_share
 src, out, steps, lr = sys.argv[1], sys.argv[2], int(sys.argv[3]), float(sys.argv[4])
 seed = int(sys.argv[5]) if len(sys.argv) > 5 else 1
 torch.set_num_threads(int(sys.argv[6]) if len(sys.argv) > 6 else 1)

@@ -1,4 +1,5 @@
-"""The tiny policy world: a verifiable running-sum task, its char tokenizer, and the Llama policy."""
+"""The tiny policy world: a verifiable iterated-map task (two ways to write each step), its char tokenizer, and
+the Llama policy."""
 
 from drafttrain.policy.model import PolicyConfig, build_policy, load_policy, save_policy
 from drafttrain.policy.task import Problem, extract_answer, make_prompts, reward, sample_problem

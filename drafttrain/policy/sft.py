@@ -16,16 +16,16 @@ import numpy as np
 import torch
 from transformers import GenerationConfig
 
-from drafttrain.policy.task import Problem, reward, sample_problem
+from drafttrain.policy.task import Problem, reward, sample_problem, sample_solution
 from drafttrain.policy.tokenizer import decode, encode_prompt
 
 IGNORE = -100
 
 
-def encode_example(tok, p: Problem) -> tuple[list[int], list[int]]:
-    """(input_ids, labels); labels are IGNORE on BOS + prompt."""
+def encode_example(tok, p: Problem, solution: str | None = None) -> tuple[list[int], list[int]]:
+    """(input_ids, labels) for `solution` (default p.solution); labels are IGNORE on BOS + prompt."""
     prompt = encode_prompt(tok, p.prompt)
-    response = tok.encode(p.solution, add_special_tokens=False) + [tok.eos_token_id]
+    response = tok.encode(p.solution if solution is None else solution, add_special_tokens=False) + [tok.eos_token_id]
     return prompt + response, [IGNORE] * len(prompt) + response
 
 
@@ -33,7 +33,8 @@ def sft_batches(tok, seed: int, tokens_per_batch: int, pool: int = 512) -> Itera
     """Endless batches of about `tokens_per_batch` tokens (padded), deterministic in `seed`."""
     rng = random.Random(seed)
     while True:
-        examples = sorted((encode_example(tok, sample_problem(rng)) for _ in range(pool)), key=lambda e: len(e[0]))
+        problems = (sample_problem(rng) for _ in range(pool))  # each written in a random mix of the step styles
+        examples = sorted((encode_example(tok, p, sample_solution(p, rng)) for p in problems), key=lambda e: len(e[0]))
         batches, cur = [], []
         for ex in examples:
             if cur and (len(cur) + 1) * len(ex[0]) > tokens_per_batch:  # sorted: ex is the longest so far

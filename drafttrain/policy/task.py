@@ -1,23 +1,30 @@
-"""Synthetic verifiable reasoning task: running sums with a step-by-step scratchpad.
+"""Synthetic verifiable task: iterate a map, writing each step in one of two styles.
 
-    prompt    Q:7+5+8+9=
-    response  7+5=12;12+8=20;20+9=29;A:29      (then EOS)
+    prompt    Q:37*4=                          apply f(x) = (3x + 7) mod 100 four times to 37
+    response  18;c:61;90;a:77;A:77             (then EOS); the same steps, all plain: 18;61;90;77;A:77
 
-The number of terms is long-tailed (2 + a geometric draw, capped at 16), so most
-responses are short but a few are long, as in reasoning RL where a handful of
-long rollouts dominate a batch. The reward is exact match of the final `A:`
-answer. Everything is deterministic given a seed (`random.Random`), never the
-global RNG.
+Each step is the next value, written plain (`61`) or after a countdown label (`c:61`: the label is the letter of
+the number of steps left, `a` on the last one). The answer is exact match of the final `A:` value. The SFT corpus
+writes each step in either style at random (COUNTDOWN_P each), so the SFT policy spreads over both. The number of
+steps is long-tailed (1 + a geometric draw, capped at 16): most responses are short, a few are long, as in
+reasoning RL where a handful of long rollouts dominate a batch.
 
-Simplifies on purpose: addition only, no whitespace, one answer format, and
-single-digit operands (1-9). Measured on this CPU (scripts/make_policy.py's
-budget, ~10 min of SFT): with 1-2 digit operands the 6-layer policy did not
-learn to fetch the k-th term from the prompt in budget (its loss on those digits
-stayed at ln 10 after 1500 steps: 0% accuracy), and a "rewrite the remaining
-expression" scratchpad learned slower still; with 1-digit operands the copy and
-the sums are learned in budget. The
-scratchpad is mostly locally predictable (good for drafters) with a few hard
-spots: fetching the next term and the sum itself.
+Why this world (bench/NOTES.md, issue 18): a policy whose text moves while it gets better, through mechanisms that
+real RL shows, so that a drafter fitted to the step-0 policy goes stale:
+- sharpening at a choice point (entropy collapse): every step is a choice of style; the two styles are not equally
+  reliable for this policy (f is right 0.97 of the time after a countdown label, 0.76 after a plain step; a wrong
+  label ends the count early or late), so GRPO concentrates the policy on some ways of writing and the per-style
+  mix of the text shifts;
+- a length change: the mix shift and fewer over- or under-long chains shorten the responses;
+- competence gain: stopping after exactly n steps and f itself get more reliable, which changes the text too.
+Measured (bench/NOTES.md): 60 GRPO steps at the default recipe take held-out sampled accuracy from 0.35-0.37 to
+0.51-0.55; on the later policy's text the step-0 policy itself, as an ideal frozen drafter, loses 15% of its mean
+accepted length (k=5), the shipped step-0 EAGLE-3 drafter 7%.
+
+Kept small on purpose: the 5M-parameter policy learns local small-table operations (f of the previous value) but
+not non-local ones (fetching a term from the prompt, counting, two-digit addition), measured over six candidate
+worlds. f has short cycles (99 -> 04 -> 19 -> 64 -> 99); that only makes some chains periodic.
+Everything is deterministic given a seed (`random.Random`), never the global RNG.
 """
 
 from __future__ import annotations
@@ -26,53 +33,67 @@ import random
 import re
 from dataclasses import dataclass
 
-MIN_TERMS = 2
-MAX_TERMS = 16
-EXTRA_TERM_P = 0.7  # P(one more term): extra terms ~ Geometric, mean 0.7/0.3 ~ 2.3
-MAX_OPERAND = 9
+MIN_STEPS = 1
+MAX_STEPS = 16
+EXTRA_STEP_P = 0.7  # P(one more step): extra steps ~ Geometric, mean 0.7/0.3 ~ 2.3
+LABELS = "abcdefghijklmnop"  # LABELS[j]: j steps left after this one
+COUNTDOWN_P = 0.5  # the SFT corpus's share of steps written with a countdown label
+MUL, ADD = 3, 7  # f(x) = (MUL x + ADD) mod 100
 
 _NUMBER_RE = re.compile(r"-?\d+")
+_COUNTDOWN_RE = re.compile(r"(?:^|;)[a-p]:")
 
 
 @dataclass(frozen=True)
 class Problem:
-    prompt: str  # "Q:7+5+8+9="
-    answer: str  # "29"
-    solution: str  # "7+5=12;12+8=20;20+9=29;A:29" (no EOS)
+    prompt: str  # "Q:37*4="
+    answer: str  # "77"
+    solution: str  # every step with its countdown label: "d:18;c:61;b:90;a:77;A:77" (no EOS)
+    start: int = 0
+    n: int = 1
 
 
-def sample_num_terms(rng: random.Random) -> int:
-    n = MIN_TERMS
-    while n < MAX_TERMS and rng.random() < EXTRA_TERM_P:
+def f(x: int) -> int:
+    return (MUL * x + ADD) % 100
+
+
+def sample_num_steps(rng: random.Random) -> int:
+    n = MIN_STEPS
+    while n < MAX_STEPS and rng.random() < EXTRA_STEP_P:
         n += 1
     return n
 
 
-def solve(terms: list[int]) -> str:
-    """The scratchpad for a list of terms: one `acc+x=sum;` step per term after the first."""
-    acc, steps = terms[0], []
-    for x in terms[1:]:
-        steps.append(f"{acc}+{x}={acc + x}")
-        acc += x
-    return ";".join(steps) + f";A:{acc}"
+def solve(start: int, n: int, countdown: list[bool]) -> str:
+    """The response for `start` iterated n times, step i written with its countdown label where countdown[i]."""
+    x, steps = start, []
+    for i in range(1, n + 1):
+        x = f(x)
+        steps.append((f"{LABELS[n - i]}:" if countdown[i - 1] else "") + f"{x:02d}")
+    return ";".join(steps) + f";A:{x:02d}"
 
 
-def problem_from_terms(terms: list[int]) -> Problem:
-    return Problem(
-        prompt="Q:" + "+".join(str(t) for t in terms) + "=",
-        answer=str(sum(terms)),
-        solution=solve(terms),
-    )
+def sample_solution(p: Problem, rng: random.Random, countdown_p: float = COUNTDOWN_P) -> str:
+    """One SFT response for `p`: each step labelled with probability countdown_p."""
+    return solve(p.start, p.n, [rng.random() < countdown_p for _ in range(p.n)])
+
+
+def make_problem(start: int, n: int) -> Problem:
+    if not (0 <= start < 100 and MIN_STEPS <= n <= MAX_STEPS):
+        raise ValueError(f"start must be in 0..99 and n in {MIN_STEPS}..{MAX_STEPS}, got {start}, {n}")
+    solution = solve(start, n, [True] * n)
+    return Problem(prompt=f"Q:{start:02d}*{n}=", answer=solution.rsplit(":", 1)[1], solution=solution, start=start,
+                   n=n)
 
 
 def sample_problem(rng: random.Random) -> Problem:
-    n = sample_num_terms(rng)
-    return problem_from_terms([rng.randint(1, MAX_OPERAND) for _ in range(n)])
+    n = sample_num_steps(rng)
+    return make_problem(rng.randrange(100), n)
 
 
 def longest_problem() -> Problem:
-    """A problem with the longest prompt the task can draw (MAX_TERMS terms of MAX_OPERAND): what sizes the engine."""
-    return problem_from_terms([MAX_OPERAND] * MAX_TERMS)
+    """The longest prompt and response (all labels written) the task produces."""
+    return make_problem(99, MAX_STEPS)
 
 
 def make_problems(n: int, seed: int) -> list[Problem]:
@@ -81,13 +102,12 @@ def make_problems(n: int, seed: int) -> list[Problem]:
 
 
 def make_prompts(n: int, seed: int) -> list[Problem]:
-    """`n` problems (prompt + reference answer), deterministic in `seed`."""
+    """RL prompts: problems whose solutions are only used for the reward."""
     return make_problems(n, seed)
 
 
 def extract_answer(text: str) -> str | None:
-    """What follows the last `A:` in `text` if it is exactly a number, else None (no `A:`, or a malformed answer:
-    `A:29;A:`, `A:2<pad>9`, `A:29=30` score nothing; an earlier well-formed `A:` does not rescue a later one)."""
+    """The number after the last `A:`, or None if missing or malformed."""
     at = text.rfind("A:")
     if at < 0:
         return None
@@ -96,7 +116,13 @@ def extract_answer(text: str) -> str | None:
 
 
 def reward(problem_or_answer: Problem | str, response_text: str) -> float:
-    """1.0 iff the response's final `A:` answer equals the reference answer, else 0.0."""
+    """1.0 if the response's final answer equals the reference answer, else 0.0."""
     answer = problem_or_answer.answer if isinstance(problem_or_answer, Problem) else problem_or_answer
     got = extract_answer(response_text)
     return 1.0 if got is not None and got == answer else 0.0
+
+
+def countdown_share(texts: list[str]) -> float:
+    """The share of written steps that carry a countdown label: the style mix that RL moves."""
+    steps = sum(t.count(";") for t in texts)
+    return sum(len(_COUNTDOWN_RE.findall(t)) for t in texts) / max(steps, 1)

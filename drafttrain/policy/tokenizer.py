@@ -1,4 +1,4 @@
-"""Character-level tokenizer for the running-sum task, in HF format.
+"""Character-level tokenizer for the task (policy/task.py), in HF format.
 
 Built with the `tokenizers` library (a BPE model with no merges = one token per
 character) and wrapped in `PreTrainedTokenizerFast`, so it saves as
@@ -16,8 +16,8 @@ from transformers import PreTrainedTokenizerFast
 
 PAD, BOS, EOS, UNK = "<pad>", "<bos>", "<eos>", "<unk>"
 SPECIALS = [PAD, BOS, EOS, UNK]
-CHARS = list("0123456789+-*=;:QA ")
-VOCAB_SIZE = 32  # specials + chars, padded with <unused_i>
+CHARS = list("0123456789+-*=;:QA abcdefghijklmnop")  # a-p: the task's countdown labels
+VOCAB_SIZE = 48  # specials + chars, padded with <unused_i>
 
 
 def _vocab() -> dict[str, int]:

@@ -14,13 +14,17 @@ import torch
 from drafttrain.policy.model import PolicyConfig, build_policy, load_policy, save_policy
 from drafttrain.policy.sft import IGNORE, encode_example
 from drafttrain.policy.task import (
-    MAX_OPERAND,
-    MAX_TERMS,
+    LABELS,
+    MAX_STEPS,
+    countdown_share,
     extract_answer,
+    f,
+    make_problem,
     make_prompts,
-    problem_from_terms,
     reward,
     sample_problem,
+    sample_solution,
+    solve,
 )
 from drafttrain.policy.tokenizer import VOCAB_SIZE, build_tokenizer, decode, encode_prompt, load_tokenizer
 
@@ -32,10 +36,15 @@ TINY = PolicyConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, 
 # --- task -------------------------------------------------------------------------------------
 
 def test_problem_format_and_solution():
-    p = problem_from_terms([37, 5, 81, 9])
-    assert p.prompt == "Q:37+5+81+9="
-    assert p.solution == "37+5=42;42+81=123;123+9=132;A:132"
-    assert p.answer == "132"
+    p = make_problem(37, 4)  # 37 -> 18 -> 61 -> 90 -> 77 under f(x) = (3x + 7) mod 100
+    assert p.prompt == "Q:37*4="
+    assert p.solution == "d:18;c:61;b:90;a:77;A:77"  # every step labelled with the steps left after it
+    assert p.answer == "77"
+    assert solve(37, 4, [False, True, False, True]) == "18;c:61;90;a:77;A:77"
+    assert make_problem(0, 1).solution == "a:07;A:07"  # two digits always
+    for bad in ((100, 1), (5, 0), (5, MAX_STEPS + 1)):
+        with pytest.raises(ValueError):
+            make_problem(*bad)
 
 
 def test_task_is_deterministic_in_seed():
@@ -48,11 +57,30 @@ def test_solutions_are_correct():
     rng = random.Random(0)
     for _ in range(200):
         p = sample_problem(rng)
-        terms = [int(t) for t in p.prompt[2:-1].split("+")]
-        assert 2 <= len(terms) <= MAX_TERMS
-        assert all(1 <= t <= MAX_OPERAND for t in terms)
-        assert int(p.answer) == sum(terms)
+        start, n = (int(v) for v in p.prompt[2:-1].split("*"))
+        assert 1 <= n <= MAX_STEPS and (start, n) == (p.start, p.n)
+        x = start
+        for _ in range(n):
+            x = f(x)
+        assert int(p.answer) == x
         assert reward(p, p.solution) == 1.0
+        written = sample_solution(p, rng)  # a random mix of styles: the same values, the same answer
+        assert reward(p, written) == 1.0
+        assert [v.split(":")[-1] for v in written.split(";")] == [v.split(":")[-1] for v in p.solution.split(";")]
+
+
+def test_sft_corpus_mixes_the_step_styles():
+    """The SFT text spreads over both ways of writing a step (the choice RL sharpens): about half labelled, and the
+    label is always the countdown."""
+    rng = random.Random(1)
+    texts = [sample_solution(p, rng) for p in make_prompts(2000, seed=2)]
+    assert 0.45 < countdown_share(texts) < 0.55
+    assert countdown_share([make_problem(5, 3).solution]) == 1.0 and countdown_share(["12;34;A:34"]) == 0.0
+    for t in texts[:200]:
+        steps = t.split(";")[:-1]
+        for i, step in enumerate(steps):
+            if ":" in step:
+                assert step[0] == LABELS[len(steps) - 1 - i]
 
 
 def test_lengths_are_long_tailed():
@@ -63,19 +91,19 @@ def test_lengths_are_long_tailed():
 
 
 def test_reward_exact_match():
-    p = problem_from_terms([37, 5, 81, 9])
-    assert reward(p, "37+5=42;42+81=123;123+9=132;A:132") == 1.0
-    assert reward("132", "A:132") == 1.0
-    assert reward(p, "37+5=42;42+81=123;123+9=131;A:131") == 0.0  # wrong
-    assert reward(p, "A:1320") == 0.0  # extra digit
-    assert reward(p, "A:13") == 0.0  # truncated
-    assert reward(p, "37+5=42;42+81=123;123+9=132") == 0.0  # no A:
+    p = make_problem(37, 4)
+    assert reward(p, "18;c:61;90;a:77;A:77") == 1.0
+    assert reward("77", "A:77") == 1.0
+    assert reward(p, "18;61;90;a:76;A:76") == 0.0  # wrong
+    assert reward(p, "A:770") == 0.0  # extra digit
+    assert reward(p, "A:7") == 0.0  # truncated
+    assert reward(p, "18;61;90;a:77") == 0.0  # no A:
     assert reward(p, "") == 0.0
-    assert reward(p, "A:5;A:132") == 1.0  # the last A: counts
+    assert reward(p, "A:5;A:77") == 1.0  # the last A: counts
     assert extract_answer("x;A:77") == "77"
     assert extract_answer("no answer") is None
     # malformed answers score nothing (they scored 1.0: the last *well-formed* A: counted, trailing text ignored)
-    for bad in ("A:132;A:", "A:132;A:-", "A:132=133", "A:132;", "A:13 2"):
+    for bad in ("A:77;A:", "A:77;A:-", "A:77=78", "A:77;", "A:7 7"):
         assert reward(p, bad) == 0.0, bad
 
 
@@ -95,7 +123,7 @@ def test_reward_sees_special_tokens_inside_the_answer():
 def test_tokenizer_round_trip(tmp_path):
     tok = build_tokenizer()
     assert len(tok) == VOCAB_SIZE and VOCAB_SIZE % 8 == 0
-    p = problem_from_terms([98, 7, 60])
+    p = make_problem(98, 3)
     text = p.prompt + p.solution
     ids = encode_prompt(tok, text)
     assert ids[0] == tok.bos_token_id and len(ids) == len(text) + 1  # one token per char
@@ -110,7 +138,7 @@ def test_tokenizer_round_trip(tmp_path):
 
 def test_sft_labels_mask_prompt():
     tok = build_tokenizer()
-    p = problem_from_terms([1, 2])
+    p = make_problem(1, 2)
     ids, labels = encode_example(tok, p)
     n_prompt = len(p.prompt) + 1
     assert labels[:n_prompt] == [IGNORE] * n_prompt
@@ -155,7 +183,7 @@ def test_save_load_round_trip_and_atomic(tmp_path):
     save_policy(model, tok, str(out))  # overwriting works
     assert sorted(os.listdir(tmp_path)) == ["pol"]  # no temp dirs left behind
     loaded, tok2 = load_policy(str(out))
-    x = torch.tensor([encode_prompt(tok2, "Q:1+2=")])
+    x = torch.tensor([encode_prompt(tok2, "Q:12*3=")])
     with torch.no_grad():
         torch.testing.assert_close(loaded(x).logits, model.eval()(x).logits)
 
@@ -193,10 +221,13 @@ def test_shipped_checkpoint_matches_documented_config():
 
 
 def test_shipped_policy_solves_greedy():
-    """A short problem greedily decoded: the trained policy gets it right (a random one would not)."""
+    """Short problems greedily decoded: the trained policy writes every step's value right and stops with the right
+    answer, in either style (a random one would not)."""
     model, tok = load_policy(str(SHIPPED))
-    p = problem_from_terms([3, 4])
-    ids = torch.tensor([encode_prompt(tok, p.prompt)])
-    out = model.generate(ids, do_sample=False, max_new_tokens=24, eos_token_id=tok.eos_token_id,
-                         pad_token_id=tok.pad_token_id)
-    assert decode(tok, out[0, ids.shape[1]:].tolist()) == p.solution
+    for p in (make_problem(3, 2), make_problem(50, 1), make_problem(71, 3)):
+        ids = torch.tensor([encode_prompt(tok, p.prompt)])
+        out = model.generate(ids, do_sample=False, max_new_tokens=24, eos_token_id=tok.eos_token_id,
+                             pad_token_id=tok.pad_token_id)
+        text = decode(tok, out[0, ids.shape[1]:].tolist())
+        assert reward(p, text) == 1.0, (p.prompt, text)
+        assert [v.split(":")[-1] for v in text.split(";")] == [v.split(":")[-1] for v in p.solution.split(";")]
