@@ -54,7 +54,7 @@ from drafttrain.tracking.trainer import DrafterTrainer
 
 DEFAULTS = dict(recipe="eagle3_track", seeds=[0, 1, 2], overrides=[], oracle_points=2, run_dir="runs/bench_tracking",
                 fresh=True, oracle_rollouts=96, oracle_steps=300, oracle_lr=3e-4, oracle_batch=16, eval_rollouts=48,
-                decay_prompts=64, max_new_tokens=None, out="bench/tracking.json")  # None: the recipe's
+                decay_prompts=256, max_new_tokens=None, out="bench/tracking.json")  # None: the recipe's
 DECAY_SEED = 555_555  # the fixed held-out prompt set of frozen_decay_pct (no run trains or evaluates on it)
 
 
