@@ -83,7 +83,10 @@ def load_inputs(cfg) -> dict:
     """The acceptance curves per RL step (live, frozen), the self-drafters' curves and the length sigma."""
     km, used = cfg.k_max, []
     tr = _read(cfg.tracking, "tracking")
-    series = [s for s in tr.get("series") or [] if isinstance(s, dict)]
+    series = tr.get("series") or []
+    if isinstance(series, dict):  # bench_tracking writes one series per seed: {seed: [records]}
+        series = [rec for recs in series.values() if isinstance(recs, list) for rec in recs]
+    series = [s for s in series if isinstance(s, dict)]
     ok = [s for s in series if _is_curve(s.get("live_tf_acc_pos")) and _is_curve(s.get("frozen_tf_acc_pos"))]
     live, frozen = [s["live_tf_acc_pos"] for s in ok], [s["frozen_tf_acc_pos"] for s in ok]
     if cfg.live_acceptance is not None or cfg.frozen_acceptance is not None:

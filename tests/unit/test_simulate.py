@@ -182,6 +182,11 @@ def test_explicit_curves_and_bad_inputs(sim, tmp_path):
     inp = sim.load_inputs(OmegaConf.create({**sim.DEFAULTS, "tracking": str(mixed), "longtail": str(lt)}))
     assert len(inp["steps"]) == 1
     assert inp["sigma"] == pytest.approx(math.log(128 / 20) / 2.4175, rel=1e-3)  # z of 1 - 1/128
+    per_seed = tmp_path / "s.json"  # bench_tracking's layout: one series per seed, every seed's steps read
+    per_seed.write_text(json.dumps({"series": {"0": [{"live_tf_acc_pos": [0.9], "frozen_tf_acc_pos": [0.8]}],
+                                               "1": [{"live_tf_acc_pos": [0.7], "frozen_tf_acc_pos": [0.6]}]}}))
+    inp = sim.load_inputs(OmegaConf.create({**sim.DEFAULTS, "tracking": str(per_seed), "longtail": str(lt)}))
+    assert [a[0] for a, _ in inp["steps"]] == [0.9, 0.7]
     broken = tmp_path / "b.json"
     broken.write_text("{not json")
     with pytest.raises(ConfigError, match="tracking="):
