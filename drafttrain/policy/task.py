@@ -49,8 +49,8 @@ class Problem:
     prompt: str  # "Q:37*4="
     answer: str  # "77"
     solution: str  # every step with its countdown label: "d:18;c:61;b:90;a:77;A:77" (no EOS)
-    start: int = 0
-    n: int = 1
+    start: int  # 37
+    n: int  # 4: how many times f is applied
 
 
 def f(x: int) -> int:
@@ -92,7 +92,7 @@ def sample_problem(rng: random.Random) -> Problem:
 
 
 def longest_problem() -> Problem:
-    """The longest prompt and response (all labels written) the task produces."""
+    """A problem with the longest prompt (and, all labels written, response) the task draws: what sizes the engine."""
     return make_problem(99, MAX_STEPS)
 
 
@@ -102,12 +102,13 @@ def make_problems(n: int, seed: int) -> list[Problem]:
 
 
 def make_prompts(n: int, seed: int) -> list[Problem]:
-    """RL prompts: problems whose solutions are only used for the reward."""
+    """`n` problems (prompt + reference answer), deterministic in `seed`."""
     return make_problems(n, seed)
 
 
 def extract_answer(text: str) -> str | None:
-    """The number after the last `A:`, or None if missing or malformed."""
+    """What follows the last `A:` in `text` if it is exactly a number, else None (no `A:`, or a malformed answer:
+    `A:77;A:`, `A:7<pad>7`, `A:77=78` score nothing; an earlier well-formed `A:` does not rescue a later one)."""
     at = text.rfind("A:")
     if at < 0:
         return None
@@ -116,7 +117,7 @@ def extract_answer(text: str) -> str | None:
 
 
 def reward(problem_or_answer: Problem | str, response_text: str) -> float:
-    """1.0 if the response's final answer equals the reference answer, else 0.0."""
+    """1.0 iff the response's final `A:` answer equals the reference answer, else 0.0."""
     answer = problem_or_answer.answer if isinstance(problem_or_answer, Problem) else problem_or_answer
     got = extract_answer(response_text)
     return 1.0 if got is not None and got == answer else 0.0
