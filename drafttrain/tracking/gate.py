@@ -18,6 +18,10 @@ from __future__ import annotations
 import math
 
 import torch
+from scipy.special import stdtrit  # Student-t quantile: stdtrit(df, p)
+
+# imported here, at start-up: a lazy import in the first decision cost ~2 s, charged to the drafter's time bank, which
+# then stayed in debt for dozens of RL steps (issue 18: the default run trained the drafter first at step 48)
 
 
 def paired_sums(new_rows: torch.Tensor, old_rows: torch.Tensor) -> list[float]:
@@ -33,11 +37,9 @@ def paired_bound(n: float, s: float, s2: float, confidence: float) -> dict:
     if n < 2:
         mean = s / n if n else math.nan
         return {"n": int(n), "mean": mean, "sd": math.nan, "lower": -math.inf, "upper": math.inf}
-    from scipy.stats import t
-
     mean = s / n
     var = max(s2 - s * s / n, 0.0) / (n - 1)  # sums pooled in float64: rounding can leave a tiny negative
-    half = float(t.ppf(confidence, n - 1)) * math.sqrt(var / n)
+    half = float(stdtrit(n - 1, confidence)) * math.sqrt(var / n)
     return {"n": int(n), "mean": mean, "sd": math.sqrt(var), "lower": mean - half, "upper": mean + half}
 
 

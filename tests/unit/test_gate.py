@@ -3,6 +3,8 @@ candidate drafter on the same rows, the rows differing widely in how predictable
 from __future__ import annotations
 
 import math
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -100,3 +102,12 @@ def test_sums_pool_over_processes():
     whole = paired_sums(new, old)
     assert pooled == pytest.approx(whole)
     assert gate_decision(*pooled, 0.9)["lower"] == pytest.approx(gate_decision(*whole, 0.9)["lower"])
+
+
+def test_the_first_decision_imports_nothing():
+    """The first gate decision lazily imported scipy.stats (~2 s on this CPU), inside the drafter's first update: the
+    time bank was charged for it and stayed in debt for dozens of RL steps. Every import happens at start-up."""
+    code = ("import sys; from drafttrain.tracking.gate import gate_decision; before = set(sys.modules); "
+            "gate_decision(8, 1.0, 3.0, 0.9); print(sorted(set(sys.modules) - before))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]", out
