@@ -46,6 +46,7 @@ class SamplingConfig:
 @dataclass
 class EngineConfig:
     kind: str = "torch"  # torch (embedded) | vllm
+    speculative: bool = True  # false: plain autoregressive rollouts and evaluation (the AR baseline)
     k: Any = 4  # draft tokens per verify step: an int, "auto" (max predicted speed-up) or "ladder"
     k_max: int = 8  # k=auto searches 1..k_max
     toggle: bool = False  # run SD only where the calibrated cost model predicts >= toggle_threshold

@@ -70,10 +70,10 @@ class GRPO:
         prompts = [encode_prompt(self.tok, p.prompt) for p in problems for _ in range(rl.group_size)]
         params = sampling_params(self.cfg, stop_token_ids=(self.tok.eos_token_id,), seed=seed)
         if self.tracker is not None:  # the first batch of a new drafter version is its (inline) canary
-            batch, canary = self.tracker.generate(self.engine, prompts, params)
+            batch, canary = self.tracker.generate(self.engine, prompts, params, speculative=self.cfg.engine.speculative)
             self.tracker.set_probe(prompts[:: rl.group_size])
         else:
-            batch, canary = self.engine.generate(prompts, params, speculative=True), {}
+            batch, canary = self.engine.generate(prompts, params, speculative=self.cfg.engine.speculative), {}
         rewards = [reward(problems[i // rl.group_size], decode(self.tok, r)) for i, r in enumerate(batch.tokens)]
         return Rollouts(step, prompts, batch.tokens, batch.logprobs, rewards, batch, canary)
 
@@ -86,7 +86,8 @@ class GRPO:
         out = {}
         for name, T in (("sampled", self.cfg.sampling.temperature), ("greedy", 0.0)):
             params = sampling_params(self.cfg, temperature=T, stop_token_ids=(eos,), seed=rl.eval_seed)
-            texts = [decode(self.tok, r) for r in self.engine.generate(prompts, params, speculative=True).tokens]
+            batch = self.engine.generate(prompts, params, speculative=self.cfg.engine.speculative)
+            texts = [decode(self.tok, r) for r in batch.tokens]
             out[f"eval_{name}_acc"] = statistics.fmean(reward(p, t) for p, t in zip(problems, texts))
         return out
 

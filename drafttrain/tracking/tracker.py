@@ -44,6 +44,9 @@ class DraftTracker:
         n_layers, aux = policy.config.num_hidden_layers, self.drafter.reads.aux_layers
         # a self-drafter (selfquant) needs no features and no training: it is rebuilt from the policy
         self.self_drafter = bool(self.drafter.follows_policy)
+        # AR rollouts (engine.speculative=false) and a drafter never trained: nothing drafts, nothing to capture or
+        # score (the AR baseline pays no drafter work)
+        self.unused = not cfg.engine.speculative and not cfg.online.track
         if not self.self_drafter and aux and max(aux) >= n_layers:
             raise ValueError(f"drafter.aux_layer_ids: {list(aux)} do not exist in the policy ({n_layers} layers)")
         # features serve both training and k-step measurement
@@ -119,7 +122,7 @@ class DraftTracker:
         if self._capture is not None:
             raise RuntimeError("start_capture: a capture is already running (call stop_capture first)")
         self._mark_rl_start()
-        if self.self_drafter:
+        if self.self_drafter or self.unused:
             return None  # nothing to capture
         self._capture = PolicyCapture(policy, self.drafter.reads, self.steps, self._keep, self._now,
                                       response_start, grad_only).start()

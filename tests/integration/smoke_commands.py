@@ -306,6 +306,10 @@ SMOKE: list[Smoke] = [
           "run.tensorboard=false,online.canary_max_new_tokens=8]",
           (Json("t.json", ("tracking_over_frozen", "tracking_over_oracle", "frozen_decay_pct", "overhead_pct"),
                 ("seeds", "per_seed")),)),
+    Smoke("bench_e2e", "python scripts/bench_e2e.py seeds=[0] arms=[ar,tracking] run_dir={tmp}/run out={tmp}/e.json "
+          "plot={tmp}/e.png overrides=[rl.steps=2,rl.prompts_per_step=2,rl.group_size=2,sampling.max_new_tokens=16,"
+          "rl.eval_prompts=4,online.canary_max_new_tokens=8]",
+          (Json("e.json", (), ("summary", "runs", "seeds")), File("e.png"))),
     Smoke("simulate", "python scripts/simulate.py gpus=[H100,B200] out={tmp}/sim.json plot={tmp}/sim.png",
           (Json("sim.json", (), ("reproduction", "projection")), File("sim.png"))),
     Smoke("simulate_curves", "python scripts/simulate.py gpus=[H200] live_acceptance=[0.8,0.7,0.6] "

@@ -116,3 +116,33 @@ def test_rows_too_short_for_the_task_are_refused_at_start_up(over, key):
         GRPO(short, policy, tok, build_engine(short.engine, policy))
     ok = load_recipe("eagle3_track", ["drafter.path=null", "engine.max_len=265"])  # 9-token prompt + 256 fits
     GRPO(ok, policy, tok, build_engine(ok.engine, policy))
+
+
+@pytest.mark.parametrize("speculative", [True, False])
+def test_engine_speculative_false_decodes_ar_and_the_unused_drafter_costs_nothing(speculative):
+    """engine.speculative=false (bench_e2e's AR arm): rollouts and the held-out evaluation decode without the drafter,
+    and with the drafter never trained (online.track=false) nothing is captured, so nothing is measured either."""
+    from drafttrain.drafters import build_drafter
+    from drafttrain.engines import build_engine
+    from drafttrain.policy import build_policy, build_tokenizer
+    from drafttrain.rl.grpo import GRPO
+    from drafttrain.tracking.tracker import DraftTracker
+
+    torch.manual_seed(0)
+    policy, tok = build_policy({**TINY, "num_hidden_layers": 4}).eval(), build_tokenizer()
+    cfg = load_recipe("eagle3_frozen", ["drafter.path=null", "rl.prompts_per_step=2", "rl.group_size=2",
+                                        "rl.micro_batch=4", "sampling.max_new_tokens=8", "rl.eval_prompts=2",
+                                        f"engine.speculative={str(speculative).lower()}"])
+    drafter = build_drafter(cfg.drafter, policy)
+    engine = build_engine(cfg.engine, policy, drafter)
+    tracker = DraftTracker(cfg, policy, [engine], drafter)
+    grpo = GRPO(cfg, policy, tok, engine, tracker)
+    flags, generate = [], engine.generate
+    engine.generate = lambda *a, **kw: (flags.append(kw.get("speculative")), generate(*a, **kw))[1]  # noqa: E731
+    ro = grpo.rollout(0)
+    grpo.evaluate()
+    grpo.train_step(ro)
+    assert flags == [speculative] * 3  # the rollout, then the sampled and the greedy evaluation
+    assert (ro.batch.stats.mean_accepted_length > 1) == speculative  # AR: no draft was ever accepted
+    assert bool(tracker.pending) == speculative
+    assert ("live_tf_mal" in tracker.measure()) == speculative

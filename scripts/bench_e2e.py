@@ -1,0 +1,190 @@
+"""The user's number: end-to-end RL wall time with drafttrain against plain decoding, same learning (issue 24).
+
+    python scripts/bench_e2e.py                                  # 4 arms x 3 seeds at the default run length
+    python scripts/bench_e2e.py seeds=[0] arms=[ar,tracking] overrides=[rl.steps=4,rl.eval_prompts=64]   # a look
+
+Each run is the main job (module drafttrain.online) in a fresh process, as a user starts it; the arms differ
+only in how rollouts are decoded:
+  ar        recipe eagle3_frozen with engine.speculative=false: plain decoding, no drafter work, nothing measured
+  frozen    recipe eagle3_frozen: SD with the shipped step-0 drafter, never updated
+  tracking  recipe eagle3_track: SD with the tracking drafter (the default)
+  toggle    eagle3_track with engine.toggle=true and engine.k=auto: SD only where the cost model predicts a gain
+Per seed s every arm uses run.seed=s and rl.prompt_seed=1+s (the same prompts), and the runs are interleaved (all
+arms at seed 0, then at seed 1, ...; the arm order rotates per seed), so machine drift does not favour one arm.
+
+Per run: the job's wall time (process start to exit: loading, the before/after evaluation included), the RL loop's
+wall time (the sum of rl_step_s) and its split by phase: rollout (rollout_wall_s), drafter work (capture hooks,
+drafter steps, estimate, publish), measurement (the live/frozen drafter scoring the recipes record each step:
+reporting), and policy training with everything else (the remainder); the reward curve; held-out accuracy after the
+run (eval.json). Per arm: means over seeds with their sd; the headline, AR's RL-loop wall time over each arm's
+(`speedup_over_ar`, per seed then averaged; `speedup_over_ar_no_measure` leaves the reporting out of both); and
+whether the arm's learning matches AR's: its mean reward and held-out sampled accuracy within `spread` times the
+standard error of the difference of the two arms' means over seeds.
+Writes bench/e2e.json and bench/e2e.png (RL-loop wall time per arm, stacked by phase), prints tables.
+"""
+from __future__ import annotations
+
+import json
+import math
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from drafttrain.config import PROJECT_ROOT, load_recipe, script_config
+from drafttrain.report import format_table, read_jsonl, write_json
+
+ARMS = {
+    "ar": ("eagle3_frozen", ["engine.speculative=false"]),
+    "frozen": ("eagle3_frozen", []),
+    "tracking": ("eagle3_track", []),
+    "toggle": ("eagle3_track", ["engine.toggle=true", "engine.k=auto"]),
+}
+PHASES = ("rollout_s", "policy_s", "drafter_s", "measure_s")
+DEFAULTS = dict(arms=list(ARMS), seeds=[0, 1, 2], overrides=[], run_dir="runs/bench_e2e", spread=2.0,
+                out="bench/e2e.json", plot="bench/e2e.png")
+
+
+def phase_split(recs: list[dict]) -> dict:
+    """A run's RL-loop wall time (sum of rl_step_s) split by phase: rollout, drafter work (capture, drafter steps,
+    estimate, publish), measurement (reporting) and policy training with the rest (the remainder)."""
+    out = dict.fromkeys(("rl_wall_s", *PHASES), 0.0)
+    for r in recs:
+        drafter = sum(r.get(k) or 0.0 for k in ("drafter_train_s", "publish_s", "capture_s"))
+        rollout, measure = r.get("rollout_wall_s") or 0.0, r.get("measure_s") or 0.0
+        out["rl_wall_s"] += r["rl_step_s"]
+        out["rollout_s"] += rollout
+        out["drafter_s"] += drafter
+        out["measure_s"] += measure
+        out["policy_s"] += r["rl_step_s"] - rollout - drafter - measure
+    return out
+
+
+def mean_sd(values: list[float]) -> tuple[float | None, float | None]:
+    vals = [v for v in values if v is not None]
+    if not vals:
+        return None, None
+    return statistics.fmean(vals), (statistics.stdev(vals) if len(vals) > 1 else None)
+
+
+def same_learning(a: list[float], b: list[float], spread: float) -> dict:
+    """Do two arms' per-seed values agree? Their means' difference against `spread` standard errors of it (the
+    seeds' sd over sqrt(seeds), pooled; with one seed per arm there is no spread: undecided, None)."""
+    (ma, sa), (mb, sb) = mean_sd(a), mean_sd(b)
+    if ma is None or mb is None:
+        return {"diff": None, "se": None, "within_spread": None}
+    se = math.sqrt(sa ** 2 / len(a) + sb ** 2 / len(b)) if sa is not None and sb is not None else None
+    return {"diff": ma - mb, "se": se, "within_spread": None if se is None else abs(ma - mb) <= spread * max(se, 1e-12)}
+
+
+def run_one(cfg, arm: str, seed: int) -> dict:
+    """One arm at one seed: the main job in a fresh process, timed; its records and evaluation."""
+    recipe, extra = ARMS[arm]
+    run_dir = Path(cfg.run_dir) / f"{arm}-seed-{seed}"
+    if run_dir.exists():
+        shutil.rmtree(run_dir)
+    over = [*cfg.overrides, *extra, f"run.seed={seed}", f"rl.prompt_seed={1 + seed}", f"run.out_dir={run_dir}",
+            "run.resume=false", "run.tensorboard=false"]
+    load_recipe(recipe, over)  # bad input fails here, in one line, before any run starts
+    cmd = [sys.executable, "-m", "drafttrain.online", f"recipe={recipe}", *over]
+    print(f"[bench_e2e] {arm} seed {seed}: {' '.join(cmd[1:])}", flush=True)
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, cwd=PROJECT_ROOT, capture_output=True, text=True)
+    job_wall = time.perf_counter() - t0
+    if proc.returncode != 0:
+        tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["(no output)"]
+        raise SystemExit(f"error: arm {arm}, seed {seed}: the main job exited with {proc.returncode}: {tail[0]}")
+    recs = read_jsonl(run_dir / "metrics.jsonl")
+    ev_path = run_dir / "eval.json"
+    ev = json.loads(ev_path.read_text()) if ev_path.exists() else None
+    after = (ev or {}).get("after") or {}
+    return {"arm": arm, "seed": seed, "job_wall_s": job_wall, **phase_split(recs),
+            "reward_mean": statistics.fmean(r["reward_mean"] for r in recs),
+            "heldout_acc_after": after.get("eval_sampled_acc"),
+            "heldout_acc_before": ((ev or {}).get("before") or {}).get("eval_sampled_acc"),
+            "rewards": [r["reward_mean"] for r in recs]}
+
+
+def summarize(runs: list[dict], arms: list[str], spread: float) -> dict:
+    by = {a: sorted((r for r in runs if r["arm"] == a), key=lambda r: r["seed"]) for a in arms}
+    ar = {r["seed"]: r for r in by.get("ar", [])}
+    out = {}
+    for a, rs in by.items():
+        s = {}
+        for key in ("job_wall_s", "rl_wall_s", *PHASES, "reward_mean", "heldout_acc_after"):
+            s[key], s[f"{key}_sd"] = mean_sd([r[key] for r in rs])
+        if ar and a != "ar":  # paired by seed: the same prompts, run next to each other
+            ratios = [ar[r["seed"]]["rl_wall_s"] / r["rl_wall_s"] for r in rs if r["seed"] in ar]
+            no_meas = [(ar[r["seed"]]["rl_wall_s"] - ar[r["seed"]]["measure_s"]) / (r["rl_wall_s"] - r["measure_s"])
+                       for r in rs if r["seed"] in ar]
+            s["speedup_over_ar"], s["speedup_over_ar_sd"] = mean_sd(ratios)
+            s["speedup_over_ar_no_measure"], s["speedup_over_ar_no_measure_sd"] = mean_sd(no_meas)
+            s["reward_vs_ar"] = same_learning([r["reward_mean"] for r in rs], [r["reward_mean"] for r in by["ar"]],
+                                              spread)
+            s["heldout_acc_vs_ar"] = same_learning([r["heldout_acc_after"] for r in rs],
+                                                   [r["heldout_acc_after"] for r in by["ar"]], spread)
+        out[a] = s
+    return out
+
+
+def plot(summary: dict, path: str | Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    arms = list(summary)
+    fig, ax = plt.subplots(figsize=(7, 4))
+    bottom = [0.0] * len(arms)
+    for phase in PHASES:
+        vals = [summary[a][phase] or 0.0 for a in arms]
+        ax.bar(arms, vals, bottom=bottom, label=phase[:-2])
+        bottom = [b + v for b, v in zip(bottom, vals)]
+    ax.errorbar(arms, bottom, yerr=[summary[a]["rl_wall_s_sd"] or 0.0 for a in arms], fmt="none", ecolor="k",
+                capsize=4)
+    for i, a in enumerate(arms):
+        if summary[a].get("speedup_over_ar"):
+            ax.annotate(f"{summary[a]['speedup_over_ar']:.2f}x", (i, bottom[i]), ha="center", va="bottom",
+                        xytext=(0, 6), textcoords="offset points")
+    ax.set_ylabel("RL loop wall time (s), mean over seeds")
+    ax.set_title("end-to-end RL wall time by phase (AR over arm annotated)")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def main(cfg) -> dict:
+    unknown = [a for a in cfg.arms if a not in ARMS]
+    if unknown or not cfg.arms:
+        raise SystemExit(f"error: arms: {unknown or 'none given'}: choose from {list(ARMS)}")
+    if not cfg.seeds:
+        raise SystemExit("error: seeds: give at least one seed")
+    arms, runs = list(cfg.arms), []
+    for i, seed in enumerate(cfg.seeds):  # interleaved; the order rotates so no arm always runs first
+        for arm in arms[i % len(arms):] + arms[: i % len(arms)]:
+            runs.append(run_one(cfg, arm, seed))
+    summary = summarize(runs, arms, cfg.spread)
+    png = plot(summary, cfg.plot)
+    rows = [{"arm": a, **{k: v for k, v in s.items() if not isinstance(v, dict)}} for a, s in summary.items()]
+    print(format_table(rows, ["arm", "rl_wall_s", "rl_wall_s_sd", *PHASES, "job_wall_s", "speedup_over_ar",
+                              "speedup_over_ar_sd", "speedup_over_ar_no_measure"]))
+    learn = [{"arm": a, "reward_mean": s["reward_mean"], "heldout_acc_after": s["heldout_acc_after"],
+              "reward_within": (s.get("reward_vs_ar") or {}).get("within_spread"),
+              "heldout_within": (s.get("heldout_acc_vs_ar") or {}).get("within_spread")} for a, s in summary.items()]
+    print(format_table(learn, ["arm", "reward_mean", "heldout_acc_after", "reward_within", "heldout_within"]))
+    result = {"arms": {a: {"recipe": ARMS[a][0], "overrides": ARMS[a][1]} for a in arms},
+              "overrides": list(cfg.overrides), "seeds": list(cfg.seeds), "spread": cfg.spread, "summary": summary,
+              "runs": runs}
+    print(f"plot: {png}")
+    print(f"wrote {write_json(result, cfg.out)}")
+    return result
+
+
+if __name__ == "__main__":
+    main(script_config(DEFAULTS))

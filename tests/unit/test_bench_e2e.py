@@ -1,0 +1,54 @@
+"""bench_e2e's arithmetic: the RL loop's wall time split by phase, the paired speed-up over AR, the learning check."""
+from __future__ import annotations
+
+import pytest
+
+from tests.conftest import load_script
+
+
+@pytest.fixture(scope="module")
+def e2e():
+    return load_script("bench_e2e")
+
+
+def test_phase_split_adds_up_to_the_rl_loop(e2e):
+    recs = [{"rl_step_s": 3.0, "rollout_wall_s": 1.0, "drafter_train_s": 0.1, "publish_s": 0.05, "capture_s": 0.05,
+             "measure_s": 0.3},
+            {"rl_step_s": 2.0, "rollout_wall_s": 0.5, "drafter_train_s": None, "publish_s": None, "measure_s": None}]
+    s = e2e.phase_split(recs)
+    assert s["rl_wall_s"] == pytest.approx(5.0)
+    assert (s["rollout_s"], s["drafter_s"], s["measure_s"]) == pytest.approx((1.5, 0.2, 0.3))
+    assert s["policy_s"] == pytest.approx(5.0 - 1.5 - 0.2 - 0.3)
+    assert sum(s[p] for p in e2e.PHASES) == pytest.approx(s["rl_wall_s"])
+
+
+def _run(arm, seed, wall, measure=0.0, reward=0.5, acc=0.4):
+    return {"arm": arm, "seed": seed, "rl_wall_s": wall, "measure_s": measure, "job_wall_s": wall + 10,
+            "rollout_s": wall / 2, "policy_s": wall / 2 - measure, "drafter_s": 0.0, "reward_mean": reward,
+            "heldout_acc_after": acc}
+
+
+def test_speedup_is_paired_by_seed_and_learning_is_judged_against_the_spread(e2e):
+    runs = [_run("ar", 0, 100.0, reward=0.50, acc=0.40), _run("ar", 1, 120.0, reward=0.52, acc=0.44),
+            _run("tracking", 0, 50.0, measure=10.0, reward=0.51, acc=0.41),
+            _run("tracking", 1, 80.0, measure=20.0, reward=0.49, acc=0.43),
+            _run("frozen", 0, 90.0, reward=0.90, acc=0.90), _run("frozen", 1, 100.0, reward=0.91, acc=0.92)]
+    s = e2e.summarize(runs, ["ar", "tracking", "frozen"], spread=2.0)
+    assert s["tracking"]["speedup_over_ar"] == pytest.approx((100 / 50 + 120 / 80) / 2)  # per seed, then the mean
+    assert s["tracking"]["speedup_over_ar_no_measure"] == pytest.approx((100 / 40 + 120 / 60) / 2)
+    assert "speedup_over_ar" not in s["ar"]
+    assert s["tracking"]["reward_vs_ar"]["within_spread"] is True
+    assert s["frozen"]["reward_vs_ar"]["within_spread"] is False  # learned something else: flagged
+    assert s["frozen"]["heldout_acc_vs_ar"]["diff"] == pytest.approx(0.91 - 0.42)
+
+
+def test_one_seed_decides_nothing_about_learning(e2e):
+    assert e2e.same_learning([0.5], [0.4], 2.0)["within_spread"] is None
+    assert e2e.same_learning([0.5, 0.52], [0.5, 0.48], 2.0)["within_spread"] is True
+
+
+def test_unknown_arm_is_refused_in_one_line(e2e):
+    from omegaconf import OmegaConf
+
+    with pytest.raises(SystemExit, match=r"arms: \['fast'\]"):
+        e2e.main(OmegaConf.create({**e2e.DEFAULTS, "arms": ["ar", "fast"]}))
