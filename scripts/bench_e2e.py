@@ -115,6 +115,9 @@ def summarize(runs: list[dict], arms: list[str], spread: float) -> dict:
         s = {}
         for key in ("job_wall_s", "rl_wall_s", *PHASES, "reward_mean", "heldout_acc_after"):
             s[key], s[f"{key}_sd"] = mean_sd([r[key] for r in rs])
+        curves = [r["rewards"] for r in rs if r.get("rewards")]
+        s["reward_curve"] = [statistics.fmean(c[i] for c in curves) for i in range(min(map(len, curves)))] \
+            if curves else []  # the mean over seeds of each step's mean reward
         if ar and a != "ar":  # paired by seed: the same prompts, run next to each other
             ratios = [ar[r["seed"]]["rl_wall_s"] / r["rl_wall_s"] for r in rs if r["seed"] in ar]
             no_meas = [(ar[r["seed"]]["rl_wall_s"] - ar[r["seed"]]["measure_s"]) / (r["rl_wall_s"] - r["measure_s"])
@@ -171,7 +174,7 @@ def main(cfg) -> dict:
             runs.append(run_one(cfg, arm, seed))
     summary = summarize(runs, arms, cfg.spread)
     png = plot(summary, cfg.plot)
-    rows = [{"arm": a, **{k: v for k, v in s.items() if not isinstance(v, dict)}} for a, s in summary.items()]
+    rows = [{"arm": a, **{k: v for k, v in s.items() if not isinstance(v, (dict, list))}} for a, s in summary.items()]
     print(format_table(rows, ["arm", "rl_wall_s", "rl_wall_s_sd", *PHASES, "job_wall_s", "speedup_over_ar",
                               "speedup_over_ar_sd", "speedup_over_ar_no_measure"]))
     learn = [{"arm": a, "reward_mean": s["reward_mean"], "heldout_acc_after": s["heldout_acc_after"],

@@ -25,7 +25,7 @@ def test_phase_split_adds_up_to_the_rl_loop(e2e):
 def _run(arm, seed, wall, measure=0.0, reward=0.5, acc=0.4):
     return {"arm": arm, "seed": seed, "rl_wall_s": wall, "measure_s": measure, "job_wall_s": wall + 10,
             "rollout_s": wall / 2, "policy_s": wall / 2 - measure, "drafter_s": 0.0, "reward_mean": reward,
-            "heldout_acc_after": acc}
+            "heldout_acc_after": acc, "rewards": [reward - 0.1, reward + 0.1]}
 
 
 def test_speedup_is_paired_by_seed_and_learning_is_judged_against_the_spread(e2e):
@@ -40,6 +40,7 @@ def test_speedup_is_paired_by_seed_and_learning_is_judged_against_the_spread(e2e
     assert s["tracking"]["reward_vs_ar"]["within_spread"] is True
     assert s["frozen"]["reward_vs_ar"]["within_spread"] is False  # learned something else: flagged
     assert s["frozen"]["heldout_acc_vs_ar"]["diff"] == pytest.approx(0.91 - 0.42)
+    assert s["ar"]["reward_curve"] == pytest.approx([0.41, 0.61])  # step by step, the mean over seeds
 
 
 def test_one_seed_decides_nothing_about_learning(e2e):
