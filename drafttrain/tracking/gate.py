@@ -18,10 +18,9 @@ from __future__ import annotations
 import math
 
 import torch
-from scipy.special import stdtrit  # Student-t quantile: stdtrit(df, p)
-
-# imported here, at start-up: a lazy import in the first decision cost ~2 s, charged to the drafter's time bank, which
-# then stayed in debt for dozens of RL steps (issue 18: the default run trained the drafter first at step 48)
+# Student-t quantile, stdtrit(df, p). Imported at start-up: a lazy scipy import inside the first decision (~2 s)
+# was charged to the drafter's time bank, which could then stay in debt for many RL steps
+from scipy.special import stdtrit
 
 
 def paired_sums(new_rows: torch.Tensor, old_rows: torch.Tensor) -> list[float]:
