@@ -5,7 +5,7 @@ from drafttrain.config import load_recipe
 from drafttrain.engines import build_engine
 from drafttrain.policy import load_policy, save_policy, decode
 from drafttrain.rl.grpo import GRPO
-from drafttrain.policy.task import countdown_share as careful_share
+from drafttrain.policy.task import wrong_rule_share
 src, out, steps, lr = sys.argv[1], sys.argv[2], int(sys.argv[3]), float(sys.argv[4])
 seed = int(sys.argv[5]) if len(sys.argv) > 5 else 1
 torch.set_num_threads(int(sys.argv[6]) if len(sys.argv) > 6 else 1)
@@ -22,7 +22,7 @@ for s in range(steps):
     texts = [decode(tok, r) for r in ro.responses]
     m = g.train_step(ro)
     engine.update_policy()
-    rec = dict(step=s, reward=sum(ro.rewards) / len(ro.rewards), careful=round(careful_share(texts), 3),
+    rec = dict(step=s, reward=sum(ro.rewards) / len(ro.rewards), wrong=round(wrong_rule_share(texts), 3),
                len=sum(map(len, ro.responses)) / len(ro.responses), t=round(time.time() - t0))
     log.append(rec); print(json.dumps(rec), flush=True)
 save_policy(policy, tok, out)

@@ -1,29 +1,29 @@
-"""Synthetic verifiable task: iterate a map, writing each step in one of two styles.
+"""Synthetic verifiable task: iterate a map, step by step, with a right rule and a tempting wrong one.
 
-    prompt    Q:37*4=                          apply f(x) = (3x + 7) mod 100 four times to 37
-    response  18;c:61;90;a:77;A:77             (then EOS); the same steps, all plain: 18;61;90;77;A:77
+    prompt    Q:37*4=                          apply f(x) = (x + 7) mod 100 four times to 37
+    response  d:44;c:51;b:58;a:65;A:65         (then EOS)
 
-Each step is the next value, written plain (`61`) or after a countdown label (`c:61`: the label is the letter of
-the number of steps left, `a` on the last one). The answer is exact match of the final `A:` value. The SFT corpus
-writes each step in either style at random (COUNTDOWN_P each), so the SFT policy spreads over both. The number of
-steps is long-tailed (1 + a geometric draw, capped at 16): most responses are short, a few are long, as in
-reasoning RL where a handful of long rollouts dominate a batch.
+Each step is the next value after a countdown label (the letter of the number of steps left, `a` on the last one)
+and a mark of the rule applied: `:` for f, the right rule, `-` for g(x) = (x + 3) mod 100, a plausible wrong one
+(`d:44;c-48;...`: the chain goes on from the value written). The answer is exact match of the final `A:` value. The
+SFT teacher is a mixture of a right and a buggy solver: it applies g at WRONG_P of its steps and says so, so the SFT
+policy computes either rule reliably but picks the wrong one about half the time. The number of steps is
+long-tailed (1 + a geometric draw, capped at 16): most responses are short, a few are long, as in reasoning RL
+where a handful of long rollouts dominate a batch.
 
-Why this world (bench/NOTES.md, issue 18): a policy whose text moves while it gets better, through mechanisms that
-real RL shows, so that a drafter fitted to the step-0 policy goes stale:
-- sharpening at a choice point (entropy collapse): every step is a choice of style; the two styles are not equally
-  reliable for this policy (f is right 0.97 of the time after a countdown label, 0.76 after a plain step; a wrong
-  label ends the count early or late), so GRPO concentrates the policy on some ways of writing and the per-style
-  mix of the text shifts;
-- a length change: the mix shift and fewer over- or under-long chains shorten the responses;
-- competence gain: stopping after exactly n steps and f itself get more reliable, which changes the text too.
-Measured (bench/NOTES.md): 60 GRPO steps at the default recipe take held-out sampled accuracy from 0.35-0.37 to
-0.51-0.55; on the later policy's text the step-0 policy itself, as an ideal frozen drafter, loses 15% of its mean
-accepted length (k=5), the shipped step-0 EAGLE-3 drafter 7%.
+Why this world (issue 18): a policy whose text moves while it gets better, through mechanisms that real RL shows,
+so that a drafter fitted to the step-0 policy goes stale:
+- sharpening at choice points (entropy collapse): every step opens with a choice the SFT policy spreads evenly
+  over; the verifier rewards only chains that never take g, so GRPO concentrates the policy on `:` at every step
+  (a forking token whose distribution RL moves, while the text around it stays as easy to predict);
+- a skill the SFT policy barely had, learned by RL: solving long problems, which needs n right choices in a row
+  (sampled accuracy ~0.5^n at step 0).
+A drafter matched to the step-0 policy proposes `-` at every step as often as the SFT policy wrote it; once the
+policy never writes it, that half of its proposals at each step's mark is rejected.
 
-Kept small on purpose: the 5M-parameter policy learns local small-table operations (f of the previous value) but
-not non-local ones (fetching a term from the prompt, counting, two-digit addition), measured over six candidate
-worlds. f has short cycles (99 -> 04 -> 19 -> 64 -> 99); that only makes some chains periodic.
+Kept small on purpose: the 5M-parameter policy learns local small-table operations (a rule applied to the
+previous value, a countdown) but not non-local ones (fetching a term from the prompt, counting, two-digit
+multiplication), measured over eight candidate worlds (bench/NOTES.md).
 Everything is deterministic given a seed (`random.Random`), never the global RNG.
 """
 
@@ -37,24 +37,31 @@ MIN_STEPS = 1
 MAX_STEPS = 16
 EXTRA_STEP_P = 0.7  # P(one more step): extra steps ~ Geometric, mean 0.7/0.3 ~ 2.3
 LABELS = "abcdefghijklmnop"  # LABELS[j]: j steps left after this one
-COUNTDOWN_P = 0.5  # the SFT corpus's share of steps written with a countdown label
-MUL, ADD = 3, 7  # f(x) = (MUL x + ADD) mod 100
+WRONG_P = 0.5  # the SFT teacher's share of steps by the wrong rule g
+ADD, WRONG_ADD = 7, 3  # f(x) = (x + ADD) mod 100, the right rule; g(x) = (x + WRONG_ADD) mod 100, the wrong one
+RIGHT, WRONG = ":", "-"  # a step's mark of the rule applied: "c:51" (f), "c-48" (g)
 
 _NUMBER_RE = re.compile(r"-?\d+")
-_COUNTDOWN_RE = re.compile(r"(?:^|;)[a-p]:")
+_WRONG_RE = re.compile(r"(?:^|;)[a-p]" + WRONG)
 
 
 @dataclass(frozen=True)
 class Problem:
     prompt: str  # "Q:37*4="
     answer: str  # "77"
-    solution: str  # every step with its countdown label: "d:18;c:61;b:90;a:77;A:77" (no EOS)
+    solution: str  # every step by the right rule: "d:44;c:51;b:58;a:65;A:65" (no EOS)
     start: int  # 37
     n: int  # 4: how many times f is applied
 
 
 def f(x: int) -> int:
-    return (MUL * x + ADD) % 100
+    """The right rule."""
+    return (x + ADD) % 100
+
+
+def g(x: int) -> int:
+    """The wrong rule the SFT teacher sometimes applies."""
+    return (x + WRONG_ADD) % 100
 
 
 def sample_num_steps(rng: random.Random) -> int:
@@ -64,24 +71,25 @@ def sample_num_steps(rng: random.Random) -> int:
     return n
 
 
-def solve(start: int, n: int, countdown: list[bool]) -> str:
-    """The response for `start` iterated n times, step i written with its countdown label where countdown[i]."""
+def solve(start: int, n: int, wrong: list[bool] | None = None) -> str:
+    """The response for `start` iterated n times: step i by g where wrong[i], else by f (all f by default)."""
     x, steps = start, []
     for i in range(1, n + 1):
-        x = f(x)
-        steps.append((f"{LABELS[n - i]}:" if countdown[i - 1] else "") + f"{x:02d}")
+        bad = bool(wrong and wrong[i - 1])
+        x = g(x) if bad else f(x)
+        steps.append(f"{LABELS[n - i]}{WRONG if bad else RIGHT}{x:02d}")
     return ";".join(steps) + f";A:{x:02d}"
 
 
-def sample_solution(p: Problem, rng: random.Random, countdown_p: float = COUNTDOWN_P) -> str:
-    """One SFT response for `p`: each step labelled with probability countdown_p."""
-    return solve(p.start, p.n, [rng.random() < countdown_p for _ in range(p.n)])
+def sample_solution(p: Problem, rng: random.Random, wrong_p: float = WRONG_P) -> str:
+    """One SFT response for `p`: each step by the wrong rule with probability wrong_p."""
+    return solve(p.start, p.n, [rng.random() < wrong_p for _ in range(p.n)])
 
 
 def make_problem(start: int, n: int) -> Problem:
     if not (0 <= start < 100 and MIN_STEPS <= n <= MAX_STEPS):
         raise ValueError(f"start must be in 0..99 and n in {MIN_STEPS}..{MAX_STEPS}, got {start}, {n}")
-    solution = solve(start, n, [True] * n)
+    solution = solve(start, n)
     return Problem(prompt=f"Q:{start:02d}*{n}=", answer=solution.rsplit(":", 1)[1], solution=solution, start=start,
                    n=n)
 
@@ -92,7 +100,7 @@ def sample_problem(rng: random.Random) -> Problem:
 
 
 def longest_problem() -> Problem:
-    """A problem with the longest prompt (and, all labels written, response) the task draws: what sizes the engine."""
+    """A problem with the longest prompt and response the task draws: what sizes the engine."""
     return make_problem(99, MAX_STEPS)
 
 
@@ -123,7 +131,7 @@ def reward(problem_or_answer: Problem | str, response_text: str) -> float:
     return 1.0 if got is not None and got == answer else 0.0
 
 
-def countdown_share(texts: list[str]) -> float:
-    """The share of written steps that carry a countdown label: the style mix that RL moves."""
+def wrong_rule_share(texts: list[str]) -> float:
+    """The share of written steps that take the wrong rule: the choice RL moves."""
     steps = sum(t.count(";") for t in texts)
-    return sum(len(_COUNTDOWN_RE.findall(t)) for t in texts) / max(steps, 1)
+    return sum(len(_WRONG_RE.findall(t)) for t in texts) / max(steps, 1)

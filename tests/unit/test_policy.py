@@ -16,15 +16,16 @@ from drafttrain.policy.sft import IGNORE, encode_example
 from drafttrain.policy.task import (
     LABELS,
     MAX_STEPS,
-    countdown_share,
     extract_answer,
     f,
+    g,
     make_problem,
     make_prompts,
     reward,
     sample_problem,
     sample_solution,
     solve,
+    wrong_rule_share,
 )
 from drafttrain.policy.tokenizer import VOCAB_SIZE, build_tokenizer, decode, encode_prompt, load_tokenizer
 
@@ -36,12 +37,14 @@ TINY = PolicyConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, 
 # --- task -------------------------------------------------------------------------------------
 
 def test_problem_format_and_solution():
-    p = make_problem(37, 4)  # 37 -> 18 -> 61 -> 90 -> 77 under f(x) = (3x + 7) mod 100
+    p = make_problem(37, 4)  # 37 -> 44 -> 51 -> 58 -> 65 under f(x) = (x + 7) mod 100
     assert p.prompt == "Q:37*4="
-    assert p.solution == "d:18;c:61;b:90;a:77;A:77"  # every step labelled with the steps left after it
-    assert p.answer == "77"
-    assert solve(37, 4, [False, True, False, True]) == "18;c:61;90;a:77;A:77"
+    assert p.solution == "d:44;c:51;b:58;a:65;A:65"  # every step labelled with the steps left after it
+    assert p.answer == "65"
+    # g(x) = (x + 3) mod 100 where asked, marked `-`; the chain goes on from the value written
+    assert solve(37, 4, [False, True, False, True]) == "d:44;c-47;b:54;a-57;A:57"
     assert make_problem(0, 1).solution == "a:07;A:07"  # two digits always
+    assert make_problem(95, 2).solution == "b:02;a:09;A:09" and g(98) == 1  # mod 100
     for bad in ((100, 1), (5, 0), (5, MAX_STEPS + 1)):
         with pytest.raises(ValueError):
             make_problem(*bad)
@@ -64,23 +67,27 @@ def test_solutions_are_correct():
             x = f(x)
         assert int(p.answer) == x
         assert reward(p, p.solution) == 1.0
-        written = sample_solution(p, rng)  # a random mix of styles: the same values, the same answer
-        assert reward(p, written) == 1.0
-        assert [v.split(":")[-1] for v in written.split(";")] == [v.split(":")[-1] for v in p.solution.split(";")]
+        written = sample_solution(p, rng, wrong_p=0.0)  # the right rule throughout: the reference
+        assert written == p.solution
+        slipped = sample_solution(p, rng, wrong_p=1.0)  # the wrong rule throughout: a wrong answer
+        assert reward(p, slipped) == 0.0 and wrong_rule_share([slipped]) == 1.0
 
 
-def test_sft_corpus_mixes_the_step_styles():
-    """The SFT text spreads over both ways of writing a step (the choice RL sharpens): about half labelled, and the
-    label is always the countdown."""
+def test_sft_corpus_mixes_the_two_rules():
+    """The SFT text takes the wrong rule at about half its steps (the choice RL sharpens), marks each step with the
+    rule it applied, labels every step with the countdown, and gets exactly the chains without a slip right."""
     rng = random.Random(1)
-    texts = [sample_solution(p, rng) for p in make_prompts(2000, seed=2)]
-    assert 0.45 < countdown_share(texts) < 0.55
-    assert countdown_share([make_problem(5, 3).solution]) == 1.0 and countdown_share(["12;34;A:34"]) == 0.0
-    for t in texts[:200]:
-        steps = t.split(";")[:-1]
+    problems = make_prompts(2000, seed=2)
+    texts = [sample_solution(p, rng) for p in problems]
+    assert 0.47 < wrong_rule_share(texts) < 0.53
+    assert wrong_rule_share([make_problem(5, 3).solution]) == 0.0 and wrong_rule_share(["b-08;a:15;A:15"]) == 0.5
+    for p, t in zip(problems[:300], texts[:300]):
+        steps, x = t.split(";")[:-1], p.start
         for i, step in enumerate(steps):
-            if ":" in step:
-                assert step[0] == LABELS[len(steps) - 1 - i]
+            assert step[0] == LABELS[len(steps) - 1 - i] and step[1] in ":-"
+            x = f(x) if step[1] == ":" else g(x)
+            assert int(step[2:]) == x
+        assert reward(p, t) == float("-" not in t)
 
 
 def test_lengths_are_long_tailed():
@@ -92,18 +99,18 @@ def test_lengths_are_long_tailed():
 
 def test_reward_exact_match():
     p = make_problem(37, 4)
-    assert reward(p, "18;c:61;90;a:77;A:77") == 1.0
-    assert reward("77", "A:77") == 1.0
-    assert reward(p, "18;61;90;a:76;A:76") == 0.0  # wrong
-    assert reward(p, "A:770") == 0.0  # extra digit
-    assert reward(p, "A:7") == 0.0  # truncated
-    assert reward(p, "18;61;90;a:77") == 0.0  # no A:
+    assert reward(p, "d:44;c:51;b:58;a:65;A:65") == 1.0
+    assert reward("65", "A:65") == 1.0
+    assert reward(p, "d:44;c-47;b:54;a:61;A:61") == 0.0  # wrong
+    assert reward(p, "A:650") == 0.0  # extra digit
+    assert reward(p, "A:6") == 0.0  # truncated
+    assert reward(p, "d:44;c:51;b:58;a:65") == 0.0  # no A:
     assert reward(p, "") == 0.0
-    assert reward(p, "A:5;A:77") == 1.0  # the last A: counts
+    assert reward(p, "A:5;A:65") == 1.0  # the last A: counts
     assert extract_answer("x;A:77") == "77"
     assert extract_answer("no answer") is None
     # malformed answers score nothing (they scored 1.0: the last *well-formed* A: counted, trailing text ignored)
-    for bad in ("A:77;A:", "A:77;A:-", "A:77=78", "A:77;", "A:7 7"):
+    for bad in ("A:65;A:", "A:65;A:-", "A:65=66", "A:65;", "A:6 5"):
         assert reward(p, bad) == 0.0, bad
 
 
@@ -220,14 +227,18 @@ def test_shipped_checkpoint_matches_documented_config():
     assert size < 45e6
 
 
-def test_shipped_policy_solves_greedy():
-    """Short problems greedily decoded: the trained policy writes every step's value right and stops with the right
-    answer, in either style (a random one would not)."""
+def test_shipped_policy_computes_greedy():
+    """Problems greedily decoded: the trained policy applies the rule each step marks to the value before it, labels
+    every step with the countdown and stops after exactly n steps with the last value as its answer (a random one
+    would not). Which rule it marks is the choice RL sharpens, so not checked here."""
     model, tok = load_policy(str(SHIPPED))
-    for p in (make_problem(3, 2), make_problem(50, 1), make_problem(71, 3)):
+    for p in (make_problem(3, 2), make_problem(50, 1), make_problem(71, 3), make_problem(96, 5)):
         ids = torch.tensor([encode_prompt(tok, p.prompt)])
-        out = model.generate(ids, do_sample=False, max_new_tokens=24, eos_token_id=tok.eos_token_id,
+        out = model.generate(ids, do_sample=False, max_new_tokens=40, eos_token_id=tok.eos_token_id,
                              pad_token_id=tok.pad_token_id)
         text = decode(tok, out[0, ids.shape[1]:].tolist())
-        assert reward(p, text) == 1.0, (p.prompt, text)
-        assert [v.split(":")[-1] for v in text.split(";")] == [v.split(":")[-1] for v in p.solution.split(";")]
+        steps, x = text.split(";"), p.start
+        assert len(steps) == p.n + 1 and steps[-1] == f"A:{steps[-2][2:]}", (p.prompt, text)
+        for i, step in enumerate(steps[:-1]):
+            x = f(x) if step[1] == ":" else g(x)
+            assert step == f"{LABELS[p.n - 1 - i]}{step[1]}{x:02d}", (p.prompt, text)
