@@ -18,8 +18,11 @@ so that a drafter fitted to the step-0 policy goes stale:
   (a forking token whose distribution RL moves, while the text around it stays as easy to predict);
 - a skill the SFT policy barely had, learned by RL: solving long problems, which needs n right choices in a row
   (sampled accuracy ~0.5^n at step 0).
-A drafter matched to the step-0 policy proposes `-` at every step as often as the SFT policy wrote it; once the
-policy never writes it, that half of its proposals at each step's mark is rejected.
+A drafter matched to the step-0 policy proposes `-` at every step as often as the SFT policy wrote it, and hedges
+between the two rules' values; once the policy never writes `-`, those proposals are rejected, while a drafter
+retrained on the new text finds it easier than the old (one rule, no choice). Measured (bench/NOTES.md): 60 GRPO
+steps at the default recipe take the wrong-rule share from 0.50 to under 0.01 and held-out sampled accuracy from
+0.25 to about 0.95; the shipped step-0 EAGLE-3 drafter's MAL falls from 4.6 to 3.5 on the later policy's text.
 
 Kept small on purpose: the 5M-parameter policy learns local small-table operations (a rule applied to the
 previous value, a countdown) but not non-local ones (fetching a term from the prompt, counting, two-digit
