@@ -7,17 +7,19 @@ Each step is the next value after a countdown label (the letter of the number of
 and a mark of the rule applied: `:` for f, the right rule, `-` for g(x) = (x + 3) mod 100, a plausible wrong one
 (`d:44;c-48;...`: the chain goes on from the value written). The answer is exact match of the final `A:` value. The
 SFT teacher is a mixture of a right and a buggy solver: it applies g at WRONG_P of its steps and says so, so the SFT
-policy computes either rule reliably but picks the wrong one about half the time. The number of steps is
+policy computes either rule reliably but picks the wrong one at most steps: the right rule is the minority
+strategy, the one the verifier rewards. The number of steps is
 long-tailed (1 + a geometric draw, capped at 16): most responses are short, a few are long, as in reasoning RL
 where a handful of long rollouts dominate a batch.
 
 Why this world (issue 18): a policy whose text moves while it gets better, through mechanisms that real RL shows,
 so that a drafter fitted to the step-0 policy goes stale:
-- sharpening at choice points (entropy collapse): every step opens with a choice the SFT policy spreads evenly
-  over; the verifier rewards only chains that never take g, so GRPO concentrates the policy on `:` at every step
-  (a forking token whose distribution RL moves, while the text around it stays as easy to predict);
+- a strategy shift the reward favours, by sharpening at choice points: every step opens with a choice the SFT
+  policy spreads over (WRONG_P for g); the verifier rewards only chains that never take g, so GRPO moves the
+  policy onto `:` at every step (a forking token whose distribution RL moves, while the text around it stays as
+  easy to predict);
 - a skill the SFT policy barely had, learned by RL: solving long problems, which needs n right choices in a row
-  (sampled accuracy ~0.5^n at step 0).
+  (sampled accuracy ~(1 - WRONG_P)^n at step 0).
 A drafter matched to the step-0 policy proposes `-` at every step as often as the SFT policy wrote it, and hedges
 between the two rules' values; once the policy never writes `-`, those proposals are rejected, while a drafter
 retrained on the new text finds it easier than the old (one rule, no choice). Measured (bench/NOTES.md): 60 GRPO
@@ -40,7 +42,7 @@ MIN_STEPS = 1
 MAX_STEPS = 16
 EXTRA_STEP_P = 0.7  # P(one more step): extra steps ~ Geometric, mean 0.7/0.3 ~ 2.3
 LABELS = "abcdefghijklmnop"  # LABELS[j]: j steps left after this one
-WRONG_P = 0.5  # the SFT teacher's share of steps by the wrong rule g
+WRONG_P = 0.7  # the SFT teacher's share of steps by the wrong rule g
 ADD, WRONG_ADD = 7, 3  # f(x) = (x + ADD) mod 100, the right rule; g(x) = (x + WRONG_ADD) mod 100, the wrong one
 RIGHT, WRONG = ":", "-"  # a step's mark of the rule applied: "c:51" (f), "c-48" (g)
 
