@@ -222,7 +222,9 @@ def test_shipped_checkpoint_matches_documented_config():
     assert next(model.parameters()).dtype == torch.float32
     assert (c.bos_token_id, c.eos_token_id, c.pad_token_id) == (tok.bos_token_id, tok.eos_token_id, tok.pad_token_id)
     ev = json.loads((SHIPPED / "task_eval.json").read_text())
-    assert 0.15 <= ev["accuracy"] <= 0.9  # decent but imperfect (sampled, T=1): RL has room
+    # sampled (T=1) about (1 - WRONG_P)^n: it takes the wrong rule as often as its SFT teacher did, so RL has room;
+    # well above a random policy's 0 (test_shipped_policy_computes_greedy checks the computing itself)
+    assert 0.05 <= ev["accuracy"] <= 0.5
     assert ev["response_tokens_p90"] > ev["response_tokens_p50"]
     size = sum(f.stat().st_size for f in SHIPPED.iterdir())
     assert size < 45e6
