@@ -8,9 +8,8 @@ and a mark of the rule applied: `:` for f, the right rule, `-` for g(x) = (x + 3
 (`d:44;c-48;...`: the chain goes on from the value written). The answer is exact match of the final `A:` value. The
 SFT teacher is a mixture of a right and a buggy solver: it applies g at WRONG_P of its steps and says so, so the SFT
 policy computes either rule reliably but picks the wrong one at most steps: the right rule is the minority
-strategy, the one the verifier rewards. The number of steps is
-long-tailed (1 + a geometric draw, capped at 16): most responses are short, a few are long, as in reasoning RL
-where a handful of long rollouts dominate a batch.
+strategy, the one the verifier rewards. The number of steps is long-tailed (1 + a geometric draw, capped at 16):
+most responses are short, a few are long, as in reasoning RL where a handful of long rollouts dominate a batch.
 
 Why this world (issue 18): a policy whose text moves while it gets better, through mechanisms that real RL shows,
 so that a drafter fitted to the step-0 policy goes stale:
@@ -53,7 +52,7 @@ _WRONG_RE = re.compile(r"(?:^|;)[a-p]" + WRONG)
 @dataclass(frozen=True)
 class Problem:
     prompt: str  # "Q:37*4="
-    answer: str  # "77"
+    answer: str  # "65"
     solution: str  # every step by the right rule: "d:44;c:51;b:58;a:65;A:65" (no EOS)
     start: int  # 37
     n: int  # 4: how many times f is applied
