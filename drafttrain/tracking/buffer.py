@@ -61,13 +61,18 @@ class FeatureBuffer:
         elif s != self.steps:
             raise ValueError(f"FeatureBuffer.add: features built for ttt_steps={s}, the buffer holds "
                              f"ttt_steps={self.steps}")
+        keep = batch["valid"].any(1)
+        if skip is not None:
+            keep &= ~skip.bool()
+        # converted once per batch, not per row (the rows are then cut and copied out of it)
+        aux, probs = batch["aux"].to(self.dtype), batch["target_probs"].to(self.dtype)
+        ids = batch["next_ids"].to(torch.int32)
         n = 0
         for b, n_b in enumerate(L):
-            if not bool(batch["valid"][b].any()) or (skip is not None and bool(skip[b])):
+            if not keep[b]:
                 continue
-            rec = {"aux": batch["aux"][b, :n_b].to(self.dtype).clone(),
-                   "next_ids": batch["next_ids"][b, :n_b + s - 1].to(torch.int32).clone(),
-                   "target_probs": batch["target_probs"][b, :n_b + s].to(self.dtype).clone(),
+            rec = {"aux": aux[b, :n_b].clone(), "next_ids": ids[b, :n_b + s - 1].clone(),
+                   "target_probs": probs[b, :n_b + s].clone(),
                    "valid": batch["valid"][b, :n_b + s].clone(), "version": int(version)}
             self.records.append(rec)
             self.nbytes += _nbytes(rec)
