@@ -96,6 +96,9 @@ class OnlineConfig:
     # draws favour recent policies: a record v policy versions older than the newest weighs 0.5^(v / half_life)
     buffer_half_life: Optional[float] = 2.0  # in policy versions; null = uniform draws
     steps_per_update: int = 16  # at most this many drafter optimizer steps per RL step
+    # sync mode: an update's fixed work (estimate, gate, publish) costs about two drafter steps here, far more where a
+    # publish is dear (vLLM); more steps per update pay it less often but publish later (bench/NOTES.md, issue 18)
+    min_steps_per_update: int = 1  # sync: an update waits until the bank covers this many whole batches
     time_budget_s: float = 10.0  # sync mode: hard cap on drafter work per RL step
     # sync mode: each RL step earns budget_frac x its own time, drafter work spends it (tracking/bank.py)
     budget_frac: float = 0.05  # sync: drafter work / RL step time, on average (0 = no cap)
@@ -268,6 +271,9 @@ def validate(cfg: Config) -> None:
         (0 < cfg.train.query_frac <= 1, "train.query_frac", f"must be in (0, 1], got {cfg.train.query_frac}"),
         (cfg.online.steps_per_update >= 1, "online.steps_per_update",
          f"must be >= 1, got {cfg.online.steps_per_update}"),
+        (1 <= cfg.online.min_steps_per_update <= cfg.online.steps_per_update, "online.min_steps_per_update",
+         f"must be in [1, online.steps_per_update = {cfg.online.steps_per_update}], got "
+         f"{cfg.online.min_steps_per_update}"),
         (cfg.online.time_budget_s > 0, "online.time_budget_s", f"must be > 0, got {cfg.online.time_budget_s}"),
         (cfg.online.canary_prompts >= 1, "online.canary_prompts", f"must be >= 1, got {cfg.online.canary_prompts}"),
         (cfg.online.canary_max_new_tokens >= 1, "online.canary_max_new_tokens",

@@ -57,6 +57,13 @@ class TimeBank:
             n += 1
         return group[:n] if n else None
 
+    def covers(self, groups: list[list[dict]], allowance: float) -> bool:
+        """The predicted cost of every record of these groups (one drafter step each) fits `allowance`; nothing
+        measured yet: True."""
+        if self.tok_cost_s is None:
+            return True
+        return MARGIN * self.tok_cost_s * sum(padded_tokens(g) for g in groups) <= allowance
+
     def step_took(self, seconds: float, group: list[dict]) -> None:
         per_tok = seconds / padded_tokens(group)
         self.tok_cost_s = per_tok if self.tok_cost_s is None else 0.8 * self.tok_cost_s + 0.2 * per_tok

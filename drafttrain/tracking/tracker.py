@@ -220,7 +220,8 @@ class DraftTracker:
         """Up to online.steps_per_update drafter steps on length-grouped batches. Sync mode (rl_s: the RL step's
         own time) within time_budget_s and the bank: each step trains on as many records of its batch as the bank
         covers after the update's fixed work; the update ends when not one record fits (the bank's first update,
-        with nothing measured, takes one whole batch). Returns (losses, non-finite steps); None: the bank is
+        with nothing measured, takes one whole batch); it starts only when the bank covers online.min_steps_per_update
+        whole batches. Returns (losses, non-finite steps); None: the bank is
         empty."""
         oc, bank = self.cfg.online, self.bank
         banked = bank.on and rl_s is not None
@@ -235,9 +236,10 @@ class DraftTracker:
             return None if rl_s is None else bank.allowance(spent, banked)
 
         refill(oc.steps_per_update)
-        if banked:
+        if banked:  # an update starts once the bank covers min_steps_per_update whole batches after its fixed work
             bank.earn(rl_s, self._capture_last)
-            if not self.collective.everywhere(bank.bank_s > 0 and bank.fit(groups[-1], allowance(0.0)) is not None):
+            afford = bank.bank_s > 0 and bank.covers(groups[-oc.min_steps_per_update:], allowance(0.0))
+            if not self.collective.everywhere(afford):
                 return None
         losses, skipped = [], 0
         first = banked and not bank.measured  # the bank's first update: one batch

@@ -125,13 +125,13 @@ def slowed(monkeypatch, clock, module, name: str, seconds: float) -> None:
     monkeypatch.setattr(module, name, slow)
 
 
-def banked_tracker(trained, monkeypatch, clock):
+def banked_tracker(trained, monkeypatch, clock, *overrides):
     """A tracker with budget_frac=0.05 whose drafter steps take 5 ms of the fake clock per record (20 ms for a
     whole batch of 4 equal-length records); every update with a step publishes (no publish gate), every row trains
-    (none held out)."""
+    (none held out); an update starts once the bank covers one whole batch (unless overridden)."""
     tracker, _ = tracker_with_features(trained, engine_for(trained), "online.budget_frac=0.05",
                                         "online.steps_per_update=50", "online.publish_gate=false",
-                                        "online.holdout_frac=0")
+                                        "online.holdout_frac=0", "online.min_steps_per_update=1", *overrides)
     step = tracker.trainer.step
 
     def slow_step(batch):

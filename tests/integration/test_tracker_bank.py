@@ -33,6 +33,23 @@ def test_sync_training_is_held_to_its_time_bank(trained, monkeypatch):
     assert tracker.bank.bank_s == pytest.approx(0.005)
 
 
+def test_an_update_waits_until_the_bank_covers_min_steps_whole_batches(trained, monkeypatch):
+    """online.min_steps_per_update=2: an update's fixed work is paid once for several steps. After the first update
+    (one batch, 30 ms left), 10 ms more (40 ms) covers one batch (25 ms predicted), not two: no update, nothing
+    spent (with 1, it would take a batch and two records); 15 ms more (55 ms) covers two: the update starts, takes
+    two batches (40 ms) and, as any update, the records the rest covers (two: 10 ms), 5 ms left."""
+    clock = fake_clock(monkeypatch)
+    tracker = banked_tracker(trained, monkeypatch, clock, "online.min_steps_per_update=2")
+    tracker.buffer.records.extend(list(tracker.buffer.records) * 2)  # 3 batches of 4 (else fewer than 2 to wait for)
+    tracker._last_update_t = 0.0
+    taken = []
+    for rl_s in (1.0, 0.2, 0.3):
+        clock[0] += rl_s
+        taken.append(tracker.on_policy_update(trained["policy"], len(taken))["drafter_steps"])
+    assert taken == [1, 0, 3]
+    assert tracker.bank.bank_s == pytest.approx(0.005)
+
+
 def test_an_update_with_no_step_is_idle_not_a_nan_alarm(trained, monkeypatch):
     """The bank covered a record when the update began, but not by the time its first step was due (here the
     buffer's sampling took the time): no drafter step ran. That is an idle update, not "all 0 drafter steps had a

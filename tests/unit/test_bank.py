@@ -45,6 +45,16 @@ def test_fit_takes_the_longest_prefix_whose_predicted_step_fits():
     assert bank.fit(group, per_tok * 4 * 8) == group
 
 
+def test_covers_predicts_whole_batches_against_the_allowance():
+    bank = TimeBank(0.05, 1.0)
+    groups = [_group(2, 4), _group(8)]  # 8 + 8 padded tokens
+    assert bank.covers(groups, 0.0)  # nothing measured: the first update is not held back
+    bank.step_took(0.01, _group(10))  # 1 ms a padded token
+    assert bank.covers(groups, MARGIN * 0.016)
+    assert not bank.covers(groups, MARGIN * 0.016 - 1e-9)
+    assert bank.covers(groups[:1], MARGIN * 0.008) and not bank.covers(groups[:1], MARGIN * 0.008 - 1e-9)
+
+
 def test_costs_are_moving_averages_and_travel_with_the_state():
     bank = TimeBank(0.05, 1.0)
     assert not bank.measured
