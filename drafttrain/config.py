@@ -13,7 +13,6 @@ import ast
 import dataclasses
 import io
 import math
-import os
 import tokenize
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -145,6 +144,21 @@ class RLConfig:
 
 
 @dataclass
+class DataConfig:  # read by drafttrain/data.py
+    path: Optional[str] = None  # prompts: a .jsonl/.json/.parquet/.csv file or a save_to_disk folder; null = the task
+    prompt_field: str = "prompt"  # the prompts' column
+    answer_field: Optional[str] = "answer"  # reference answers' column (the default reward's; unused with reward.fn)
+    chat_template: Optional[bool] = None  # prompts in the tokenizer's chat template; null = where it has one
+    split: str = "train"  # the split of data.path to read
+    eval_size: int = 256  # rows held out of training (a fixed draw) for eval.json
+
+
+@dataclass
+class RewardConfig:
+    fn: Optional[str] = None  # module:function, fn(prompt, response, row) -> float; null = exact match
+
+
+@dataclass
 class RunConfig:
     out_dir: str = "runs/${recipe}"  # where the run writes; a rerun into it resumes
     seed: int = 0  # torch seed (+ process index)
@@ -162,6 +176,8 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     online: OnlineConfig = field(default_factory=OnlineConfig)
     rl: RLConfig = field(default_factory=RLConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
     run: RunConfig = field(default_factory=RunConfig)
 
 
@@ -302,26 +318,13 @@ def validate(cfg: Config) -> None:
          f"must be >= 1 or null (the policy's), got {cfg.drafter.draft_vocab_size}"),
         (cfg.drafter.intermediate_size is None or cfg.drafter.intermediate_size >= 1, "drafter.intermediate_size",
          f"must be >= 1 or null (the policy's), got {cfg.drafter.intermediate_size}"),
+        (cfg.data.eval_size >= 1, "data.eval_size", f"must be >= 1, got {cfg.data.eval_size}"),
         (cfg.online.canary_min_ratio >= 0, "online.canary_min_ratio",
          f"must be >= 0, got {cfg.online.canary_min_ratio}"),
     ]
     for ok, key, msg in checks:
         if not ok:
             raise ConfigError(f"{key}: {msg}")
-
-
-def check_out_dir(out_dir: str | Path) -> None:
-    """run.out_dir must be a folder, or one that can be made: its nearest existing ancestor a writable folder."""
-    p = Path(out_dir)
-    if p.exists() and not p.is_dir():
-        raise ConfigError(f"run.out_dir: {p} exists and is not a folder")
-    q = p.absolute()
-    while not q.exists():
-        q = q.parent
-    if not q.is_dir():
-        raise ConfigError(f"run.out_dir: cannot make {p}: {q} is a file")
-    if not os.access(q, os.W_OK | os.X_OK):
-        raise ConfigError(f"run.out_dir: cannot write into {q}")
 
 
 def key_docs() -> dict[str, tuple[Any, str]]:

@@ -8,6 +8,7 @@ Both commands run this module as __main__. Bad input (a config key, a missing fi
 import sys
 
 from drafttrain.config import RECIPES_DIR, ConfigError, key_docs, load_recipe
+from drafttrain.data import RewardError
 from drafttrain.rl.job import main
 
 
@@ -56,7 +57,7 @@ def cli(argv: list[str] | None = None) -> None:
     try:
         cfg = load_recipe(recipe[-1] if recipe else "eagle3_track", overrides)
         main(cfg)
-    except (ConfigError, FileNotFoundError) as e:
+    except (ConfigError, FileNotFoundError, RewardError) as e:
         raise SystemExit(f"error: {e}") from None
 
 

@@ -6,11 +6,13 @@
         --dynamo_backend no scripts/pretrain_drafter.py threads=1
 
 Keys: this script's (PretrainConfig below) plus any recipe key (`recipe=eagle3_track`, then e.g. `train.lr=`).
-Data is regenerated in chunks, each process its own shard: the policy samples responses to fresh task prompts
-through the embedded engine (AR, the recipe's sampling); one teacher-forced policy forward per `fwd_batch`
-rollouts (grouped by length) under HiddenCapture yields the aux states and the policy's distributions, which
-enter a FeatureBuffer. The drafter, always a fresh one (DrafterTrainer, ttt_loss), trains after each chunk
-until each rollout so far has been drawn `epochs` times on average (warmup, then cosine lr).
+Data is regenerated in chunks, each process its own shard: the policy samples responses to fresh prompts (the
+task's, or your own: policy.path, data.path and the other data.* keys, as in the main job) through the embedded
+engine (AR, the recipe's sampling); one teacher-forced policy forward per `fwd_batch` rollouts (grouped by length)
+under HiddenCapture yields the aux states and the policy's distributions, which enter a FeatureBuffer (with
+cache=DIR also DIR, per chunk: a rerun on the same data loads them). The drafter, always a fresh one
+(DrafterTrainer, ttt_loss), trains after each chunk until each rollout so far has been drawn `epochs` times on
+average (warmup, then cosine lr).
 Training state (drafter, optimizer, step, buffer, data cursor, batches drawn ahead) is checkpointed to
 `<out>.state/` every `save_every` steps and at `max_steps`; a rerun with resume=true and the same settings continues
 there exactly (other settings: a one-line error). At the end the drafter is
@@ -40,12 +42,13 @@ from omegaconf.errors import OmegaConfBaseException
 from tqdm import tqdm
 
 from drafttrain.config import ConfigError, load_recipe, resolve_path, sampling_params
+from drafttrain.data import Prompts, stop_ids
 from drafttrain.drafters import build_drafter
 from drafttrain.engines import build_engine
 from drafttrain.export import save_drafter
 from drafttrain.tracking import DrafterTrainer, FeatureBuffer, teacher_forced_features
 from drafttrain.tracking.buffer import collate
-from drafttrain.policy import encode_prompt, load_policy, make_prompts
+from drafttrain.policy import load_policy
 from drafttrain.spec import SpecStats
 
 
@@ -72,6 +75,7 @@ class PretrainConfig:
     eval_prompts: int = 128
     seed: int = 0
     threads: int = 0  # torch threads per process; 0 = torch's default
+    cache: str = ""  # folder for the regenerated features, per chunk: a rerun with the same data loads them; "" = off
 
 
 def main(pc: PretrainConfig) -> dict:
@@ -80,7 +84,8 @@ def main(pc: PretrainConfig) -> dict:
     cfg = load_recipe(pc.recipe, [*RECIPE_DEFAULTS, *pc.overrides, "drafter.path=null"])
     acc = Accelerator(cpu=True)
     rank, world, main_proc = acc.process_index, acc.num_processes, acc.is_main_process
-    policy, tok = load_policy(str(resolve_path(cfg.policy.path)))
+    policy, tok = load_policy(str(resolve_path(cfg.policy.path)), cfg.engine.kind)
+    prompts = Prompts(cfg, tok, stop_ids(policy, tok))  # the task's, or data.path's
     torch.manual_seed(pc.seed)
     drafter = build_drafter(cfg.drafter, policy)
     buffer = FeatureBuffer(pc.buffer_mb << 20, torch.bfloat16, seed=pc.seed * 7919 + rank, name="buffer_mb")
@@ -106,7 +111,7 @@ def main(pc: PretrainConfig) -> dict:
     stop = pc.max_steps or total
     while trainer.step_count < stop:
         if trainer.step_count >= -(-total * chunks_done // n_chunks):  # trained enough on the data so far
-            add_chunk(pc, cfg, policy, tok, gen_engine, buffer, drafter.aux_layer_ids, chunks_done, rank, world)
+            add_chunk(pc, cfg, policy, prompts, gen_engine, buffer, drafter.aux_layer_ids, chunks_done, rank, world)
             chunks_done += 1
             continue
         s = trainer.step_count
@@ -130,7 +135,7 @@ def main(pc: PretrainConfig) -> dict:
              "recipe_config": OmegaConf.to_container(cfg)}
     if done:
         acc.wait_for_everyone()
-        extra["eval"] = evaluate(cfg, policy, tok, drafter, pc) if main_proc else {}
+        extra["eval"] = evaluate(cfg, policy, prompts, drafter, pc) if main_proc else {}
     if main_proc:
         save_drafter(drafter.eval(), out, verifier=cfg.policy.path, k=cfg.engine.k, extra=extra)
         print(json.dumps({"out": str(out), "steps": trainer.step_count, "done": done, **extra.get("eval", {})}))
@@ -144,20 +149,43 @@ def resume_key(pc: PretrainConfig, cfg, world: int) -> str:
     """The settings a resumed run must share with the run that wrote the state."""
     return (f"prompts={pc.prompts} chunk={pc.chunk} epochs={pc.epochs} seed={pc.seed} world={world} "
             f"drafter.ttt_steps={cfg.drafter.ttt_steps} train.batch_size={cfg.train.batch_size} "
-            f"train.lr={cfg.train.lr} policy.path={cfg.policy.path}")
+            f"train.lr={cfg.train.lr} policy.path={cfg.policy.path} data.path={cfg.data.path}")
 
 
-def add_chunk(pc, cfg, policy, tok, engine, buffer, aux_ids, c: int, rank: int, world: int) -> None:
-    """Chunk c of this process's shard: AR rollouts on fresh prompts, then their features into the buffer."""
+def add_chunk(pc, cfg, policy, source: Prompts, engine, buffer, aux_ids, c: int, rank: int, world: int) -> None:
+    """Chunk c of this process's shard: AR rollouts on fresh prompts, then their features into the buffer. With
+    `cache`, the features are saved per chunk (and process), and a later run with the same settings loads them."""
     seed = (pc.seed * 100_003 + c) * world + rank
-    prompts = [encode_prompt(tok, p.prompt) for p in make_prompts(pc.chunk, seed=seed)]
-    params = sampling_params(cfg, stop_token_ids=(tok.eos_token_id,), seed=seed)
+    cached = Path(pc.cache) / f"chunk-{c}-of-{world}-{rank}.pt" if pc.cache else None
+    if cached is not None and cached.is_file():
+        saved = torch.load(cached, weights_only=True)
+        if saved["key"] == cache_key(pc, cfg):
+            for feats in saved["feats"]:
+                buffer.add(feats)
+            return
+    prompts = [source.encode(r) for r in source.rows(pc.chunk, seed=seed)]
+    params = sampling_params(cfg, stop_token_ids=source.stop_ids, seed=seed)
     resp = engine.generate(prompts, params, speculative=False).tokens
     order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]) + len(resp[i]))  # little padding
+    feats = []
     for g in range(0, len(order), pc.fwd_batch):
         idx = order[g:g + pc.fwd_batch]
-        buffer.add(teacher_forced_features(policy, [prompts[i] for i in idx], [resp[i] for i in idx], aux_ids,
-                                           cfg.drafter.ttt_steps))
+        feats.append(teacher_forced_features(policy, [prompts[i] for i in idx], [resp[i] for i in idx], aux_ids,
+                                             cfg.drafter.ttt_steps))
+        buffer.add(feats[-1])
+    if cached is not None:
+        cached.parent.mkdir(parents=True, exist_ok=True)
+        tmp = cached.with_suffix(".tmp")
+        torch.save({"key": cache_key(pc, cfg), "feats": feats}, tmp)
+        tmp.replace(cached)  # a reader never sees half a file
+
+
+def cache_key(pc: PretrainConfig, cfg) -> str:
+    """What a chunk's cached features depend on: the data (policy, prompts, sampling, seed) and the features' form."""
+    return (f"policy.path={cfg.policy.path} data={cfg.data.path}:{cfg.data.split}:{cfg.data.prompt_field} "
+            f"chat={cfg.data.chat_template} seed={pc.seed} chunk={pc.chunk} fwd_batch={pc.fwd_batch} "
+            f"sampling={dict(cfg.sampling)} drafter.ttt_steps={cfg.drafter.ttt_steps} "
+            f"aux={cfg.drafter.aux_layer_ids}")
 
 
 def lr_factor(step: int, total: int, warmup: int) -> float:
@@ -168,14 +196,15 @@ def lr_factor(step: int, total: int, warmup: int) -> float:
 
 
 @torch.no_grad()
-def evaluate(cfg, policy, tok, drafter, pc: PretrainConfig) -> dict:
-    """Speculative rollouts on fresh prompts with the recipe's engine (k, int8, draft sampling) and sampling."""
+def evaluate(cfg, policy, source: Prompts, drafter, pc: PretrainConfig) -> dict:
+    """Speculative rollouts on fresh prompts (user data: its held-out rows) with the recipe's engine (k, int8, draft
+    sampling) and sampling."""
     engine = build_engine(cfg.engine, policy, drafter)
-    problems = make_prompts(pc.eval_prompts, seed=10**9 + pc.seed)
-    params = sampling_params(cfg, stop_token_ids=(tok.eos_token_id,), seed=pc.seed)
+    problems = source.eval_rows(pc.eval_prompts, seed=10**9 + pc.seed)
+    params = sampling_params(cfg, stop_token_ids=source.stop_ids, seed=pc.seed)
     stats, t0 = SpecStats(), time.time()
     for i in range(0, len(problems), cfg.engine.max_batch):
-        prompts = [encode_prompt(tok, p.prompt) for p in problems[i:i + cfg.engine.max_batch]]
+        prompts = [source.encode(p) for p in problems[i:i + cfg.engine.max_batch]]
         stats = stats.merge(engine.generate(prompts, params, speculative=True).stats)
     return {"k": cfg.engine.k, "mean_accepted_length": round(stats.mean_accepted_length, 4),
             "acceptance_per_position": [round(a, 4) for a in stats.acceptance_per_position],

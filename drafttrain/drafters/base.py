@@ -37,7 +37,11 @@ def build_drafter(cfg, policy):
         from drafttrain.export import load_drafter
 
         d = load_drafter(resolve_path(cfg.path), target_num_layers=policy.config.num_hidden_layers)
-        check_compatible(d, policy)
+        try:
+            check_compatible(d, policy)
+        except ValueError as e:  # name the key: the drafter there was made for another policy
+            raise ValueError(f"drafter.path: {cfg.path} does not fit the policy: {e} (pretrain one for it with "
+                             f"scripts/pretrain_drafter.py, or drafter.path=null for a fresh drafter)") from None
         # the checkpoint fixes its shape: a recipe asking for another one is an error, not silently overridden
         have = {"aux_layer_ids": list(d.aux_layer_ids), "draft_vocab_size": d.config.draft_vocab_size,
                 "intermediate_size": d.config.intermediate_size}

@@ -30,13 +30,17 @@ from dataclasses import asdict, dataclass
 
 import torch
 from safetensors import SafetensorError
-from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+from transformers import (AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, PreTrainedModel,
+                          PreTrainedTokenizerBase, PreTrainedTokenizerFast)
 
 from drafttrain.atomic import recover_dir, replace_dir
 from drafttrain.config import ConfigError
 from drafttrain.policy.tokenizer import VOCAB_SIZE, build_tokenizer, load_tokenizer
 
-REQUIRED_FILES = ("config.json", "model.safetensors", "tokenizer.json")
+# one of each: config, weights (single file or sharded), tokenizer
+REQUIRED_FILES = (("config.json",), ("model.safetensors", "model.safetensors.index.json"),
+                  ("tokenizer.json", "tokenizer_config.json"))
+SERVED = ("llama", "qwen2", "qwen3")  # model_type values the embedded engine serves (modeling.py)
 
 
 @dataclass
@@ -104,23 +108,34 @@ def check_checkpoint(path: str) -> None:
     recover_dir(path)
     if not os.path.isdir(path):
         raise FileNotFoundError(f"policy checkpoint not found: {path}")
-    missing = [f for f in REQUIRED_FILES if not os.path.isfile(os.path.join(path, f))]
+    missing = [" or ".join(alts) for alts in REQUIRED_FILES
+               if not any(os.path.isfile(os.path.join(path, f)) for f in alts)]
     if missing:
         raise FileNotFoundError(f"policy checkpoint {path} is incomplete: missing {', '.join(missing)}")
 
 
-def load_policy(path: str) -> tuple[LlamaForCausalLM, PreTrainedTokenizerFast]:
-    """(model in fp32, eval mode; tokenizer) from a directory written by `save_policy`. A file that does not parse
-    (truncated, emptied, garbled) is a one-line `ConfigError` naming it."""
+def load_policy(path: str, engine: str = "torch") -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """(model in fp32, eval mode; tokenizer) from an HF checkpoint folder (`save_policy`'s, or the user's own). A
+    file that does not parse (truncated, emptied, garbled) is a one-line `ConfigError` naming it; so is a model
+    family the embedded engine (engine="torch") does not serve."""
     check_checkpoint(path)
-    for name in ("config.json", "tokenizer.json"):
+    config = {}
+    for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
+        if not os.path.isfile(os.path.join(path, name)):
+            continue
         try:
             with open(os.path.join(path, name), "rb") as f:
-                json.loads(f.read())
+                data = json.loads(f.read())
         except ValueError as e:  # JSONDecodeError, UnicodeDecodeError
             raise _unreadable(os.path.join(path, name), e) from None
+        config = data if name == "config.json" else config
+    kind = config.get("model_type")
+    if engine == "torch" and kind not in SERVED:
+        arch = ", ".join(config.get("architectures") or []) or "no architectures entry"
+        raise ConfigError(f"policy.path: {path} is a {kind!r} model ({arch}); the embedded engine serves "
+                          f"{', '.join(SERVED)}: use engine.kind=vllm for it")
     try:
-        model = LlamaForCausalLM.from_pretrained(path, dtype=torch.float32)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     except SafetensorError as e:
         raise _unreadable(os.path.join(path, "model.safetensors"), e) from None
     model.eval()

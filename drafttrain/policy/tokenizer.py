@@ -46,8 +46,11 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
     return tok
 
 
-def load_tokenizer(path: str) -> PreTrainedTokenizerFast:
-    return PreTrainedTokenizerFast.from_pretrained(path)
+def load_tokenizer(path: str):
+    """The checkpoint's tokenizer: this task's char tokenizer, or any other HF tokenizer (AutoTokenizer)."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path)
 
 
 def encode_prompt(tok: PreTrainedTokenizerFast, text: str) -> list[int]:

@@ -21,8 +21,7 @@ from dataclasses import dataclass, field
 import torch
 
 from drafttrain.config import ConfigError, sampling_params
-from drafttrain.policy import decode, encode_prompt, make_prompts, reward
-from drafttrain.policy.task import longest_problem
+from drafttrain.data import Prompts, stop_ids
 from drafttrain.spec import processed_logprobs
 
 
@@ -38,9 +37,11 @@ class Rollouts:
 
 
 class GRPO:
-    def __init__(self, cfg, policy, tok, engine, tracker=None, accelerator=None, rank: int = 0):
+    def __init__(self, cfg, policy, tok, engine, tracker=None, accelerator=None, rank: int = 0, prompts=None):
         self.cfg, self.policy, self.tok, self.engine, self.tracker = cfg, policy, tok, engine, tracker
         self.rank = rank
+        # the task's, or data.path's (with reward.fn)
+        self.prompts = prompts if prompts is not None else Prompts(cfg, tok, stop_ids(policy, tok))
         self._check_room(policy)
         self.opt = torch.optim.AdamW(policy.parameters(), lr=cfg.rl.lr, weight_decay=0.0)
         self.acc = accelerator
@@ -51,44 +52,45 @@ class GRPO:
         self._pool = ThreadPoolExecutor(max_workers=1) if cfg.rl.mode == "async" else None
 
     def _check_room(self, policy) -> None:
-        """At start-up: a row's positions (engine.max_len, capped by the policy's) hold the task's longest prompt plus
-        a full response. generate refuses a longer prompt, and a shorter room would cut responses off unscored."""
+        """At start-up: a row's positions (engine.max_len, capped by the policy's) hold the longest prompt plus a full
+        response. generate refuses a longer prompt, and a shorter room would cut responses off unscored."""
         s, max_len = self.cfg.sampling, self.cfg.engine.max_len
-        prompt = len(encode_prompt(self.tok, longest_problem().prompt))
+        prompt = self.prompts.longest_prompt()
         need, pos = prompt + s.max_new_tokens, getattr(policy.config, "max_position_embeddings", max_len)
         if max_len < need:
-            raise ConfigError(f"engine.max_len: must be >= {need}, the task's longest prompt ({prompt} tokens) + "
+            raise ConfigError(f"engine.max_len: must be >= {need}, the longest prompt ({prompt} tokens) + "
                               f"sampling.max_new_tokens ({s.max_new_tokens}), got {max_len}")
         if pos < need:
-            raise ConfigError(f"sampling.max_new_tokens: {s.max_new_tokens} + the task's longest prompt ({prompt} "
+            raise ConfigError(f"sampling.max_new_tokens: {s.max_new_tokens} + the longest prompt ({prompt} "
                               f"tokens) exceeds the policy's {pos} positions (max_position_embeddings)")
 
     def rollout(self, step: int) -> Rollouts:
         rl = self.cfg.rl
         seed = rl.prompt_seed * 1_000_003 + step * 101 + self.rank  # each step (and process) its own prompts
-        problems = make_prompts(rl.prompts_per_step, seed=seed)
-        prompts = [encode_prompt(self.tok, p.prompt) for p in problems for _ in range(rl.group_size)]
-        params = sampling_params(self.cfg, stop_token_ids=(self.tok.eos_token_id,), seed=seed)
+        rows = self.prompts.rows(rl.prompts_per_step, seed=seed)
+        prompts = [self.prompts.encode(r) for r in rows for _ in range(rl.group_size)]
+        params = sampling_params(self.cfg, stop_token_ids=self.prompts.stop_ids, seed=seed)
         if self.tracker is not None:  # the first batch of a new drafter version is its (inline) canary
             batch, canary = self.tracker.generate(self.engine, prompts, params, speculative=self.cfg.engine.speculative)
             self.tracker.set_probe(prompts[:: rl.group_size])
         else:
             batch, canary = self.engine.generate(prompts, params, speculative=self.cfg.engine.speculative), {}
-        rewards = [reward(problems[i // rl.group_size], decode(self.tok, r)) for i, r in enumerate(batch.tokens)]
+        P = self.prompts
+        rewards = [P.reward(rows[i // rl.group_size], P.decode(r)) for i, r in enumerate(batch.tokens)]
         return Rollouts(step, prompts, batch.tokens, batch.logprobs, rewards, batch, canary)
 
     def evaluate(self) -> dict:
-        """Held-out exact-match accuracy of the current policy on rl.eval_prompts fixed problems (rl.eval_seed):
-        sampled (sampling.temperature) and greedy, through the rollout engine (SD is lossless), seeded."""
-        rl, eos = self.cfg.rl, self.tok.eos_token_id
-        problems = make_prompts(rl.eval_prompts, seed=rl.eval_seed)
-        prompts = [encode_prompt(self.tok, p.prompt) for p in problems]
+        """Held-out accuracy (mean reward) of the current policy on rl.eval_prompts fixed problems (rl.eval_seed), or
+        on data.path's held-out rows: sampled (sampling.temperature) and greedy, through the rollout engine (SD is
+        lossless), seeded."""
+        rl, P = self.cfg.rl, self.prompts
+        rows = P.eval_rows(rl.eval_prompts, seed=rl.eval_seed)
+        prompts = [P.encode(r) for r in rows]
         out = {}
         for name, T in (("sampled", self.cfg.sampling.temperature), ("greedy", 0.0)):
-            params = sampling_params(self.cfg, temperature=T, stop_token_ids=(eos,), seed=rl.eval_seed)
+            params = sampling_params(self.cfg, temperature=T, stop_token_ids=P.stop_ids, seed=rl.eval_seed)
             batch = self.engine.generate(prompts, params, speculative=self.cfg.engine.speculative)
-            texts = [decode(self.tok, r) for r in batch.tokens]
-            out[f"eval_{name}_acc"] = statistics.fmean(reward(p, t) for p, t in zip(problems, texts))
+            out[f"eval_{name}_acc"] = statistics.fmean(P.reward(r, P.decode(t)) for r, t in zip(rows, batch.tokens))
         return out
 
     def advantages(self, rewards: list[float]) -> torch.Tensor:

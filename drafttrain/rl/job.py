@@ -22,6 +22,7 @@ import transformers
 from tqdm import tqdm
 
 from drafttrain.config import ConfigError, resolve_path, save_config
+from drafttrain.data import Prompts, stop_ids
 from drafttrain.drafters import build_drafter
 from drafttrain.engines import build_engine
 from drafttrain.policy import load_policy
@@ -73,15 +74,16 @@ def _run(cfg, acc, out: Path, stopper: Stopper) -> list[dict]:
     ckpt = Checkpointer(out, acc)
     last = ckpt.latest() if cfg.run.resume else None
     state = _resume_state(cfg, last, out) if last else None
-    policy, tok = load_policy(str(last / "policy") if last else str(resolve_path(cfg.policy.path)))
+    policy, tok = load_policy(str(last / "policy") if last else str(resolve_path(cfg.policy.path)), cfg.engine.kind)
     say = (lambda m: tqdm.write(m)) if acc.is_main_process else (lambda m: None)
+    prompts = Prompts(cfg, tok, stop_ids(policy, tok))  # bad data.* or reward.fn: one line, before any heavy set-up
     try:  # a drafter that does not fit the policy is bad input: one line, and nothing written yet
         drafter = build_drafter(cfg.drafter, policy)
         engine = build_engine(cfg.engine, policy, drafter)
         tracker = DraftTracker(cfg, policy, [engine], drafter, acc, log=say)
     except ValueError as e:
         raise ConfigError(str(e)) from None
-    grpo = GRPO(cfg, policy, tok, engine, tracker, acc, rank=acc.process_index)
+    grpo = GRPO(cfg, policy, tok, engine, tracker, acc, rank=acc.process_index, prompts=prompts)
     start = 0
     if state is not None:
         if tracker.trainer is not None:

@@ -20,7 +20,7 @@ import torch
 from omegaconf import OmegaConf
 from torch._weights_only_unpickler import get_globals_in_pkl
 
-from drafttrain.config import ConfigError, check_out_dir
+from drafttrain.config import ConfigError
 
 # every pickle global a checkpoint of this project holds: tensors (rebuilt from typed storages) and ordered dicts;
 # the rest is ints, floats, strings, bools, None, lists, tuples and dicts, which need no global
@@ -278,3 +278,17 @@ def _write_atomic(path: Path, text: str) -> None:
     tmp = path.with_name(f".{path.name}.tmp")
     tmp.write_text(text)
     os.replace(tmp, path)
+
+
+def check_out_dir(out_dir: str | Path) -> None:
+    """run.out_dir must be a folder, or one that can be made: its nearest existing ancestor a writable folder."""
+    p = Path(out_dir)
+    if p.exists() and not p.is_dir():
+        raise ConfigError(f"run.out_dir: {p} exists and is not a folder")
+    q = p.absolute()
+    while not q.exists():
+        q = q.parent
+    if not q.is_dir():
+        raise ConfigError(f"run.out_dir: cannot make {p}: {q} is a file")
+    if not os.access(q, os.W_OK | os.X_OK):
+        raise ConfigError(f"run.out_dir: cannot write into {q}")

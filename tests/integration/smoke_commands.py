@@ -329,6 +329,14 @@ NOT_RUN: list[NotRun] = [
     NotRun("bash scripts/gpu_check.sh", "needs a CUDA GPU and installs the CUDA vLLM; tests/unit/test_gpu_check.py "
            "checks its syntax and its refusal without a GPU"),
     NotRun("PIP_FIND_LINKS=/path/to/wheels PIP_NO_INDEX=1 bash scripts/gpu_check.sh", "needs a CUDA GPU"),
+    # the README's "Your own model": both need the user's checkpoint and prompts
+    NotRun("python scripts/pretrain_drafter.py policy.path=/models/my-qwen3 data.path=/data/prompts.jsonl "
+           "reward.fn=my_rewards:score out=/models/my-qwen3-eagle3 cache=/data/features",
+           "needs the user's model and data: tests/integration/test_own_model.py runs it with these keys on a tiny "
+           "Qwen3, a JSONL and a reward module in tests/"),
+    NotRun(f"{MAIN} recipe=eagle3_track policy.path=/models/my-qwen3 data.path=/data/prompts.jsonl "
+           "reward.fn=my_rewards:score drafter.path=/models/my-qwen3-eagle3",
+           "needs the user's model and data: tests/integration/test_own_model.py runs the main job with these keys"),
     NotRun("python -m drafttrain.report runs/eagle3_track runs/eagle3_frozen",
            "needs two finished runs: tests/unit/test_report_compare.py runs the same entry point on run folders"),
 ]

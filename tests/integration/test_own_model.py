@@ -1,0 +1,163 @@
+"""Your own model, prompts and reward (policy.path, data.*, reward.fn): a tiny random Qwen3 checkpoint, a JSONL of
+prompts and a reward module in tests/, through pretrain_drafter.py and the main job; and each bad input refused
+with one line naming its key. (The embedded engine's Qwen3 log-probs against HF: tests/unit/test_engine.py,
+test_family_greedy_sd_ar_hf.)"""
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+
+from drafttrain.config import ConfigError, load_recipe
+from drafttrain.data import HOLDOUT_SEED, Prompts, RewardError, stop_ids
+from drafttrain.policy import build_tokenizer, load_policy, save_policy
+from tests import own_reward
+from tests.conftest import load_script, tiny_policy
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+# ends every chat prompt with "A": a prompt encoded through the template is told apart from a plain one
+TEMPLATE = ("{{ bos_token }}{% for m in messages %}{{ m['content'] }}{% endfor %}"
+            "{% if add_generation_prompt %}A{% endif %}")
+
+
+@pytest.fixture(scope="module")
+def own(tmp_path_factory):
+    root = tmp_path_factory.mktemp("own")
+    tok = build_tokenizer()
+    tok.chat_template = TEMPLATE
+    pol = tiny_policy(vocab=48, hidden=64, layers=4, heads=4, kv_heads=2, inter=128, max_pos=256, family="qwen3")
+    pol.config.bos_token_id, pol.config.eos_token_id = tok.bos_token_id, tok.eos_token_id
+    pol.generation_config.eos_token_id = tok.eos_token_id
+    save_policy(pol, tok, str(root / "qwen3"))
+    rows = [{"question": f"Q:{i:02d}*{1 + i % 4}=", "answer": str(i)} for i in range(40)]
+    (root / "prompts.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    return root
+
+
+def keys(own, *extra):
+    return [f"policy.path={own / 'qwen3'}", f"data.path={own / 'prompts.jsonl'}", "data.prompt_field=question",
+            "reward.fn=tests.own_reward:has_digit", "data.eval_size=8", *extra]
+
+
+def test_pretrain_then_main_job_on_your_own_model(own, monkeypatch):
+    """pretrain_drafter.py on the user's Qwen3 and prompts (a few steps; its features cached, and a second run
+    loads them instead of regenerating), then the main job: 2 RL steps with EAGLE-3 tracking and a hot-swap,
+    rewards from reward.fn on training rows only, eval.json on the held-out rows only."""
+    pre = load_script("pretrain_drafter")
+    args = ["prompts=32", "chunk=16", "epochs=1", "eval_prompts=4", "threads=1", f"cache={own / 'cache'}",
+            "sampling.max_new_tokens=16", *keys(own)]
+    extra = pre.main(pre.parse([*args, f"out={own / 'e3'}"]))
+    assert extra["pretrain"]["steps"] == 2 and extra["eval"]["mean_accepted_length"] >= 1.0
+    assert len(list((own / "cache").glob("chunk-*.pt"))) == 2
+
+    def regenerate(*a, **kw):
+        raise AssertionError("the cached features were regenerated")
+
+    monkeypatch.setattr(pre, "teacher_forced_features", regenerate)
+    again = pre.main(pre.parse([*args, f"out={own / 'e3b'}", "resume=false"]))
+    assert again["pretrain"]["steps"] == 2
+    monkeypatch.undo()
+
+    from drafttrain.rl.job import main
+
+    own_reward.SEEN.clear()
+    cfg = load_recipe("eagle3_track", keys(own, f"drafter.path={own / 'e3'}", "rl.steps=2", "rl.prompts_per_step=4",
+                                          "rl.group_size=4", "rl.eval_prompts=8", "sampling.max_new_tokens=16",
+                                          "online.budget_frac=0", "online.publish_gate=false",
+                                          "run.tensorboard=false", f"run.out_dir={own / 'run'}"))
+    recs = main(cfg)
+    assert len(recs) == 2 and recs[-1]["drafter_version"] >= 1  # trained on the captured features and swapped in
+    assert all(0.0 <= r["reward_mean"] <= 1.0 for r in recs)
+    rows = [json.loads(line) for line in (own / "prompts.jsonl").read_text().splitlines()]
+    order = list(range(len(rows)))
+    random.Random(HOLDOUT_SEED).shuffle(order)
+    held = {rows[i]["question"] for i in order[:8]}
+    evals = 2 * 2 * 8  # before and after, sampled and greedy, 8 held-out rows
+    trained = own_reward.SEEN[8 * 2:len(own_reward.SEEN) - 8 * 2]  # between the two evaluations
+    assert set(own_reward.SEEN[:16]) == held and set(own_reward.SEEN[-16:]) == held
+    assert len(own_reward.SEEN) == evals + 2 * 4 * 4 and not set(trained) & held
+    ev = json.loads((own / "run" / "eval.json").read_text())
+    assert set(ev["before"]) == {"eval_sampled_acc", "eval_greedy_acc"}
+
+
+def test_chat_template_on_where_the_tokenizer_has_one(own):
+    cfg = load_recipe("eagle3_track", keys(own))
+    pol, tok = load_policy(str(own / "qwen3"))
+    a_id = tok.convert_tokens_to_ids("A")
+    row = {"prompt": "Q:12*3="}
+    assert Prompts(cfg, tok).encode(row)[-1] == a_id  # data.chat_template unset: the tokenizer has one
+    plain = Prompts(load_recipe("eagle3_track", keys(own, "data.chat_template=false")), tok).encode(row)
+    assert plain == tok("Q:12*3=")["input_ids"] and plain[-1] != a_id
+    assert stop_ids(pol, tok) == (tok.eos_token_id,)
+
+
+@pytest.mark.parametrize("extra, key", [
+    (["data.path=/nonexistent/prompts.jsonl"], "data.path"),
+    (["data.prompt_field=prompt"], "data.prompt_field"),
+    (["reward.fn=tests.own_reward:missing"], "reward.fn"),
+    (["reward.fn=no_such_module:fn"], "reward.fn"),
+    (["reward.fn=null", "data.answer_field=solution"], "data.answer_field"),
+    (["data.split=test"], "data.split"),
+])
+def test_bad_data_or_reward_is_one_line_naming_the_key(own, extra, key):
+    _, tok = load_policy(str(own / "qwen3"))
+    with pytest.raises(ConfigError) as e:
+        Prompts(load_recipe("eagle3_track", keys(own, *extra)), tok)
+    msg = str(e.value)
+    assert msg.startswith(f"{key}:") and "\n" not in msg
+
+
+@pytest.mark.parametrize("fn, why", [("not_finite", "not a finite number"), ("raises", "raised KeyError")])
+def test_a_bad_reward_stops_with_one_line_naming_reward_fn_and_the_row(own, fn, why):
+    _, tok = load_policy(str(own / "qwen3"))
+    prompts = Prompts(load_recipe("eagle3_track", keys(own, f"reward.fn=tests.own_reward:{fn}")), tok)
+    row = prompts.rows(1, seed=0)[0]
+    with pytest.raises(RewardError) as e:
+        prompts.reward(row, "12")
+    msg = str(e.value)
+    assert msg.startswith(f"reward.fn: tests.own_reward:{fn}") and why in msg and row["prompt"] in msg
+    assert "\n" not in msg
+
+
+def test_an_architecture_the_engine_does_not_serve_points_to_vllm(tmp_path):
+    path = tmp_path / "gpt2"
+    path.mkdir()
+    (path / "config.json").write_text(json.dumps({"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]}))
+    (path / "model.safetensors").write_bytes(b"")
+    (path / "tokenizer.json").write_text("{}")
+    with pytest.raises(ConfigError) as e:
+        load_policy(str(path))
+    msg = str(e.value)
+    assert msg.startswith("policy.path:") and "gpt2" in msg and "engine.kind=vllm" in msg and "\n" not in msg
+
+
+def test_the_main_job_says_a_missing_data_file_in_one_line(own, tmp_path):
+    from drafttrain.online import cli
+
+    with pytest.raises(SystemExit) as e:
+        cli(["recipe=eagle3_track", *keys(own, "data.path=/nonexistent/p.jsonl", f"run.out_dir={tmp_path}")])
+    assert str(e.value).startswith("error: data.path:") and "\n" not in str(e.value)
+
+
+def test_a_saved_dataset_folder_and_parquet_read_alike(own, tmp_path):
+    import datasets
+
+    rows = [json.loads(line) for line in (own / "prompts.jsonl").read_text().splitlines()]
+    datasets.Dataset.from_list(rows).save_to_disk(str(tmp_path / "saved"))
+    datasets.Dataset.from_list(rows).to_parquet(str(tmp_path / "p.parquet"))
+    _, tok = load_policy(str(own / "qwen3"))
+    got = [Prompts(load_recipe("eagle3_track", keys(own, f"data.path={p}")), tok).rows(6, seed=3)
+           for p in (own / "prompts.jsonl", tmp_path / "saved", tmp_path / "p.parquet")]
+    assert got[0] == got[1] == got[2] and all(r["prompt"] == r["question"] for r in got[0])
+
+
+def test_a_drafter_made_for_another_policy_is_refused_naming_drafter_path(own, tmp_path):
+    """The shipped EAGLE-3 drafter (hidden 256) on the user's Qwen3 (hidden 64): the main job said only "drafter
+    hidden_size 256 != policy hidden_size 64", naming no key."""
+    from drafttrain.online import cli
+
+    with pytest.raises(SystemExit) as e:
+        cli(["recipe=eagle3_track", *keys(own, f"run.out_dir={tmp_path}")])  # drafter.path: the shipped one
+    msg = str(e.value)
+    assert msg.startswith("error: drafter.path:") and "hidden_size" in msg and "\n" not in msg
