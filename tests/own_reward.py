@@ -1,4 +1,4 @@
-"""Reward functions the "your own model" tests name with reward.fn (module:function). SEEN records each call's
+"""Reward functions tests name with reward.fn (module:function). SEEN records each has_digit call's
 prompt, so a test can tell which rows the run trained and evaluated on."""
 from __future__ import annotations
 
@@ -16,3 +16,20 @@ def not_finite(prompt: str, response: str, row: dict) -> float:
 
 def raises(prompt: str, response: str, row: dict) -> float:
     raise KeyError("score")
+
+
+def length_parity(prompt: str, response: str, row: dict) -> float:
+    """A random policy earns no exact-match reward: this one gives every step a gradient."""
+    return float(len(response) % 2)
+
+
+CALLS = [0]
+LIMIT = [40]
+
+
+def fails_after_limit(prompt: str, response: str, row: dict) -> float:
+    """has_digit for the first LIMIT calls, then a verifier that is down."""
+    CALLS[0] += 1
+    if CALLS[0] > LIMIT[0]:
+        raise RuntimeError("verifier unreachable")
+    return float(any(c.isdigit() for c in response))

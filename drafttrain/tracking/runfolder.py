@@ -20,7 +20,7 @@ import torch
 from omegaconf import OmegaConf
 from torch._weights_only_unpickler import get_globals_in_pkl
 
-from drafttrain.config import ConfigError
+from drafttrain.config import ConfigError, key_docs
 
 # every pickle global a checkpoint of this project holds: tensors (rebuilt from typed storages) and ordered dicts;
 # the rest is ints, floats, strings, bools, None, lists, tuples and dicts, which need no global
@@ -203,9 +203,11 @@ def changed_settings(saved: dict, cfg, step: int) -> list[str]:
     """'key (saved -> now)' for each setting a resume would change, beyond FREE_ON_RESUME; rl.steps below the
     checkpoint's step too."""
     old, now = _flat(saved), _flat(OmegaConf.to_container(cfg, resolve=True))
+    # a key the saved run did not have yet (added by a later version) at its default is no change
+    new_default = {k for k, (v, _) in key_docs().items() if k not in old and k in now and now[k] == v}
     out = [f"{k} ({_short(old.get(k, '<absent>'))} -> {_short(now.get(k, '<absent>'))})"
            for k in sorted(old.keys() | now.keys())
-           if k not in FREE_ON_RESUME and (k not in old or k not in now or old[k] != now[k])]
+           if k not in FREE_ON_RESUME and k not in new_default and (k not in old or k not in now or old[k] != now[k])]
     if cfg.rl.steps < step:
         out.append(f"rl.steps ({cfg.rl.steps} is below the checkpoint's step {step})")
     return out

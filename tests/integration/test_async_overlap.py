@@ -31,12 +31,9 @@ def async_grpo(seed: int, *overrides: str):
 
 
 @pytest.mark.slow
-def test_async_rollouts_overlap_training_and_come_from_the_step_t_policy(monkeypatch):
-    from drafttrain.rl import grpo as grpo_module
-
+def test_async_rollouts_overlap_training_and_come_from_the_step_t_policy():
     # a random policy earns no exact-match reward: a reward by the response's length parity gives every step a gradient
-    monkeypatch.setattr(grpo_module, "reward", lambda problem, text: float(len(text) % 2))
-    grpo = async_grpo(0, "rl.micro_batch=8")
+    grpo = async_grpo(0, "rl.micro_batch=8", "reward.fn=tests.own_reward:length_parity")
     policy = grpo.policy
 
     # overlap, shown by a rendezvous: the background generation and the training step each wait for the other to

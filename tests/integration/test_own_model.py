@@ -161,3 +161,26 @@ def test_a_drafter_made_for_another_policy_is_refused_naming_drafter_path(own, t
         cli(["recipe=eagle3_track", *keys(own, f"run.out_dir={tmp_path}")])  # drafter.path: the shipped one
     msg = str(e.value)
     assert msg.startswith("error: drafter.path:") and "hidden_size" in msg and "\n" not in msg
+
+
+def test_a_reward_failing_mid_run_stops_in_one_line_and_loses_no_finished_step(own, tmp_path):
+    """The verifier fails on step 6's rollouts (16 evaluation calls, then 4 per step), which step 5 generates before
+    it is recorded (their canary verdict is part of its record): the main job stops with one line naming reward.fn,
+    the 5 recorded steps stay on disk, and the same command, once the verifier is back, resumes after them."""
+    from drafttrain.online import cli
+    from drafttrain.report import read_jsonl
+
+    args = ["recipe=eagle3_track", *keys(own, "reward.fn=tests.own_reward:fails_after_limit", "drafter.path=null",
+                                         "rl.steps=8", "rl.prompts_per_step=2", "rl.group_size=2",
+                                         "rl.eval_prompts=8", "sampling.max_new_tokens=8", "run.tensorboard=false",
+                                         f"run.out_dir={tmp_path}")]
+    own_reward.CALLS[0], own_reward.LIMIT[0] = 0, 16 + 6 * 4
+    with pytest.raises(SystemExit) as e:
+        cli(args)
+    msg = str(e.value)
+    assert msg.startswith("error: reward.fn: tests.own_reward:fails_after_limit raised RuntimeError")
+    assert "\n" not in msg
+    assert [r["step"] for r in read_jsonl(tmp_path / "metrics.jsonl")] == list(range(5))
+    own_reward.CALLS[0], own_reward.LIMIT[0] = 0, 10 ** 9
+    cli(args)
+    assert [r["step"] for r in read_jsonl(tmp_path / "metrics.jsonl")] == list(range(8))

@@ -145,6 +145,18 @@ def test_changed_settings_lists_the_keys_a_resume_would_change():
     assert got == ["engine.k (5 -> 'auto')", "rl.steps (10 is below the checkpoint's step 60)"]
 
 
+def test_a_checkpoint_from_before_a_new_key_resumes_when_the_key_is_at_its_default():
+    """A run checkpointed by a version without the data.* / reward.* sections (or any later key) resumed with them
+    at their defaults: refused before ("data.path (<absent> -> None)"), though nothing a resume would change."""
+    from omegaconf import OmegaConf
+
+    saved = OmegaConf.to_container(load_recipe("eagle3_track", ["rl.steps=60"]), resolve=True)
+    del saved["data"], saved["reward"], saved["online"]["min_steps_per_update"]
+    assert changed_settings(saved, load_recipe("eagle3_track", ["rl.steps=80"]), 60) == []
+    got = changed_settings(saved, load_recipe("eagle3_track", ["rl.steps=80", "reward.fn=m:f"]), 60)
+    assert got == ["reward.fn ('<absent>' -> 'm:f')"]
+
+
 def test_a_job_started_from_a_shell_outlives_the_shell(tmp_path):
     """Only a launcher's child follows its parent: `nohup python -m drafttrain.online ... &` must survive logout.
     A middle process starts the job (no launcher variables) and exits; the job must still be running after it."""
