@@ -59,8 +59,8 @@ def load_rows(data_cfg):
     if data_cfg.prompt_field not in ds.column_names:
         raise ConfigError(f"data.prompt_field: no column {data_cfg.prompt_field!r} in {path} (columns: "
                           f"{', '.join(ds.column_names)})")
-    if len(ds) == 0:
-        raise ConfigError(f"data.path: {path} holds no rows")
+    if len(ds) < 2:
+        raise ConfigError(f"data.path: {path} holds {len(ds)} rows; at least 2 are needed (one is held out)")
     return ds
 
 

@@ -131,6 +131,12 @@ def _run(cfg, acc, out: Path, stopper: Stopper) -> list[dict]:
                 logger.close()
             stopper.stop(step + 1, cfg.rl.steps)
     stopper.in_loop, stopper.step = False, None
+    if acc.num_processes > 1 and tracker.trainer is not None:  # a collective: every process, before any returns
+        agree = tracker.collective.agreement(tracker.version, tracker.drafter)
+        if not agree["agree"]:
+            raise RuntimeError(f"the {acc.num_processes} processes ended with different drafters: versions "
+                               f"{agree['versions']}, weight sums {agree['sums']}")
+        say(f"[drafttrain] {acc.num_processes} processes agree: drafter v{agree['versions'][0]} on each, equal weights")
     if logger is None:
         return []
     logger.close()

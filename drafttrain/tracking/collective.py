@@ -33,3 +33,12 @@ class Collective:
             x += [0.0, 0.0, 0.0] if s is None else [1.0, s["mal"] * s["stats"].verify_rows, s["stats"].verify_rows]
         x = self.sum(x)
         return [None if n == 0 else w / rows if rows else 1.0 for n, w, rows in zip(x[0::3], x[1::3], x[2::3])]
+
+    def agreement(self, version: int, module: torch.nn.Module) -> dict:
+        """Each process's drafter version and a float64 sum of its weights, gathered: DDP keeps the processes' drafters
+        equal, so a difference means one trained or published alone. {"versions", "sums", "agree"}."""
+        mine = torch.tensor([[float(version), float(sum(p.detach().double().sum() for p in module.parameters()))]],
+                            dtype=torch.float64)
+        rows = self.acc.gather(mine.to(self.acc.device)).cpu() if self.n > 1 else mine  # [n, 2]
+        versions, sums = [int(v) for v in rows[:, 0].tolist()], rows[:, 1].tolist()
+        return {"versions": versions, "sums": sums, "agree": len(set(versions)) == 1 and len(set(sums)) == 1}

@@ -106,7 +106,15 @@ def _rank_main(rank: int, store: str, out: str, case: str) -> None:
         if case == "canary" and step == 0:  # v1's first rollouts: nothing accepted here, all accepted there
             recs.append({"verdict": tr.observe_rollout(_batch(tr.version, 1 if rank == 0 else 6)),
                          "version": tr.version})
-    torch.save({"recs": recs, "weights": tr.drafter.state_dict(), "version": tr.version}, f"{out}/rank{rank}.pt")
+    weights = {k: v.clone() for k, v in tr.drafter.state_dict().items()}
+    agree = []
+    if case == "buffer":  # the end-of-run check: equal now; then one process's weights moved, seen by both
+        agree.append(tr.collective.agreement(tr.version, tr.drafter))
+        if rank == 1:
+            with torch.no_grad():
+                next(tr.drafter.parameters()).view(-1)[0] += 1.0
+        agree.append(tr.collective.agreement(tr.version, tr.drafter))
+    torch.save({"recs": recs, "weights": weights, "version": tr.version, "agree": agree}, f"{out}/rank{rank}.pt")
     torch.distributed.destroy_process_group()
 
 
@@ -141,6 +149,9 @@ def test_processes_take_the_same_drafter_steps(case, tmp_path):
     assert steps[0] == steps[1] and sum(steps[0]) > 0, steps
     assert r0["weights"].keys() == r1["weights"].keys()
     assert all(torch.equal(r0["weights"][k], r1["weights"][k]) for k in r0["weights"])
+    if case == "buffer":  # Collective.agreement, the main job's end-of-run check, sees the same on both processes
+        assert r0["agree"] == r1["agree"] and r0["agree"][0]["agree"] and not r0["agree"][1]["agree"]
+        assert r0["agree"][1]["versions"] == [r0["version"]] * 2
 
 
 def test_processes_take_the_same_publish_decision(tmp_path):

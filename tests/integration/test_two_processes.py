@@ -1,0 +1,54 @@
+"""The main job under `accelerate launch` with 2 processes (gloo, CPU): killed with SIGKILL mid-run, then resumed by
+the same command, it loses no step and duplicates none, and at the end both processes serve the same drafter
+version with equal weights (the job checks that with a collective and says so)."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+
+import pytest
+import torch
+
+from drafttrain.config import PROJECT_ROOT
+from drafttrain.report import read_jsonl
+from tests.integration.test_job import overrides
+
+LAUNCH = ["accelerate", "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1", "--mixed_precision",
+          "no", "--dynamo_backend", "no", "drafttrain/online.py"]
+
+
+@pytest.mark.slow
+def test_two_processes_kill_and_resume_lose_no_step_and_end_with_equal_drafters(policy_dir, tmp_path):
+    out, steps = tmp_path / "run", 6
+    cmd = [*LAUNCH, "recipe=eagle3_track", *overrides(policy_dir, out, f"rl.steps={steps}", "online.budget_frac=0")]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "ACCELERATE_USE_CPU": "1"}
+    latest = out / "ckpt" / "latest"
+    # a session of its own: the SIGKILL reaches the launcher and both workers at once, as a node failure would
+    proc = subprocess.Popen(cmd, cwd=PROJECT_ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True)
+    try:
+        deadline = time.time() + 300
+        while time.time() < deadline and proc.poll() is None:
+            if latest.is_file() and int(latest.read_text().strip().split("-")[1]) >= 2:
+                break
+            time.sleep(0.02)
+        assert proc.poll() is None, "the job ended before it was killed"
+        os.killpg(proc.pid, signal.SIGKILL)
+    finally:
+        proc.wait()
+    state = torch.load(out / "ckpt" / latest.read_text().strip() / "state.pt", weights_only=False)
+    step, version = state["step"], state["tracker"]["version"]
+    assert 2 <= step < steps
+
+    r = subprocess.run(cmd, cwd=PROJECT_ROOT, env=env, capture_output=True, text=True, timeout=400)
+    log = r.stdout + r.stderr
+    assert r.returncode == 0, log[-3000:]
+    assert f"[drafttrain] resumed {out} at step {step}, drafter v{version}" in log
+    recs = read_jsonl(out / "metrics.jsonl")
+    assert [x["step"] for x in recs] == list(range(steps))  # no lost or duplicated steps
+    assert recs[step]["rollout_drafter_version"] == version
+    final = recs[-1]["drafter_version"]
+    assert final > version  # the resumed run trained and published on both processes
+    assert f"[drafttrain] 2 processes agree: drafter v{final} on each, equal weights" in log
