@@ -108,9 +108,7 @@ class Prompts:
         n_eval = min(d.eval_size, len(ds) - 1)
         self.held, self.train = [ds[i] for i in order[:n_eval]], [ds[i] for i in order[n_eval:]]
         # every prompt's length once (batched): what sizes the engine's rows
-        lens = ds.map(lambda b: {"_n": [len(self.encode({"prompt": p})) for p in b[d.prompt_field]]}, batched=True,
-                      remove_columns=ds.column_names)
-        self.longest = max(lens["_n"])
+        self.longest = max(map(len, self.encode_many([{"prompt": p} for p in ds[d.prompt_field]])))
 
     def _row(self, row: dict) -> dict:
         return {**row, "prompt": row[self.cfg.data.prompt_field]}
@@ -139,6 +137,18 @@ class Prompts:
                                                tokenize=True)
             return list(out["input_ids"] if isinstance(out, dict) or hasattr(out, "keys") else out)
         return self.tok(text)["input_ids"]
+
+    def encode_many(self, rows: list[dict]) -> list[list[int]]:
+        """encode over many rows: the user's prompts through datasets' batched map (the chat template applied per
+        batch of rows), the task's directly."""
+        if not self.own:
+            return [self.encode(r) for r in rows]
+        import datasets
+
+        ds = datasets.Dataset.from_dict({"prompt": [r["prompt"] for r in rows]})
+        ids = ds.map(lambda b: {"ids": [self.encode({"prompt": p}) for p in b["prompt"]]}, batched=True,
+                     batch_size=64, remove_columns=["prompt"])
+        return [list(x) for x in ids["ids"]]
 
     def decode(self, ids: list[int]) -> str:
         if not self.own:
