@@ -119,10 +119,10 @@ def main(cfg) -> dict:
         rows.append({"drafter": dname, "mode": mode, "wall_s": wall, "wall_s_median": statistics.median(walls),
                      "wall_s_runs": walls, "tokens_per_s": sum(r.num_tokens for r in runs) / sum(walls),
                      "mal": stats.mean_accepted_length,
-                     "sd_steps": sum(t["on"] for r in runs for t in r.trace) / len(runs),
-                     "steps": sum(len(r.step_ends) for r in runs) / len(runs),
+                     "sd_steps": sum(t["on"] for r in runs for t in r.timeline.schedule) / len(runs),
+                     "steps": sum(len(r.timeline.ends) for r in runs) / len(runs),
                      "len_p50": lens[len(lens) // 2], "len_max": lens[-1]})
-        traces[(dname, mode)] = runs[-1].trace
+        traces[(dname, mode)] = runs[-1].timeline.schedule
     ar = next(r for r in rows if r["mode"] == "ar")
     for r in rows:
         r["vs_ar"] = ar["wall_s"] / r["wall_s"]
@@ -134,7 +134,7 @@ def main(cfg) -> dict:
 
     # sweep: throughput at an active batch, best drafter. Real rollouts (stop token on: past its end of text the
     # policy writes junk no drafter predicts, which would misstate SD), so the batch shrinks as rows finish:
-    # each B counts only the decode steps with at least 3/4 of B rows active (step_batch/step_tokens), over
+    # each B counts only the decode steps with at least 3/4 of B rows active (timeline.batch / timeline.tokens), over
     # max(sweep_min_batches, sweep_rows // B) batches of B prompts per repeat
     sweep = []
     drafter = make_drafter(best["drafter"], rc, policy)
@@ -158,7 +158,7 @@ def main(cfg) -> dict:
                     tot[name][0] += n
                     tot[name][1] += t
                     if name == "toggle":  # the very steps at_batch times (the first, a probe, is not one)
-                        on += [b.trace[i]["on"] for i in counted_steps(b, B)]
+                        on += [b.timeline.schedule[i]["on"] for i in counted_steps(b, B)]
             for name, (n, t) in tot.items():
                 tps[name].append(n / max(t, 1e-9))
         row = {"batch": B, **{f"{name}_tps": statistics.median(v) for name, v in tps.items()}}
@@ -198,21 +198,21 @@ def ceiling_wall(ar_run, sweep: list[dict]) -> float:
     def at(B: int) -> float:
         return gain[min(gain, key=lambda s: abs(math.log(s) - math.log(B)))]
 
-    e = ar_run.step_ends
-    steps = [(ar_run.step_batch[i], e[i] - e[i - 1]) for i in range(1, len(e))]
+    e = ar_run.timeline.ends
+    steps = [(ar_run.timeline.batch[i], e[i] - e[i - 1]) for i in range(1, len(e))]
     return ar_run.wall_s - sum(dt for _, dt in steps) + sum(dt / at(B) for B, dt in steps)
 
 
 def counted_steps(b, B: int) -> list[int]:
     """Indices of rollout b's decode steps that ran at least 3/4 of B rows, the first step left out: a step's time
     is from the end of the one before, and the first follows the prefill."""
-    return [i for i in range(1, len(b.step_ends)) if 4 * b.step_batch[i] >= 3 * B]
+    return [i for i in range(1, len(b.timeline.ends)) if 4 * b.timeline.batch[i] >= 3 * B]
 
 
 def at_batch(b, B: int) -> tuple[int, float]:
     """(tokens, seconds) of rollout b's counted_steps."""
     steps = counted_steps(b, B)
-    return sum(b.step_tokens[i] for i in steps), sum(b.step_ends[i] - b.step_ends[i - 1] for i in steps)
+    return sum(b.timeline.tokens[i] for i in steps), sum(b.timeline.ends[i] - b.timeline.ends[i - 1] for i in steps)
 
 
 def plot_trace(trace: list[dict], path: str) -> str:

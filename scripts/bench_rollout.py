@@ -134,7 +134,7 @@ def main(cfg) -> dict:
                     b = engine.generate(ch, params, speculative=(case[1] == "sd"))
                     ntok[case] += b.num_tokens
                     stats[case] = b.stats if stats[case] is None else stats[case].merge(b.stats)
-                    dec_s[case] += b.wall_s - b.prefill_s
+                    dec_s[case] += b.wall_s - b.timeline.prefill_s
                     dec_tok[case] += b.num_tokens - len(ch)  # each row's first token comes from the prefill
                 wall[case] += time.perf_counter() - t0
         for case in cases:

@@ -131,7 +131,7 @@ def swap_stall(engine, weights, tok, n_swaps=4) -> dict:
         landed.append((time.perf_counter(), engine.last_swap_s, engine.last_swap_critical_s))
         time.sleep(0.2)
     t.join()
-    ends = result["b"].step_ends
+    ends = result["b"].timeline.ends
     stalls = stall_steps(ends, [(t_land, swap_s) for t_land, swap_s, _ in landed])
     return {"median_decode_step_ms": statistics.median(b - a for a, b in zip(ends, ends[1:])) * 1e3,
             "swap_s": [x[1] for x in landed], "swap_critical_ms": [x[2] * 1e3 for x in landed],

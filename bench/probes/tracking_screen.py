@@ -13,6 +13,8 @@ q = last_quarter(recs)
 live = statistics.fmean(r["live_tf_mal"] for r in q); fr = statistics.fmean(r["frozen_tf_mal"] for r in q)
 res = {"name": name, "seed": seed, "ratio": live / fr, "live": live, "frozen": fr,
        "overhead": overhead(recs)["overhead_pct"], "steps": sum(r.get("drafter_steps") or 0 for r in recs),
-       "updates": sum(1 for r in recs if r.get("gate_rows")), "publishes": sum(bool(r.get("published")) for r in recs)}
+       "updates": sum(1 for r in recs if r.get("gate_rows")), "publishes": sum(bool(r.get("published")) for r in recs),
+       "rl_loop_s": sum(r["rl_step_s"] for r in recs), "measure_s": sum(r.get("measure_s") or 0 for r in recs),
+       "reward_last_quarter": statistics.fmean(r["reward_mean"] for r in q)}
 print("RESULT", json.dumps(res))
 open("/tmp/scr/results.jsonl", "a").write(json.dumps(res) + "\n")

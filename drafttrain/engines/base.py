@@ -14,6 +14,18 @@ from drafttrain.spec import SamplingParams, SpecStats
 
 
 @dataclass
+class Timeline:
+    """What a batch's decode steps did, for benchmarks (an engine fills what it knows; empty where unknown)."""
+    ends: list[float] = field(default_factory=list)  # time.perf_counter() at the end of each decode step
+    schedule: list[dict] = field(default_factory=list)  # SD schedule per decode step: batch, on, k, predicted speed-up
+    batch: list[int] = field(default_factory=list)  # active rows in each decode step (embedded engine)
+    tokens: list[int] = field(default_factory=list)  # response tokens each decode step emitted (embedded engine)
+    # of the batch's wall_s, the prompt processing before the first decode step: set-up, prefill and the first token
+    # of each row (embedded engine; 0 where unknown)
+    prefill_s: float = 0.0
+
+
+@dataclass
 class RolloutBatch:
     tokens: list[list[int]]  # response token ids per prompt (stop token included when one ended the row)
     logprobs: list[list[float]]  # the policy's log-prob of each emitted token under processed_probs
@@ -22,13 +34,8 @@ class RolloutBatch:
     finish_reasons: list[str] = field(default_factory=list)  # "stop" | "length"
     wall_s: float = 0.0
     drafter_versions: list[int] = field(default_factory=list)  # version used at each decode step
-    step_ends: list[float] = field(default_factory=list)  # time.perf_counter() at the end of each decode step
-    trace: list[dict] = field(default_factory=list)  # SD schedule per decode step: batch, on, k, predicted speed-up
-    step_batch: list[int] = field(default_factory=list)  # active rows in each decode step (embedded engine)
-    step_tokens: list[int] = field(default_factory=list)  # response tokens each decode step emitted (embedded engine)
-    # of wall_s, the prompt processing before the first decode step: set-up, prefill and the first token of each row
-    # (embedded engine; 0 where unknown)
-    prefill_s: float = 0.0
+    timeline: Timeline = field(default_factory=lambda: Timeline())  # per decode step, for benchmarks
+
 
     @property
     def num_tokens(self) -> int:

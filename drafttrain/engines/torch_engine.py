@@ -20,7 +20,7 @@ import torch
 
 from drafttrain.drafters.base import check_compatible, runtime_copy
 from drafttrain.drafters.weights import check_finite
-from drafttrain.engines.base import RolloutBatch, StaleVersionError
+from drafttrain.engines.base import RolloutBatch, StaleVersionError, Timeline
 from drafttrain.engines.schedule import CostModel, SpecController, measure_costs
 from drafttrain.modeling import LeanLlama, keep_order, share_prompts
 from drafttrain.spec import SamplingParams, SpecStats, processed_probs, rejection_sample, sample
@@ -261,9 +261,9 @@ class TorchEngine:
                 ctl.observe_step(Bn, k, (ends[-1] - t_prev) * 1e3)
             t_prev = ends[-1]
 
+        timeline = Timeline(ends, ctl.trace[trace0:] if ctl is not None else [], step_batch, step_tokens, prefill_s)
         return RolloutBatch(resp, lps, stats, self.drafter_version if not versions else versions[0], reasons,
-                            time.perf_counter() - t_start, versions, ends,
-                            ctl.trace[trace0:] if ctl is not None else [], step_batch, step_tokens, prefill_s)
+                            time.perf_counter() - t_start, versions, timeline)
 
     @staticmethod
     def _sample(logits, q, d, params, gen):

@@ -39,7 +39,7 @@ from pathlib import Path
 import torch
 
 from drafttrain.drafters.weights import check_finite
-from drafttrain.engines.base import RolloutBatch, StaleVersionError
+from drafttrain.engines.base import RolloutBatch, StaleVersionError, Timeline
 from drafttrain.engines.vllm_procs import children, shutdown
 from drafttrain.engines.vllm_transfer import checkpoint_shapes, push_weights, read_back, spec_stats
 from drafttrain.engines.vllm_worker import EXTENSION, TRANSFER_BACKEND
@@ -388,4 +388,4 @@ class VllmEngine:
             lps = [[0.0] * len(r) for r in raw] if params.greedy else raw
             stats = spec_stats(toks, metrics, spec, len(step_ends))
             return RolloutBatch(toks, lps, stats, version, reasons, time.perf_counter() - t0,
-                                [version] * len(step_ends), step_ends)
+                                [version] * len(step_ends), Timeline(ends=step_ends))

@@ -178,7 +178,7 @@ def rollout_metrics(ro: Rollouts) -> dict:
     return {"step": ro.step, "reward_mean": statistics.fmean(ro.rewards), "resp_len_mean": statistics.fmean(lens),
             "resp_len_p90": lens[min(len(lens) - 1, math.ceil(0.9 * len(lens)) - 1)], "resp_len_max": lens[-1],
             "rollout_tokens_per_s": ro.batch.num_tokens / max(ro.batch.wall_s, 1e-9),
-            "rollout_wall_s": ro.batch.wall_s, "rollout_prefill_s": ro.batch.prefill_s,
+            "rollout_wall_s": ro.batch.wall_s, "rollout_prefill_s": ro.batch.timeline.prefill_s,
             "live_mal": st.mean_accepted_length,
             "live_acc_pos": st.acceptance_per_position, "rollout_drafter_version": ro.batch.drafter_version}
 

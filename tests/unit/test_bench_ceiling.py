@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from drafttrain.engines.base import RolloutBatch
+from drafttrain.engines.base import RolloutBatch, Timeline
 from drafttrain.spec import SpecStats
 from tests.conftest import load_script
 
@@ -20,7 +20,7 @@ def _run(prefill, steps):
     for b, dt in steps:
         ends.append(ends[-1] + dt)
         batch.append(b)
-    return RolloutBatch([], [], SpecStats(), 0, wall_s=ends[-1] + 0.001, step_ends=ends, step_batch=batch)
+    return RolloutBatch([], [], SpecStats(), 0, wall_s=ends[-1] + 0.001, timeline=Timeline(ends=ends, batch=batch))
 
 
 def test_each_step_is_repriced_at_its_batchs_best_speed(ceiling_wall):
@@ -45,9 +45,9 @@ def test_the_sweeps_sd_share_counts_the_steps_it_times():
     bench = load_script("bench_longtail")
     on = [True, True] + [False] * 8
     ends = [0.01 * (i + 1) for i in range(10)]
-    b = RolloutBatch([], [], SpecStats(), 0, step_ends=ends, step_batch=[4] * 10, step_tokens=[4] * 10,
-                     trace=[{"on": x} for x in on])
+    b = RolloutBatch([], [], SpecStats(), 0, timeline=Timeline(ends=ends, batch=[4] * 10, tokens=[4] * 10,
+                                                               schedule=[{"on": x} for x in on]))
     steps = bench.counted_steps(b, 4)
     assert steps == list(range(1, 10))
-    assert [b.trace[i]["on"] for i in steps].count(True) == 1
+    assert [b.timeline.schedule[i]["on"] for i in steps].count(True) == 1
     assert bench.at_batch(b, 4) == (36, pytest.approx(0.09))

@@ -87,23 +87,23 @@ def test_ragged_stops(make_engine, policy, drafter):
 
 @pytest.mark.parametrize("speculative", [True, False])
 def test_per_step_batch_and_tokens(make_engine, policy, drafter, speculative):
-    # step_batch / step_tokens (what benchmarks measure throughput at an active batch with) add up: every emitted
+    # timeline.batch / timeline.tokens (what benchmarks measure throughput at an active batch with) add up: every emitted
     # token is in exactly one step, a step never emits more than its rows x (k+1), and the batch only shrinks
     eng = make_engine(policy, drafter)
     t0 = time.perf_counter()
     b = eng.generate(C.RAGGED_PROMPTS * 4, SamplingParams(max_new_tokens=20, stop_token_ids=(3, 7), seed=5),
                      speculative=speculative)
-    assert len(b.step_batch) == len(b.step_tokens) == len(b.step_ends)
-    # prefill_s: the prompt processing before the first decode step, the rest of wall_s is the decode steps
-    assert 0 < b.prefill_s <= b.step_ends[0] - t0
-    assert b.wall_s - b.prefill_s >= b.step_ends[-1] - b.step_ends[0]
+    assert len(b.timeline.batch) == len(b.timeline.tokens) == len(b.timeline.ends)
+    # timeline.prefill_s: the prompt processing before the first decode step, the rest of wall_s is the decode steps
+    assert 0 < b.timeline.prefill_s <= b.timeline.ends[0] - t0
+    assert b.wall_s - b.timeline.prefill_s >= b.timeline.ends[-1] - b.timeline.ends[0]
     first = sum(1 for t in b.tokens if t)  # the prefill emits each row's first token
-    assert sum(b.step_tokens) + first == b.num_tokens
-    assert b.step_batch[0] == len(C.RAGGED_PROMPTS) * 4 - sum(len(t) == 1 for t in b.tokens)
-    assert all(x >= y for x, y in zip(b.step_batch, b.step_batch[1:]))
+    assert sum(b.timeline.tokens) + first == b.num_tokens
+    assert b.timeline.batch[0] == len(C.RAGGED_PROMPTS) * 4 - sum(len(t) == 1 for t in b.tokens)
+    assert all(x >= y for x, y in zip(b.timeline.batch, b.timeline.batch[1:]))
     k1 = (eng.cfg.k + 1) if speculative else 1
-    assert all(0 < t <= n * k1 for t, n in zip(b.step_tokens, b.step_batch))
-    assert speculative == any(t > n for t, n in zip(b.step_tokens, b.step_batch))
+    assert all(0 < t <= n * k1 for t, n in zip(b.timeline.tokens, b.timeline.batch))
+    assert speculative == any(t > n for t, n in zip(b.timeline.tokens, b.timeline.batch))
 
 
 def test_max_new_tokens_exact(make_engine, policy, drafter):

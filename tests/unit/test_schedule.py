@@ -150,7 +150,7 @@ def test_toggle_and_k_never_change_greedy_outputs(policy, drafter, kw):
     eng = build_engine(engine_cfg(**kw), policy, drafter)
     b = eng.generate(RAGGED_PROMPTS, params)
     assert b.tokens == ref
-    assert len(b.trace) > 0 and all("on" in t and "k" in t for t in b.trace)
+    assert len(b.timeline.schedule) > 0 and all("on" in t and "k" in t for t in b.timeline.schedule)
 
 
 @pytest.mark.parametrize("schedule", [[0, 0, 0, 3], [2, 0, 4, 0, 0, 1], [0] * 5 + [4]])
@@ -334,10 +334,10 @@ def test_engine_reports_what_each_row_emitted_to_the_schedule(policy, drafter):
     eng._ctl = Scripted([4], 4)
     b = eng.generate(RAGGED_PROMPTS, SamplingParams(temperature=1.0, max_new_tokens=7, seed=3))
     steps = [o for o in eng._ctl.observed if o[1] > 0]
-    assert len(steps) == len(b.step_tokens)
+    assert len(steps) == len(b.timeline.tokens)
     assert all(all(e <= 5 for e in em) for _, _, em in steps)  # at most k + 1 per row
     # every verify step hands over what each row kept, stopped rows (the last step's, at least) included
-    assert [sum(em) for _, _, em in steps] == b.step_tokens
+    assert [sum(em) for _, _, em in steps] == b.timeline.tokens
 
 
 def test_a_new_batch_starts_with_an_sd_probe():
@@ -372,7 +372,7 @@ def test_engine_probes_the_first_step_of_each_batch(policy, drafter):
     params = SamplingParams(temperature=1.0, max_new_tokens=12, seed=1)
     for _ in range(2):
         b = eng.generate(RAGGED_PROMPTS, params)
-        assert b.trace[0]["probe"] and b.trace[0]["on"] and b.trace[0]["k"] > 0
+        assert b.timeline.schedule[0]["probe"] and b.timeline.schedule[0]["on"] and b.timeline.schedule[0]["k"] > 0
 
 
 def test_cost_model_answers_from_its_points_and_set_draft_replaces_them():
