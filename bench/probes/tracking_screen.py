@@ -6,7 +6,8 @@ from drafttrain.rl.job import main
 from drafttrain.report import last_quarter, overhead, read_jsonl
 name, seed, ov = sys.argv[1], int(sys.argv[2]), sys.argv[3:]
 out = f"/tmp/scr/{name}-s{seed}"
-cfg = load_recipe("eagle3_track", [f"run.seed={seed}", f"rl.prompt_seed={1 + seed}", f"run.out_dir={out}", "run.resume=false"] + ov)
+cfg = load_recipe("eagle3_track", [f"run.seed={seed}", f"rl.prompt_seed={1 + seed}", f"run.out_dir={out}",
+                                   "run.resume=false"] + ov)
 main(cfg)
 recs = read_jsonl(f"{out}/metrics.jsonl")
 q = last_quarter(recs)

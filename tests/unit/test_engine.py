@@ -87,8 +87,8 @@ def test_ragged_stops(make_engine, policy, drafter):
 
 @pytest.mark.parametrize("speculative", [True, False])
 def test_per_step_batch_and_tokens(make_engine, policy, drafter, speculative):
-    # timeline.batch / timeline.tokens (what benchmarks measure throughput at an active batch with) add up: every emitted
-    # token is in exactly one step, a step never emits more than its rows x (k+1), and the batch only shrinks
+    # timeline.batch / timeline.tokens (benchmarks measure throughput at an active batch with them) add up: every
+    # emitted token is in exactly one step, a step never emits more than its rows x (k+1), and the batch only shrinks
     eng = make_engine(policy, drafter)
     t0 = time.perf_counter()
     b = eng.generate(C.RAGGED_PROMPTS * 4, SamplingParams(max_new_tokens=20, stop_token_ids=(3, 7), seed=5),
