@@ -107,16 +107,25 @@ class Prompts:
         random.Random(HOLDOUT_SEED).shuffle(order)
         n_eval = min(d.eval_size, len(ds) - 1)
         self.held, self.train = [ds[i] for i in order[:n_eval]], [ds[i] for i in order[n_eval:]]
-        # every prompt's length once (batched): what sizes the engine's rows
-        self.longest = max(map(len, self.encode_many([{"prompt": p} for p in ds[d.prompt_field]])))
+        # every prompt tokenized once, here, batched through datasets' map: encode looks them up, and the longest
+        # sizes the engine's rows
+        texts = ds[d.prompt_field]
+        ids = ds.map(lambda b: {"ids": [self._tokenize(t) for t in b[d.prompt_field]]}, batched=True, batch_size=64,
+                     remove_columns=ds.column_names, keep_in_memory=True)["ids"]  # no cache file beside the data
+        self._ids = dict(zip(texts, ids))
+        self.longest = max(map(len, ids))
 
     def _row(self, row: dict) -> dict:
         return {**row, "prompt": row[self.cfg.data.prompt_field]}
 
+    @staticmethod
+    def _task_rows(n: int, seed: int) -> list[dict]:
+        return [{"prompt": p.prompt, "answer": p.answer} for p in make_prompts(n, seed)]
+
     def rows(self, n: int, seed: int) -> list[dict]:
         """n training prompts, deterministic in seed (drawn without replacement while the data lasts)."""
         if not self.own:
-            return [{"prompt": p.prompt, "answer": p.answer} for p in make_prompts(n, seed)]
+            return self._task_rows(n, seed)
         rng = random.Random(seed)
         idx = rng.sample(range(len(self.train)), n) if n <= len(self.train) else \
             [rng.randrange(len(self.train)) for _ in range(n)]
@@ -125,30 +134,22 @@ class Prompts:
     def eval_rows(self, n: int, seed: int) -> list[dict]:
         """The held-out prompts eval.json scores: n fixed problems of the task, or up to n of the held-out rows."""
         if not self.own:
-            return [{"prompt": p.prompt, "answer": p.answer} for p in make_prompts(n, seed)]
+            return self._task_rows(n, seed)
         return [self._row(r) for r in self.held[:n]]
 
     def encode(self, row: dict) -> list[int]:
+        """A row's prompt token ids (the user's: tokenized at load)."""
         text = row["prompt"]
         if not self.own:
             return encode_prompt(self.tok, text)
+        return list(self._ids[text]) if text in self._ids else self._tokenize(text)
+
+    def _tokenize(self, text: str) -> list[int]:
         if self.chat:
             out = self.tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
                                                tokenize=True)
             return list(out["input_ids"] if isinstance(out, dict) or hasattr(out, "keys") else out)
         return self.tok(text)["input_ids"]
-
-    def encode_many(self, rows: list[dict]) -> list[list[int]]:
-        """encode over many rows: the user's prompts through datasets' batched map (the chat template applied per
-        batch of rows), the task's directly."""
-        if not self.own:
-            return [self.encode(r) for r in rows]
-        import datasets
-
-        ds = datasets.Dataset.from_dict({"prompt": [r["prompt"] for r in rows]})
-        ids = ds.map(lambda b: {"ids": [self.encode({"prompt": p}) for p in b["prompt"]]}, batched=True,
-                     batch_size=64, remove_columns=["prompt"])
-        return [list(x) for x in ids["ids"]]
 
     def decode(self, ids: list[int]) -> str:
         if not self.own:

@@ -163,7 +163,7 @@ def add_chunk(pc, cfg, policy, source: Prompts, engine, buffer, aux_ids, c: int,
             for feats in saved["feats"]:
                 buffer.add(feats)
             return
-    prompts = source.encode_many(source.rows(pc.chunk, seed=seed))
+    prompts = [source.encode(r) for r in source.rows(pc.chunk, seed=seed)]
     params = sampling_params(cfg, stop_token_ids=source.stop_ids, seed=seed)
     resp = engine.generate(prompts, params, speculative=False).tokens
     order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]) + len(resp[i]))  # little padding
@@ -204,7 +204,7 @@ def evaluate(cfg, policy, source: Prompts, drafter, pc: PretrainConfig) -> dict:
     params = sampling_params(cfg, stop_token_ids=source.stop_ids, seed=pc.seed)
     stats, t0 = SpecStats(), time.time()
     for i in range(0, len(problems), cfg.engine.max_batch):
-        prompts = source.encode_many(problems[i:i + cfg.engine.max_batch])
+        prompts = [source.encode(p) for p in problems[i:i + cfg.engine.max_batch]]
         stats = stats.merge(engine.generate(prompts, params, speculative=True).stats)
     return {"k": cfg.engine.k, "mean_accepted_length": round(stats.mean_accepted_length, 4),
             "acceptance_per_position": [round(a, 4) for a in stats.acceptance_per_position],

@@ -119,16 +119,15 @@ def load_policy(path: str, engine: str = "torch") -> tuple[PreTrainedModel, PreT
     file that does not parse (truncated, emptied, garbled) is a one-line `ConfigError` naming it; so is a model
     family the embedded engine (engine="torch") does not serve."""
     check_checkpoint(path)
-    config = {}
+    parsed = {}
     for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
-        if not os.path.isfile(os.path.join(path, name)):
-            continue
-        try:
-            with open(os.path.join(path, name), "rb") as f:
-                data = json.loads(f.read())
-        except ValueError as e:  # JSONDecodeError, UnicodeDecodeError
-            raise _unreadable(os.path.join(path, name), e) from None
-        config = data if name == "config.json" else config
+        if os.path.isfile(os.path.join(path, name)):
+            try:
+                with open(os.path.join(path, name), "rb") as f:
+                    parsed[name] = json.loads(f.read())
+            except ValueError as e:  # JSONDecodeError, UnicodeDecodeError
+                raise _unreadable(os.path.join(path, name), e) from None
+    config = parsed["config.json"]
     kind = config.get("model_type")
     if engine == "torch" and kind not in SERVED:
         arch = ", ".join(config.get("architectures") or []) or "no architectures entry"

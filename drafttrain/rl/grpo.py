@@ -68,7 +68,7 @@ class GRPO:
         rl = self.cfg.rl
         seed = rl.prompt_seed * 1_000_003 + step * 101 + self.rank  # each step (and process) its own prompts
         rows = self.prompts.rows(rl.prompts_per_step, seed=seed)
-        prompts = [ids for ids in self.prompts.encode_many(rows) for _ in range(rl.group_size)]
+        prompts = [self.prompts.encode(r) for r in rows for _ in range(rl.group_size)]
         params = sampling_params(self.cfg, stop_token_ids=self.prompts.stop_ids, seed=seed)
         if self.tracker is not None:  # the first batch of a new drafter version is its (inline) canary
             batch, canary = self.tracker.generate(self.engine, prompts, params, speculative=self.cfg.engine.speculative)
@@ -85,7 +85,7 @@ class GRPO:
         lossless), seeded."""
         rl, P = self.cfg.rl, self.prompts
         rows = P.eval_rows(rl.eval_prompts, seed=rl.eval_seed)
-        prompts = P.encode_many(rows)
+        prompts = [P.encode(r) for r in rows]
         out = {}
         for name, T in (("sampled", self.cfg.sampling.temperature), ("greedy", 0.0)):
             params = sampling_params(self.cfg, temperature=T, stop_token_ids=P.stop_ids, seed=rl.eval_seed)

@@ -140,3 +140,31 @@ def banked_tracker(trained, monkeypatch, clock, *overrides):
 
     monkeypatch.setattr(tracker.trainer, "step", slow_step)
     return tracker
+
+
+def kill_at_checkpoint(cmd: list[str], env: dict, latest, step: int, timeout_s: float, group: bool = False) -> None:
+    """Start the main job and SIGKILL it once its checkpoint pointer `latest` reaches `step`; fails if it ended
+    first. group: the job runs in a session of its own and the whole process group is killed at once (a launcher
+    and its workers, as a node failure would)."""
+    import contextlib
+    import os
+    import signal
+    import subprocess
+    import time
+
+    from drafttrain.config import PROJECT_ROOT
+
+    proc = subprocess.Popen(cmd, cwd=PROJECT_ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=group)
+    kill = (lambda: os.killpg(proc.pid, signal.SIGKILL)) if group else proc.kill
+    try:
+        deadline = time.time() + timeout_s
+        while time.time() < deadline and proc.poll() is None:
+            if latest.is_file() and int(latest.read_text().strip().split("-")[1]) >= step:
+                break
+            time.sleep(0.02)
+        assert proc.poll() is None, "the job ended before it was killed"
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            kill()
+        proc.wait()

@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -17,6 +16,7 @@ import torch
 
 from drafttrain.config import PROJECT_ROOT, load_recipe
 from drafttrain.report import read_jsonl
+from tests.integration.conftest import kill_at_checkpoint
 
 KEYS = {"step", "reward_mean", "resp_len_mean", "rollout_tokens_per_s", "live_mal", "live_acc_pos", "live_tf_mal",
         "live_tf_acc_pos", "frozen_tf_mal", "frozen_tf_acc_pos", "drafter_train_s", "swap_s",
@@ -116,18 +116,7 @@ def test_kill_and_resume(policy_dir, tmp_path):
            *overrides(policy_dir, out, f"rl.steps={steps}", "sampling.max_new_tokens=24")]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     latest = out / "ckpt" / "latest"
-    proc = subprocess.Popen(cmd, cwd=PROJECT_ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        deadline = time.time() + 240
-        while time.time() < deadline and proc.poll() is None:
-            if latest.is_file() and int(latest.read_text().strip().split("-")[1]) >= 1:
-                break
-            time.sleep(0.02)
-        assert proc.poll() is None, "the job ended before it was killed"
-        os.kill(proc.pid, signal.SIGKILL)
-    finally:
-        proc.kill()
-        proc.wait()
+    kill_at_checkpoint(cmd, env, latest, 1, timeout_s=240)
     state = torch.load(out / "ckpt" / latest.read_text().strip() / "state.pt", weights_only=False)
     step, version = state["step"], state["tracker"]["version"]
     assert 1 <= step < steps

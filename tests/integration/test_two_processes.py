@@ -4,15 +4,14 @@ version with equal weights (the job checks that with a collective and says so)."
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
-import time
 
 import pytest
 import torch
 
 from drafttrain.config import PROJECT_ROOT
 from drafttrain.report import read_jsonl
+from tests.integration.conftest import kill_at_checkpoint
 from tests.integration.test_job import overrides
 
 LAUNCH = ["accelerate", "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1", "--mixed_precision",
@@ -25,19 +24,7 @@ def test_two_processes_kill_and_resume_lose_no_step_and_end_with_equal_drafters(
     cmd = [*LAUNCH, "recipe=eagle3_track", *overrides(policy_dir, out, f"rl.steps={steps}", "online.budget_frac=0")]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "ACCELERATE_USE_CPU": "1"}
     latest = out / "ckpt" / "latest"
-    # a session of its own: the SIGKILL reaches the launcher and both workers at once, as a node failure would
-    proc = subprocess.Popen(cmd, cwd=PROJECT_ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            start_new_session=True)
-    try:
-        deadline = time.time() + 300
-        while time.time() < deadline and proc.poll() is None:
-            if latest.is_file() and int(latest.read_text().strip().split("-")[1]) >= 2:
-                break
-            time.sleep(0.02)
-        assert proc.poll() is None, "the job ended before it was killed"
-        os.killpg(proc.pid, signal.SIGKILL)
-    finally:
-        proc.wait()
+    kill_at_checkpoint(cmd, env, latest, 2, timeout_s=300, group=True)  # the launcher and both workers at once
     state = torch.load(out / "ckpt" / latest.read_text().strip() / "state.pt", weights_only=False)
     step, version = state["step"], state["tracker"]["version"]
     assert 2 <= step < steps
