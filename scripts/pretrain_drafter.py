@@ -183,7 +183,7 @@ def add_chunk(pc, cfg, policy, source: Prompts, engine, buffer, aux_ids, c: int,
 def cache_key(pc: PretrainConfig, cfg) -> str:
     """What a chunk's cached features depend on: the data (policy, prompts, sampling, seed) and the features' form."""
     return (f"policy.path={cfg.policy.path} data={cfg.data.path}:{cfg.data.split}:{cfg.data.prompt_field} "
-            f"chat={cfg.data.chat_template} seed={pc.seed} chunk={pc.chunk} fwd_batch={pc.fwd_batch} "
+            f"eval_size={cfg.data.eval_size} chat={cfg.data.chat_template} seed={pc.seed} chunk={pc.chunk} fwd_batch={pc.fwd_batch} "
             f"sampling={dict(cfg.sampling)} drafter.ttt_steps={cfg.drafter.ttt_steps} "
             f"aux={cfg.drafter.aux_layer_ids}")
 

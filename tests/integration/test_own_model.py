@@ -184,3 +184,12 @@ def test_a_reward_failing_mid_run_stops_in_one_line_and_loses_no_finished_step(o
     own_reward.CALLS[0], own_reward.LIMIT[0] = 0, 10 ** 9
     cli(args)
     assert [r["step"] for r in read_jsonl(tmp_path / "metrics.jsonl")] == list(range(8))
+
+
+def test_the_feature_cache_is_not_reused_across_another_held_out_split(own):
+    """data.eval_size decides which rows are held out, so which rows pretraining draws from: a cache written with
+    one size must not serve a run with another (the cache key left it out)."""
+    pre = load_script("pretrain_drafter")
+    key = lambda *extra: pre.cache_key(pre.parse([]), load_recipe("eagle3_track", keys(own, *extra)))  # noqa: E731
+    assert key("data.eval_size=8") != key("data.eval_size=4")
+    assert key("data.eval_size=8") == key("data.eval_size=8")
