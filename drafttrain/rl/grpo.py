@@ -44,11 +44,10 @@ class GRPO:
         self.prompts = prompts if prompts is not None else Prompts(cfg, tok, stop_ids(policy, tok))
         self._check_room(policy)
         self.opt = torch.optim.AdamW(policy.parameters(), lr=cfg.rl.lr, weight_decay=0.0)
+        # several processes: the gradients are averaged once per update (average_grads), as DDP would, and the
+        # policy is never handed to accelerate, whose DeepSpeed engine (under a DeepSpeed launch) is the drafter's
         self.acc = accelerator
-        if accelerator is not None:
-            self.model, self.opt = accelerator.prepare(policy, self.opt)
-        else:
-            self.model = policy
+        self.model = policy
         self._pool = ThreadPoolExecutor(max_workers=1) if cfg.rl.mode == "async" else None
 
     def _check_room(self, policy) -> None:
@@ -93,6 +92,17 @@ class GRPO:
             out[f"eval_{name}_acc"] = statistics.fmean(P.reward(r, P.decode(t)) for r, t in zip(rows, batch.tokens))
         return out
 
+    def average_grads(self) -> None:
+        """Several processes: every policy gradient becomes its mean over the processes (one all-reduce of all of them
+        flattened; a process that ran no backward adds zeros). Every process then takes the same update."""
+        if self.acc is None or self.acc.num_processes == 1:
+            return
+        params = [p for p in self.policy.parameters() if p.requires_grad]
+        flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).flatten() for p in params])
+        flat = self.acc.reduce(flat.to(self.acc.device), "mean").cpu()
+        for p, g in zip(params, flat.split([p.numel() for p in params])):
+            p.grad = g.view_as(p).clone()
+
     def advantages(self, rewards: list[float]) -> torch.Tensor:
         G = self.cfg.rl.group_size
         r = torch.tensor(rewards).view(-1, G)  # [P, G]
@@ -103,18 +113,17 @@ class GRPO:
 
         Micro-batches hold sequences of similar length (less padding). A sequence whose advantage is 0 (its group's
         rewards were all equal) adds no gradient, so those go last and run without autograd (their forward still
-        feeds the tracker); under DDP every process must run the same backward passes, so there all of them do."""
+        feeds the tracker)."""
         rl, T = self.cfg.rl, self.cfg.sampling.temperature or 1.0
         params = sampling_params(self.cfg, temperature=T)  # the rollouts' top-k / top-p (greedy rollouts: T = 1)
         adv = self.advantages(ro.rewards)  # [N]
         n_tok = sum(len(r) for r in ro.responses)
-        ddp = self.acc is not None and self.acc.num_processes > 1
         order = sorted(range(len(ro.prompts)), key=lambda i: (not adv[i], len(ro.prompts[i]) + len(ro.responses[i])))
         self.model.train()
         losses, clipped = 0.0, 0
         for s in range(0, len(order), rl.micro_batch):
             idx = order[s: s + rl.micro_batch]
-            grad = ddp or bool(adv[idx].any())
+            grad = bool(adv[idx].any())
             seqs = [ro.prompts[i] + ro.responses[i] for i in idx]
             L = max(map(len, seqs))
             ids = torch.zeros(len(seqs), L, dtype=torch.long)
@@ -141,9 +150,10 @@ class GRPO:
             if not torch.isfinite(loss):
                 raise FloatingPointError(f"rl loss is NaN/inf at step {ro.step} (rl.lr={rl.lr} too high?)")
             if grad:
-                (self.acc.backward(loss) if self.acc else loss.backward())
+                loss.backward()
             losses += float(loss.detach())
             clipped += int((((ratio - 1).abs() > rl.clip_eps) & m).sum())
+        self.average_grads()
         torch.nn.utils.clip_grad_norm_(self.policy.parameters(), 1.0)
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
