@@ -2,8 +2,8 @@
 
     python scripts/pretrain_drafter.py threads=2                         # -> checkpoints/eagle3/ (as shipped)
     python scripts/pretrain_drafter.py prompts=256 epochs=2 out=/tmp/e3 train.lr=1e-3 drafter.ttt_steps=4
-    ACCELERATE_USE_CPU=1 accelerate launch --multi_gpu --num_processes 2 --num_machines 1 --mixed_precision no \
-        --dynamo_backend no scripts/pretrain_drafter.py threads=1
+    accelerate launch --config_file recipes/accelerate/ddp2.yaml scripts/pretrain_drafter.py threads=1
+    accelerate launch --config_file recipes/accelerate/zero2.yaml scripts/pretrain_drafter.py threads=1   # ZeRO-2
 
 Keys: this script's (PretrainConfig below) plus any recipe key (`recipe=eagle3_track`, then e.g. `train.lr=`).
 Data is regenerated in chunks, each process its own shard: the policy samples responses to fresh prompts (the
@@ -36,7 +36,6 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 import torch
-from accelerate import Accelerator
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 from tqdm import tqdm
@@ -48,6 +47,7 @@ from drafttrain.engines import build_engine
 from drafttrain.export import save_drafter
 from drafttrain.tracking import DrafterTrainer, FeatureBuffer, teacher_forced_features
 from drafttrain.tracking.buffer import collate
+from drafttrain.tracking.trainer import make_accelerator
 from drafttrain.policy import load_policy
 from drafttrain.spec import SpecStats
 
@@ -82,7 +82,7 @@ def main(pc: PretrainConfig) -> dict:
     if pc.threads:
         torch.set_num_threads(pc.threads)
     cfg = load_recipe(pc.recipe, [*RECIPE_DEFAULTS, *pc.overrides, "drafter.path=null"])
-    acc = Accelerator(cpu=True)
+    acc = make_accelerator()  # as launched: one process, DDP, or DeepSpeed ZeRO (accelerate config)
     rank, world, main_proc = acc.process_index, acc.num_processes, acc.is_main_process
     policy, tok = load_policy(str(resolve_path(cfg.policy.path)), cfg.engine.kind)
     prompts = Prompts(cfg, tok, stop_ids(policy, tok))  # the task's, or data.path's
@@ -92,7 +92,7 @@ def main(pc: PretrainConfig) -> dict:
     trainer = DrafterTrainer(drafter, cfg.train, cfg.drafter, acc, buffer)
     out, state = Path(pc.out), Path(f"{pc.out}.state") / "trainer.pt"
     chunks_done, run_key, queue = 0, resume_key(pc, cfg, world), []
-    if pc.resume and state.is_file():
+    if pc.resume and DrafterTrainer.saved(state):
         try:
             saved = trainer.load(state)
         except ValueError as e:  # resumed with another number of processes: bad input, one line
@@ -131,7 +131,8 @@ def main(pc: PretrainConfig) -> dict:
     train_s = time.time() - t0
     extra = {"pretrain": {**asdict(pc), "steps": trainer.step_count, "total_steps": total, "world": world,
                           "rollouts": min(chunks_done, n_chunks) * pc.chunk * world,
-                          "wall_s": round(train_s, 1), "last": last},
+                          "wall_s": round(train_s, 1), "last": last,
+                          "optimizer_state_mb": optimizer_state_mb(acc, trainer)},
              "recipe_config": OmegaConf.to_container(cfg)}
     if done:
         acc.wait_for_everyone()
@@ -143,6 +144,12 @@ def main(pc: PretrainConfig) -> dict:
             shutil.rmtree(state.parent, ignore_errors=True)
     acc.wait_for_everyone()
     return extra
+
+
+def optimizer_state_mb(acc, trainer) -> list[float]:
+    """Each process's optimizer state in MB (AdamW moments; under ZeRO also its fp32 master shard)."""
+    mine = torch.tensor([trainer.optimizer_state_bytes() / 2**20], dtype=torch.float64)
+    return [round(x, 3) for x in acc.gather(mine.to(acc.device)).cpu().tolist()]
 
 
 def resume_key(pc: PretrainConfig, cfg, world: int) -> str:

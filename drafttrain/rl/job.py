@@ -4,8 +4,8 @@ through drafttrain/online.py).
 Writes into run.out_dir: config.yaml (resolved), metrics.jsonl (+ tb/), ckpt/ (resumable after any kill: the
 latest complete step wins), report.png and a summary table at the end, and eval.json with its table: the policy's
 held-out accuracy before and after the run (rl.eval_prompts fixed problems, sampled and greedy). Under
-`accelerate launch` with N processes every process generates its own rollouts and DDP syncs both the policy's and
-the drafter's gradients.
+`accelerate launch` with N processes every process generates its own rollouts; the policy's gradients are averaged
+over the processes, and the drafter's by DDP, or by DeepSpeed ZeRO under a DeepSpeed accelerate config.
 
 A rerun into the same run.out_dir resumes it, if its settings are the checkpoint's (raising rl.steps continues a
 run; a finished run is left as it is). One job at a time holds a run folder. SIGTERM/SIGINT stop the job after the
@@ -13,7 +13,6 @@ current step's checkpoint, and the job ends with the process that started it: se
 """
 from __future__ import annotations
 
-import os
 import time
 from pathlib import Path
 
@@ -31,17 +30,15 @@ from drafttrain.rl.grpo import GRPO
 from drafttrain.tracking.runfolder import (CheckpointError, Checkpointer, Stopper, changed_settings, load_checkpoint,
                                            lock_run_folder)
 from drafttrain.tracking.tracker import DraftTracker
+from drafttrain.tracking.trainer import make_accelerator
 
 
 RESUME_HINT = "set run.resume=false to start over, or restore an earlier ckpt/step-N and name it in ckpt/latest"
 
 
 def main(cfg) -> list[dict]:
-    from accelerate import Accelerator, InitProcessGroupKwargs
-
     transformers.utils.logging.disable_progress_bar()
-    multi = int(os.environ.get("WORLD_SIZE", "1")) > 1  # launched with N processes: gloo (CPU)
-    acc = Accelerator(cpu=True, kwargs_handlers=[InitProcessGroupKwargs(backend="gloo")] if multi else [])
+    acc = make_accelerator()  # one process, N with DDP, or N with the drafter under DeepSpeed: as launched
     torch.manual_seed(cfg.run.seed + acc.process_index)
     out = Path(cfg.run.out_dir)
     lock = lock_run_folder(out, acc)  # one job per run folder, before anything in it is read

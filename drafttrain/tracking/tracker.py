@@ -298,7 +298,7 @@ class DraftTracker:
         elif rec.gated:  # shown worse: train on from the serving weights; undecided: from these
             if gate["worse"]:
                 with self._lock:
-                    self.drafter.load_state_dict(self.scorer.serving_weights())
+                    self.trainer.set_weights(self.scorer.serving_weights())
             pub = {"published": False}
         else:
             params = sampling_params(self.cfg, max_new_tokens=oc.canary_max_new_tokens)

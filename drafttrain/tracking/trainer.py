@@ -1,4 +1,5 @@
-"""DrafterTrainer: one drafter update per `step(batch)`, with HF accelerate (1 process, or N under DDP).
+"""DrafterTrainer: one drafter update per `step(batch)`, with HF accelerate (1 process, N under DDP, or N under
+DeepSpeed ZeRO-1/2: the launcher's accelerate config decides, see make_accelerator).
 
     trainer = DrafterTrainer(drafter, cfg.train, cfg.drafter, buffer=FeatureBuffer(...))
     out = trainer.step(trainer.buffer.sample(cfg.train.batch_size))   # {loss, acc[steps], grad_norm, nonfinite}
@@ -9,17 +10,48 @@ steps, step i weighted ttt_decay**i). Under `accelerate launch` with N processes
 and DDP averages the gradients. A non-finite loss or gradient on any process skips the update on every process
 (no weight or optimizer change) and reports nonfinite=True. `step` is the single unit of work: time budgets and
 background modes wrap it, they do not change it.
+
+Under DeepSpeed the engine owns the optimizer step: accelerate's backward runs it (clipping at train.max_grad_norm,
+skipping on a non-finite gradient on any process), each process keeps its shard of the AdamW state and of the fp32
+master weights, and weights set from outside (set_weights) are copied into those masters too. A checkpoint is then a
+folder written through accelerate's save_state (the sharded optimizer state) plus each process's own state.
 """
 from __future__ import annotations
 
 import os
+import shutil
 from pathlib import Path
 
 import torch
 import torch.nn as nn
-from accelerate import Accelerator
+from accelerate import Accelerator, InitProcessGroupKwargs
+from accelerate.utils import DistributedType
 
+from drafttrain.config import ConfigError
 from drafttrain.tracking.runfolder import load_checkpoint
+
+
+def make_accelerator() -> Accelerator:
+    """The job's Accelerator, as the launcher's accelerate config says: one process; N processes with DDP (gloo, CPU);
+    or N processes with DeepSpeed (gloo), whose engine then trains the drafter (the policy is not given to it)."""
+    multi = int(os.environ.get("WORLD_SIZE", "1")) > 1
+    deepspeed = os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
+    # accelerate turns DeepSpeed off under cpu=True; without a GPU its engine runs on the CPU anyway
+    return Accelerator(cpu=not deepspeed, kwargs_handlers=[InitProcessGroupKwargs(backend="gloo")] if multi else [])
+
+
+def _configure_deepspeed(acc: Accelerator, cfg_train) -> None:
+    """The recipe's batch and clipping into the DeepSpeed config (the recipe wins); one update per step."""
+    ds = acc.state.deepspeed_plugin.deepspeed_config
+    accum = ds.get("gradient_accumulation_steps", "auto")
+    if accum not in ("auto", 1):
+        raise ConfigError(f"deepspeed_config.gradient_accumulation_steps: must be 1 (a drafter step is one update), "
+                          f"got {accum}")
+    ds["gradient_accumulation_steps"] = 1
+    ds["train_micro_batch_size_per_gpu"] = int(cfg_train.batch_size)
+    ds["train_batch_size"] = int(cfg_train.batch_size) * acc.num_processes
+    clip = float(cfg_train.max_grad_norm)
+    ds["gradient_clipping"] = clip if clip != float("inf") else 0.0  # 0: DeepSpeed does not clip
 
 
 class _TTTLoss(nn.Module):
@@ -38,6 +70,9 @@ class _TTTLoss(nn.Module):
 class DrafterTrainer:
     def __init__(self, drafter, cfg_train, drafter_cfg, accelerator: Accelerator | None = None, buffer=None):
         self.acc = accelerator or Accelerator(cpu=True)
+        self.deepspeed = self.acc.distributed_type == DistributedType.DEEPSPEED
+        if self.deepspeed:
+            _configure_deepspeed(self.acc, cfg_train)
         self.drafter, self.cfg, self.buffer = drafter, cfg_train, buffer
         self.steps, self.decay = int(drafter_cfg.ttt_steps), float(drafter_cfg.ttt_decay)
         drafter.train()
@@ -60,6 +95,8 @@ class DrafterTrainer:
         """One update on a padded feature batch (build_features / FeatureBuffer.sample output)."""
         dev = self.acc.device
         loss, accs = self.model(*(batch[k].to(dev) for k in ("aux", "next_ids", "target_probs", "valid")))
+        if self.deepspeed:
+            return self._deepspeed_step(loss, accs)
         self.acc.backward(loss)
         gn = self.acc.clip_grad_norm_(self.params, self.cfg.max_grad_norm)  # synced grads: same on every process
         gn = torch.as_tensor(gn, dtype=torch.float32)
@@ -72,11 +109,44 @@ class DrafterTrainer:
         return {"loss": float(loss.detach()), "acc": accs, "grad_norm": float(gn), "nonfinite": bad,
                 "step": self.step_count}
 
+    def _deepspeed_step(self, loss, accs) -> dict:
+        """accelerate's backward is DeepSpeed's backward + step: it clips, and skips the update when the gradient
+        is non-finite on any process (its overflow check is a collective), which skipped_steps counts."""
+        skipped = self.model.skipped_steps
+        self.acc.backward(loss)
+        bad = self.model.skipped_steps > skipped
+        if not bad:
+            self.step_count += 1
+        gn = self.acc.clip_grad_norm_(self.params, self.cfg.max_grad_norm)  # the norm before clipping
+        return {"loss": float(loss.detach()), "acc": accs, "grad_norm": float("inf") if bad else float(gn),
+                "nonfinite": bad, "step": self.step_count}
+
+    def set_weights(self, weights: dict, reset_optimizer: bool = False) -> None:
+        """Load drafter weights from outside the optimizer (the gate's reset, a rollback); under DeepSpeed also into
+        its fp32 master shards, which the next step would otherwise write back over them."""
+        self.drafter.load_state_dict(weights)
+        if self.deepspeed:
+            self.opt.optimizer.refresh_fp32_params()
+        if reset_optimizer:
+            self._inner_optimizer().state.clear()
+
     def restore(self, weights: dict) -> None:
         """Back to known-good drafter weights after an update that diverged; the optimizer's moments (diverged
         with it) start over."""
-        self.drafter.load_state_dict(weights)
-        self.opt.state.clear()
+        self.set_weights(weights, reset_optimizer=True)
+
+    def _inner_optimizer(self) -> torch.optim.Optimizer:
+        """The torch AdamW (under DeepSpeed: over this process's fp32 shard)."""
+        opt = self.opt.optimizer
+        return opt.optimizer if self.deepspeed else opt
+
+    def optimizer_state_bytes(self) -> int:
+        """Bytes this process holds for the optimizer: AdamW's moments, plus DeepSpeed's fp32 master shard."""
+        opt = self._inner_optimizer()
+        n = sum(t.numel() * t.element_size() for st in opt.state.values() for t in st.values() if torch.is_tensor(t))
+        if self.deepspeed:
+            n += sum(p.numel() * p.element_size() for g in opt.param_groups for p in g["params"])
+        return n
 
     # ---- checkpointing ----------------------------------------------------------------------------------
     def _rank_path(self, path: Path) -> Path:
@@ -86,14 +156,16 @@ class DrafterTrainer:
     def save(self, path: str | Path, extra: dict | None = None) -> None:
         """Drafter weights + optimizer + step (process 0) and each process's buffer shard and query-position
         generator; atomic per file. `extra`: the caller's own resume state (e.g. a data cursor), per process, returned
-        by load() to the process that saved it."""
+        by load() to the process that saved it. Under DeepSpeed: the folder path.ds instead (see _save_deepspeed)."""
         path = Path(path)
         state: dict = {"step": self.step_count, "world": self.acc.num_processes, "extra": extra or {},
                        "ttt_gen": self.ttt.gen.get_state()}
-        if self.acc.is_main_process:
-            state.update(drafter=self.drafter.state_dict(), optimizer=self.opt.state_dict())
         if self.buffer is not None:
             state["buffer"] = self.buffer.state_dict()
+        if self.deepspeed:
+            return self._save_deepspeed(path.with_suffix(".ds"), state)
+        if self.acc.is_main_process:
+            state.update(drafter=self.drafter.state_dict(), optimizer=self.opt.state_dict())
         if self.acc.is_main_process or self.buffer is not None:
             out = self._rank_path(path)
             out.parent.mkdir(parents=True, exist_ok=True)
@@ -102,12 +174,38 @@ class DrafterTrainer:
             os.replace(tmp, out)
         self.acc.wait_for_everyone()
 
+    def _save_deepspeed(self, folder: Path, state: dict) -> None:
+        """accelerate's save_state (the engine's weights and every process's optimizer shard) and each process's
+        state.rankN.pt, written into a new folder that then replaces `folder` whole (a kill leaves the old one)."""
+        tmp = folder.with_name(f".{folder.name}.tmp")
+        if self.acc.is_main_process:
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+        self.acc.wait_for_everyone()
+        self.acc.save_state(str(tmp))
+        torch.save(state, tmp / f"state.rank{self.acc.process_index}.pt")
+        self.acc.wait_for_everyone()
+        if self.acc.is_main_process:
+            shutil.rmtree(folder, ignore_errors=True)
+            os.replace(tmp, folder)
+        self.acc.wait_for_everyone()
+
+    @staticmethod
+    def saved(path: str | Path) -> bool:
+        """Is there a trainer state at `path` (save's file, or its DeepSpeed folder path.ds)?"""
+        return Path(path).is_file() or Path(path).with_suffix(".ds").is_dir()
+
     def load(self, path: str | Path) -> dict:
         path = Path(path)
+        folder = path.with_suffix(".ds")
+        if self.deepspeed != folder.is_dir() and (path.is_file() or folder.is_dir()):
+            raise ValueError(f"trainer state {path}: saved {'with' if folder.is_dir() else 'without'} DeepSpeed, "
+                             f"resumed {'with' if self.deepspeed else 'without'} it (launch with the accelerate "
+                             f"config that wrote it)")
+        if self.deepspeed:
+            return self._load_deepspeed(folder)
         main = load_checkpoint(path)  # tensors and plain containers only: CheckpointError otherwise
-        if main["world"] != self.acc.num_processes:
-            raise ValueError(f"trainer state {path}: saved with {main['world']} processes, resumed with "
-                             f"{self.acc.num_processes} (the buffer shards would not match)")
+        self._check_world(path, main)
         self.drafter.load_state_dict(main["drafter"])
         self.opt.load_state_dict(main["optimizer"])
         self.step_count = int(main["step"])
@@ -116,6 +214,23 @@ class DrafterTrainer:
             own = main if self.acc.is_main_process else load_checkpoint(self._rank_path(path))
             if "buffer" in own:
                 self.buffer.load_state_dict(own["buffer"])
+        return self._load_own(own)
+
+    def _load_deepspeed(self, folder: Path) -> dict:
+        own = load_checkpoint(folder / f"state.rank{self.acc.process_index}.pt")
+        self._check_world(folder, own)
+        self.acc.load_state(str(folder))  # the engine's weights and this process's optimizer shard
+        self.step_count = int(own["step"])
+        if self.buffer is not None and "buffer" in own:
+            self.buffer.load_state_dict(own["buffer"])
+        return self._load_own(own)
+
+    def _check_world(self, path: Path, state: dict) -> None:
+        if state["world"] != self.acc.num_processes:
+            raise ValueError(f"trainer state {path}: saved with {state['world']} processes, resumed with "
+                             f"{self.acc.num_processes} (the buffer shards would not match)")
+
+    def _load_own(self, own: dict) -> dict:
         if "ttt_gen" in own:  # absent from states written before it was saved: the generator stays as it is
             self.ttt.gen.set_state(own["ttt_gen"])
         return own["extra"]

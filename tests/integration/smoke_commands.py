@@ -20,8 +20,8 @@ from pathlib import Path
 from drafttrain.config import PROJECT_ROOT
 
 MAIN = "accelerate launch drafttrain/online.py"  # how the README launches the main job: `...` and bare options
-TWO_PROC = ("ACCELERATE_USE_CPU=1 accelerate launch --multi_gpu --num_processes 2 --num_machines 1 "
-            "--mixed_precision no --dynamo_backend no")
+TWO_PROC = "accelerate launch --config_file recipes/accelerate/ddp2.yaml"
+ZERO2 = "accelerate launch --config_file recipes/accelerate/zero2.yaml"
 CMD_START = re.compile(r"(?:[A-Z_]+=\S+ )*(?:accelerate launch|torchrun|python3? |bash )")
 WORD = re.compile(r"[A-Za-z_][\w.-]*")  # a value that names a mode or a recipe (true, auto, vllm, eagle3_track)
 
@@ -271,6 +271,8 @@ SMOKE: list[Smoke] = [
     _main_job("online_options", MAIN, "recipe=eagle3_track engine.k=auto online.budget_frac=0 online.canary=probe",
               steps=2),
     _main_job("two_processes", f"{TWO_PROC} drafttrain/online.py", "recipe=eagle3_track", processes=2),
+    _main_job("one_process_config", "accelerate launch --config_file recipes/accelerate/one_process.yaml "
+              "drafttrain/online.py", "recipe=eagle3_track"),
     _main_job("vllm_engine", MAIN, "recipe=eagle3_track engine.kind=vllm", vllm=True),
     # the final behaviour of the main job's --help (usage naming recipe= and the config sections)
     Smoke("help", "python -m drafttrain.online --help", (Prints(("recipe=", "rl.steps", "engine.kind")),), slow=False),
@@ -323,6 +325,10 @@ SMOKE: list[Smoke] = [
 
 NOT_RUN: list[NotRun] = [
     NotRun("bash scripts/install.sh", "CI runs it before the tests (.ci/run)"),
+    NotRun(f"{ZERO2} drafttrain/online.py recipe=eagle3_track", "run at test size, killed and resumed, by "
+           "tests/integration/test_two_processes.py"),
+    NotRun(f"{ZERO2} scripts/pretrain_drafter.py threads=1", "run at test size, stopped and resumed, by "
+           "tests/integration/test_deepspeed.py"),
     NotRun("python -m pytest -q", "the test suite itself"),
     NotRun("python scripts/gpu_check.py", "needs a CUDA GPU (vLLM on the 8B shape); CI has none"),
     NotRun("python scripts/gpu_check.py backend=torch batches=[1,16] out=/tmp/gpu_check.json", "needs a CUDA GPU"),

@@ -67,8 +67,7 @@ def test_a_new_documented_command_fails_the_check():
 def test_normalize_reads_the_documented_spellings():
     two = S.normalize(f"{S.TWO_PROC}\n  drafttrain/online.py recipe=eagle3_track")  # wrapped over two lines
     assert two.head == f"{S.TWO_PROC} drafttrain/online.py" and two.options == (("recipe", "eagle3_track"),)
-    spaced = S.docstring_commands("    ACCELERATE_USE_CPU=1 accelerate launch --multi_gpu --num_processes 2 "
-                                  "--num_machines 1 --mixed_precision no         --dynamo_backend no "
+    spaced = S.docstring_commands("    accelerate launch --config_file         recipes/accelerate/ddp2.yaml "
                                   "scripts/pretrain_drafter.py threads=1", "x")
     assert [c.head for c in spaced] == [f"{S.TWO_PROC} scripts/pretrain_drafter.py"]
     (recipe, module) = S.docstring_commands("# Launch: accelerate launch drafttrain/online.py recipe=a   "
