@@ -115,6 +115,8 @@ class OnlineConfig:
     # the estimate is taken on these, so the gate and the canary judge the new weights on rollouts they did not
     # train on
     holdout_frac: float = 0.0625  # share of captured rollouts kept out of training, in [0, 1)
+    # capture costs per row (features, buffer): rows never trained on need not be captured
+    capture_frac: float = 1.0  # share of the other rollouts captured for training, in (0, 1]
     # a random sample; costs about one policy forward per drafter over them
     measure_rows: int = 32  # rows per RL step of the live/frozen drafter scoring (reporting)
     # inline: the first rollout batch after a swap is the canary (no extra generation); probe: generate a short SD
@@ -270,6 +272,8 @@ def validate(cfg: Config) -> None:
          f"must be >= 2 (a paired bound needs a spread), got {cfg.online.gate_min_rows}"),
         (0 <= cfg.online.holdout_frac < 1, "online.holdout_frac",
          f"must be in [0, 1), got {cfg.online.holdout_frac}"),
+        (0 < cfg.online.capture_frac <= 1, "online.capture_frac",
+         f"must be in (0, 1], got {cfg.online.capture_frac}"),
         (cfg.online.measure_rows >= 1, "online.measure_rows",
          f"must be >= 1, got {cfg.online.measure_rows}"),
         (cfg.rl.mode in ("sync", "async"), "rl.mode", f"must be sync or async, got {cfg.rl.mode!r}"),

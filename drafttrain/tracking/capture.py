@@ -119,11 +119,13 @@ class PolicyCapture:
     -100 when the forward gets labels, else 0. grad_only: keep only forwards run with autograd on (the loss
     forward), not no-grad generation or scoring forwards of the same model (TRL). A forward that returns no logits
     (TRL's fused LM head) has them projected from the captured final hidden state (no extra backbone pass); with
-    logits_to_keep=n only the last n positions can be targets."""
+    logits_to_keep=n only the last n positions can be targets. rows: keep only some rows of each forward."""
 
-    def __init__(self, policy, reads, steps: int, sink, clock, response_start=None, grad_only: bool = False):
+    def __init__(self, policy, reads, steps: int, sink, clock, response_start=None, grad_only: bool = False,
+                 rows=None):
         self.policy, self.reads, self.steps, self.sink, self.clock = policy, reads, steps, sink, clock
         self.response_start, self.grad_only = response_start, grad_only
+        self.rows = rows  # rows(B) -> the row indices to keep of a forward's B ([0]: none), or None for all
         self.hidden = HiddenCapture(policy, reads.aux_layers) if reads.aux_layers else None
         self._final: dict[str, torch.Tensor] = {}
         self._handles: list = []
@@ -165,7 +167,13 @@ class PolicyCapture:
         rs = response_columns(self.response_start, kwargs.get("labels"), B, T)
         if kept < T:
             rs = rs.clamp_min(T - kept + 1)  # a position's target needs its logits
-        self.sink(build_features(ids.detach(), mask.detach(), self._aux(B, T), logits, self.steps, rs), t0)
+        aux, ids, mask = self._aux(B, T), ids.detach(), mask.detach()
+        idx = self.rows(B) if self.rows is not None else None
+        if idx is not None:  # only these rows: build_features' work is per row
+            if not idx.numel():
+                return
+            aux, ids, mask, logits, rs = aux[idx], ids[idx], mask[idx], logits[idx], rs[idx]
+        self.sink(build_features(ids, mask, aux, logits, self.steps, rs), t0)
 
     def _aux(self, B: int, T: int) -> torch.Tensor:
         """[B, T, X]: what the drafter reads (Reads), concatenated; X = 0 for none."""
@@ -173,6 +181,17 @@ class PolicyCapture:
         if self.reads.final_hidden:
             parts.append(self._final["h"])
         return torch.cat(parts, -1) if parts else torch.zeros(B, T, 0)
+
+
+def choose_rows(B: int, holdout_frac: float, capture_frac: float, held_gen, capture_gen):
+    """The rows of a captured forward of B to keep: (their indices, None for all; which of them are held out of
+    training). Held-out rows (the estimate, the publish gate's and the canary's reference: rollouts the update did
+    not train on) are drawn at holdout_frac and always kept; of the rest, capture_frac are kept for training."""
+    held = torch.rand(B, generator=held_gen) < holdout_frac
+    if capture_frac >= 1:
+        return None, held
+    keep = held | (torch.rand(B, generator=capture_gen) < capture_frac)
+    return keep.nonzero().flatten(), held[keep]
 
 
 def response_columns(given, labels, B: int, T: int) -> torch.Tensor:

@@ -28,7 +28,7 @@ from drafttrain.config import load_recipe, max_draft_len, sampling_params
 from drafttrain.drafters import build_drafter
 from drafttrain.tracking.bank import TimeBank
 from drafttrain.tracking.buffer import FeatureBuffer, collate
-from drafttrain.tracking.capture import PolicyCapture
+from drafttrain.tracking.capture import PolicyCapture, choose_rows
 from drafttrain.tracking.collective import Collective
 from drafttrain.tracking.gate import gate_decision, paired_sums
 from drafttrain.tracking.hotswap import Publisher
@@ -67,7 +67,8 @@ class DraftTracker:
         self.bank = TimeBank(cfg.online.budget_frac, cfg.online.time_budget_s)
         self._gen = {"estimate": torch.Generator().manual_seed(cfg.run.seed + 11),
                      "measure": torch.Generator().manual_seed(cfg.run.seed + 12),
-                     "holdout": torch.Generator().manual_seed(cfg.run.seed + 13)}
+                     "holdout": torch.Generator().manual_seed(cfg.run.seed + 13),
+                     "capture": torch.Generator().manual_seed(cfg.run.seed + 14)}
         self.scorer = Scorer(cfg, self.drafter, self.publisher, self.steps, self._gen)
         self.pending: list[dict] = []  # features captured since the last on_policy_update
         self.latest: list[dict] = []  # the previous step's: the background update reads only these
@@ -125,27 +126,28 @@ class DraftTracker:
         if self.self_drafter or self.unused:
             return None  # nothing to capture
         self._capture = PolicyCapture(policy, self.drafter.reads, self.steps, self._keep, self._now,
-                                      response_start, grad_only).start()
+                                      response_start, grad_only, rows=self._rows).start()
         return self._capture
 
+    def _rows(self, B: int) -> torch.Tensor | None:  # the rows of a captured forward to keep (choose_rows)
+        idx, self._held = choose_rows(B, self.cfg.online.holdout_frac, self.cfg.online.capture_frac,
+                                      self._gen["holdout"], self._gen["capture"])
+        return idx
+
     def _keep(self, feats: dict, started: float) -> None:
-        """A captured forward's features: some rows held out of training (the estimate, the publish gate's and the
-        canary's reference, scores rollouts the update did not train on), the rest into the buffer."""
-        B = feats["aux"].shape[0]
-        feats["heldout"] = torch.rand(B, generator=self._gen["holdout"]) < self.cfg.online.holdout_frac
+        """A captured forward's kept rows (_rows): the held-out ones aside, the rest into the buffer."""
+        feats["heldout"] = self._held
         with self._lock:
             self.buffer.add(feats, version=self.policy_version, skip=feats["heldout"])
         self.pending.append(feats)
         self._capture_s += self._now() - started
 
-    def stop_capture(self) -> None:
-        """Remove the hooks start_capture installed (a no-op when none are)."""
+    def stop_capture(self) -> None:  # remove the hooks start_capture installed (a no-op when none are)
         if self._capture is not None:
             cap, self._capture = self._capture, None
             cap.stop()
 
-    def set_probe(self, prompts: list[list[int]]) -> None:
-        """Recent prompts the canary generates from after each swap."""
+    def set_probe(self, prompts: list[list[int]]) -> None:  # recent prompts the canary generates from after a swap
         self.probe_prompts = [list(p) for p in prompts[: self.cfg.online.canary_prompts]]
 
     # ---- training + publishing ----------------------------------------------------------------------------
@@ -220,9 +222,8 @@ class DraftTracker:
         """Up to online.steps_per_update drafter steps on length-grouped batches. Sync mode (rl_s: the RL step's
         own time) within time_budget_s and the bank: each step trains on as many records of its batch as the bank
         covers after the update's fixed work; the update ends when not one record fits (the bank's first update,
-        with nothing measured, takes one whole batch); it starts only when the bank covers online.min_steps_per_update
-        whole batches. Returns (losses, non-finite steps); None: the bank is
-        empty."""
+        with nothing measured, takes one whole batch); it starts only when the bank covers
+        online.min_steps_per_update whole batches. Returns (losses, non-finite steps); None: the bank is empty."""
         oc, bank = self.cfg.online, self.bank
         banked = bank.on and rl_s is not None
         groups: list[list[dict]] = []

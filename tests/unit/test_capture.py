@@ -8,7 +8,7 @@ from omegaconf import OmegaConf
 from drafttrain.config import Config
 from drafttrain.tracking import DrafterTrainer, FeatureBuffer, HiddenCapture, build_features
 from drafttrain.tracking.buffer import collate
-from drafttrain.tracking.capture import teacher_forced_features
+from drafttrain.tracking.capture import PolicyCapture, choose_rows, teacher_forced_features
 
 STEPS = 2
 
@@ -52,6 +52,39 @@ def test_capture_equals_hf_hidden_states_in_one_forward(policy):
     ref = policy(ids, output_hidden_states=True).hidden_states
     assert torch.equal(feats, torch.cat([ref[1], ref[3]], -1))
     assert not feats.requires_grad and out.logits.shape == (2, 9, 32)
+
+
+def test_choose_rows_keeps_every_held_out_row_and_a_share_of_the_rest():
+    g = lambda s: torch.Generator().manual_seed(s)  # noqa: E731
+    idx, held = choose_rows(4000, 0.1, 1.0, g(0), g(1))
+    assert idx is None and torch.equal(held, torch.rand(4000, generator=g(0)) < 0.1)  # all rows: as before
+    idx, held = choose_rows(4000, 0.1, 0.25, g(0), g(1))
+    every = torch.rand(4000, generator=g(0)) < 0.1
+    assert set(idx[held].tolist()) == set(every.nonzero().flatten().tolist())  # each held-out row kept
+    assert len(held) == len(idx) and abs((~held).sum().item() / (~every).sum().item() - 0.25) < 0.03
+    idx, held = choose_rows(8, 0.0, 1e-9, g(0), g(1))
+    assert idx.numel() == 0 and held.numel() == 0
+
+
+def test_policy_capture_of_some_rows_equals_those_rows_of_a_full_capture(policy):
+    from drafttrain.drafters.contract import Reads
+
+    ids = torch.randint(4, 32, (5, 9), generator=torch.Generator().manual_seed(0))
+    got = {}
+    for name, rows in (("all", None), ("some", lambda B: torch.tensor([1, 3])), ("none", lambda B: torch.tensor([]))):
+        out = []
+        cap = PolicyCapture(policy, Reads(aux_layers=(1, 2)), STEPS, lambda f, t0: out.append(f), lambda: 0.0,
+                            response_start=4, rows=rows).start()
+        try:
+            with torch.no_grad():
+                policy(input_ids=ids)
+        finally:
+            cap.stop()
+        got[name] = out
+    assert got["none"] == [] and len(got["all"]) == len(got["some"]) == 1
+    full, some = got["all"][0], got["some"][0]
+    for k in ("aux", "next_ids", "target_probs", "valid", "lengths"):
+        torch.testing.assert_close(some[k], full[k][[1, 3]], msg=k)
 
 
 def test_capture_hooks_removed_even_on_error(policy):

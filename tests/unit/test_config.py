@@ -137,6 +137,13 @@ def test_publish_gate_keys_are_checked(tmp_path, override):
     assert "\n" not in str(e.value)
 
 
+@pytest.mark.parametrize("override", ["online.capture_frac=0", "online.capture_frac=1.5", "online.capture_frac=-1"])
+def test_capture_frac_is_a_share(tmp_path, override):
+    with pytest.raises(ConfigError, match="online.capture_frac: must be in") as e:
+        load_recipe(write(tmp_path, MINIMAL), [override])
+    assert "\n" not in str(e.value)
+
+
 @pytest.mark.parametrize("text,key", [
     ("engine:\n  kk: 1\n", "engine.kk"),
     ("engine:\n  k: four\n", "engine.k"),
