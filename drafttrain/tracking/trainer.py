@@ -43,6 +43,9 @@ def make_accelerator() -> Accelerator:
 def _configure_deepspeed(acc: Accelerator, cfg_train) -> None:
     """The recipe's batch and clipping into the DeepSpeed config (the recipe wins); one update per step."""
     ds = acc.state.deepspeed_plugin.deepspeed_config
+    stage = ds.get("zero_optimization", {}).get("stage", 0)
+    if stage not in (0, 1, 2):  # ZeRO-3 shards the weights themselves: the engines are served whole drafters
+        raise ConfigError(f"deepspeed_config.zero_stage: the drafter trains under ZeRO stage 0, 1 or 2, got {stage}")
     accum = ds.get("gradient_accumulation_steps", "auto")
     if accum not in ("auto", 1):
         raise ConfigError(f"deepspeed_config.gradient_accumulation_steps: must be 1 (a drafter step is one update), "
