@@ -74,3 +74,29 @@ def _one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+# ---- the vLLM engines' pool, session-wide (tests/vllm/ and tests/test_contract.py share its warm engines) ----------
+@pytest.fixture(scope="session")
+def pool():
+    pytest.importorskip("vllm")
+    from tests.vllm.pool import EnginePool, engine_processes
+
+    p = EnginePool()
+    yield p
+    p.close()
+    assert not engine_processes(), "engine processes left running after close()"
+
+
+@pytest.fixture(scope="session")
+def vpolicy():
+    from tests.vllm.pool import vllm_policy
+
+    return vllm_policy()
+
+
+@pytest.fixture(scope="session")
+def vdrafter(vpolicy):
+    from tests import contract as C
+
+    return C.fresh_drafter(vpolicy, seed=1)

@@ -1,5 +1,5 @@
 """The RolloutEngine contract suite: plain functions that take an engine factory, so every engine runs the same
-checks (tests/unit/test_engine.py calls them for the embedded torch engine; a vLLM suite reuses them).
+checks (tests/test_contract.py runs each on both engines, by parametrization).
 
     make_engine(policy, drafter=None, **engine_kw) -> RolloutEngine
         policy: an HF causal LM module; engine_kw: EngineConfig fields (k, drafter_int8, draft_sampling, ...)

@@ -1,6 +1,6 @@
 """Your own model, prompts and reward (policy.path, data.*, reward.fn): a tiny random Qwen3 checkpoint, a JSONL of
 prompts and a reward module in tests/, through pretrain_drafter.py and the main job; and each bad input refused
-with one line naming its key. (The embedded engine's Qwen3 log-probs against HF: tests/unit/test_engine.py,
+with one line naming its key. (The embedded engine's Qwen3 log-probs against HF: tests/test_contract.py,
 test_family_greedy_sd_ar_hf.)"""
 from __future__ import annotations
 

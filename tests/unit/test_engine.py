@@ -1,5 +1,5 @@
-"""The embedded engine: the shared contract suite (tests/contract.py) parametrized by engine, plus torch-only
-checks: LeanLlama's KV cache against full HF recomputation, seeding, policy refresh, and an oracle drafter (the
+"""The embedded engine beyond the contract (tests/test_contract.py runs that on both engines): the per-step timeline,
+and LeanLlama's KV cache against full HF recomputation, seeding, policy refresh, and an oracle drafter (the
 policy drafting for itself) that makes every draft accepted, so long accepted runs, stop tokens inside a run
 and max_new_tokens cuts inside a run are exercised.
 """
@@ -20,8 +20,6 @@ from tests import contract as C
 from tests.conftest import engine_cfg, tiny_policy
 
 
-
-
 @pytest.fixture(params=["torch"])
 def make_engine(request):
     def make(policy, drafter=None, **kw):
@@ -36,55 +34,7 @@ def vocab5():
     return pol, C.fresh_drafter(pol, seed=2)
 
 
-# ---- contract suite --------------------------------------------------------------------------------------------
-
-@pytest.mark.parametrize("int8", [False, True])
-def test_greedy_sd_equals_ar(make_engine, policy, drafter, int8):
-    C.greedy_sd_equals_ar(make_engine, policy, drafter, drafter_int8=int8)
-
-
-def test_ar_equals_hf_generate(make_engine, policy):
-    C.ar_equals_hf_generate(make_engine, policy)
-
-
-EXACT = {  # name: (params, negative control, engine kwargs)
-    "T1": (SamplingParams(max_new_tokens=3, seed=11), SamplingParams(temperature=0.7, max_new_tokens=3), {"k": 2}),
-    "T0.7": (SamplingParams(temperature=0.7, max_new_tokens=3, seed=12), SamplingParams(max_new_tokens=3), {"k": 3}),
-    "topk3": (SamplingParams(top_k=3, max_new_tokens=3, seed=13), SamplingParams(max_new_tokens=3), {"k": 2}),
-    "topp0.7_T1.3": (SamplingParams(temperature=1.3, top_p=0.7, max_new_tokens=3, seed=14),
-                     SamplingParams(temperature=1.3, max_new_tokens=3), {"k": 2}),
-    "greedy_drafts_T0.8_topk4": (SamplingParams(temperature=0.8, top_k=4, max_new_tokens=2, seed=15),
-                                 SamplingParams(temperature=0.8, max_new_tokens=2),
-                                 {"k": 2, "draft_sampling": "greedy", "min_accept": 0.03}),
-    "int8_drafter": (SamplingParams(max_new_tokens=3, seed=16), SamplingParams(temperature=1.3, max_new_tokens=3),
-                     {"k": 2, "drafter_int8": True}),
-}
-
-
-@pytest.mark.parametrize("name", list(EXACT))
-def test_exact_distribution(make_engine, vocab5, name):
-    params, wrong, kw = EXACT[name]
-    pol, dr = vocab5
-    kw = {"drafter_int8": False, **kw}
-    C.exact_distribution(make_engine, pol, dr, params, n_rows=3000, wrong=wrong, **kw)
-
-
-def test_exact_distribution_rejects_perturbation(make_engine, vocab5):
-    C.exact_distribution_rejects_perturbation(make_engine, *vocab5)
-
-
-@pytest.mark.parametrize("params", [SamplingParams(temperature=0.8, top_k=12, max_new_tokens=14, seed=1),
-                                    SamplingParams(temperature=1.0, max_new_tokens=14, seed=2),
-                                    SamplingParams(temperature=1.2, top_p=0.9, max_new_tokens=14, seed=3)],
-                         ids=["T0.8_topk12", "T1", "T1.2_topp0.9"])
-def test_logprobs_match_teacher_forced(make_engine, policy, drafter, params):
-    C.logprobs_match_teacher_forced(make_engine, policy, drafter, params)
-
-
-def test_ragged_stops(make_engine, policy, drafter):
-    C.ragged_stops(make_engine, policy, drafter)
-
-
+# ---- the per-step timeline -----------------------------------------------------------------------------------------
 @pytest.mark.parametrize("speculative", [True, False])
 def test_per_step_batch_and_tokens(make_engine, policy, drafter, speculative):
     # timeline.batch / timeline.tokens (benchmarks measure throughput at an active batch with them) add up: every
@@ -104,35 +54,6 @@ def test_per_step_batch_and_tokens(make_engine, policy, drafter, speculative):
     k1 = (eng.cfg.k + 1) if speculative else 1
     assert all(0 < t <= n * k1 for t, n in zip(b.timeline.tokens, b.timeline.batch))
     assert speculative == any(t > n for t, n in zip(b.timeline.tokens, b.timeline.batch))
-
-
-def test_max_new_tokens_exact(make_engine, policy, drafter):
-    C.max_new_tokens_exact(make_engine, policy, drafter)
-
-
-def test_rows_finish_independently_at_max_position(make_engine, policy, drafter):
-    C.rows_finish_independently_at_max_position(make_engine, policy, drafter)
-
-
-def test_load_drafter_versioned(make_engine, policy, drafter):
-    C.load_drafter_versioned(make_engine, policy, drafter)
-
-
-def test_load_drafter_refuses_bad_weights(make_engine, policy, drafter):
-    C.load_drafter_refuses_bad_weights(make_engine, policy, drafter)
-
-
-def test_bad_prompts_raise(make_engine, policy, drafter):
-    C.bad_prompts_raise(make_engine, policy, drafter)
-
-
-def test_nan_logits_raise(make_engine, policy, drafter):
-    C.nan_logits_raise(make_engine, policy, drafter)
-
-
-@pytest.mark.parametrize("family", ["qwen2", "qwen3"])
-def test_family_greedy_sd_ar_hf(make_engine, family):
-    C.family_greedy_sd_ar_hf(make_engine, family)
 
 
 # ---- torch-only: LeanLlama KV cache == full recomputation -----------------------------------------------------

@@ -1,5 +1,6 @@
-"""vLLM-only checks: a user's plain vllm.LLM loads an exported drafter; a trained drafter hot-swapped into the running
-engine raises acceptance; a policy update changes the outputs; a swap that does not land is caught by the read-back
+"""vLLM-only checks (the contract runs in tests/test_contract.py): the contract's max-position check on an engine
+built from folders, with a clean exit on an error; a user's plain vllm.LLM loads an exported drafter; a trained
+drafter hot-swapped into the running engine raises acceptance; a policy update changes the outputs; a swap that does not land is caught by the read-back
 and rolled back; bad drafters are refused with one-line errors before vLLM starts; vLLM missing is one line too.
 """
 from __future__ import annotations
@@ -17,7 +18,7 @@ from drafttrain.spec import SamplingParams
 from drafttrain.tracking import teacher_forced_features
 from tests import contract as C
 from tests.conftest import engine_cfg
-from tests.vllm.conftest import engine_processes, vllm_policy
+from tests.vllm.pool import ARView, engine_processes, vllm_policy
 
 pytestmark = pytest.mark.vllm
 
@@ -275,7 +276,7 @@ if __name__ == "__main__":
     from drafttrain.engines.vllm_engine import VllmEngine
     from tests import contract as C
     from tests.conftest import engine_cfg
-    from tests.vllm.conftest import vllm_policy
+    from tests.vllm.pool import vllm_policy
     pol = vllm_policy()
     eng = VllmEngine(engine_cfg(kind="vllm"), pol, C.fresh_drafter(pol))
     print("TMP", eng._tmp, flush=True)
@@ -322,3 +323,30 @@ def test_killed_owner_leaves_no_engine_processes(tmp_path):
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def test_rows_finish_at_max_position_then_clean_exit_on_error(tmp_path, vpolicy, vdrafter):
+    """The contract's max-position check on its own engine (max_len is fixed at start), built from folders (an
+    HF checkpoint and a speculators export) and run inside `with`: an exception escaping the block shuts vLLM
+    down and leaves no engine process behind."""
+    vpolicy.save_pretrained(str(tmp_path / "policy"))
+    save_drafter(vdrafter, tmp_path / "eagle3", verifier=tmp_path / "policy", k=4)
+    before = {p.pid for p in engine_processes()}
+    from drafttrain.engines.vllm_engine import VllmEngine
+
+    with pytest.raises(KeyError, match="escapes"):
+        with VllmEngine(engine_cfg(kind="vllm", max_len=24), str(tmp_path / "policy"),
+                        str(tmp_path / "eagle3")) as eng:
+            ours = {p.pid for p in engine_processes()} - before
+            assert ours, "no engine process seen"
+
+            def make(policy, drafter=None, max_len=None, **kw):
+                assert max_len == 24 and policy is vpolicy
+                if drafter is None:
+                    return ARView(eng)
+                eng.reset_drafter(drafter.state_dict())
+                return eng
+
+            C.rows_finish_independently_at_max_position(make, vpolicy, vdrafter)
+            raise KeyError("an error escapes the block")
+    assert not ours & {p.pid for p in engine_processes()}

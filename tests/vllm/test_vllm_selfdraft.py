@@ -20,7 +20,7 @@ from drafttrain.engines.vllm_selfdraft import vllm_tensors
 from drafttrain.spec import SamplingParams
 from tests import contract as C
 from tests.conftest import engine_cfg
-from tests.vllm.conftest import engine_processes, vllm_policy
+from tests.vllm.pool import engine_processes, vllm_policy
 
 pytestmark = pytest.mark.vllm
 
