@@ -62,17 +62,27 @@ class EngineConfig:
 
 
 @dataclass
-class DrafterConfig:
-    kind: str = "eagle3"  # eagle3 | selfquant (registry in drafttrain/drafters/base.py)
-    path: Optional[str] = "checkpoints/eagle3"  # speculators-format folder; null = a fresh random drafter
+class Eagle3Section:  # drafter.eagle3: sizes of a fresh EAGLE-3 drafter (a checkpoint at drafter.path fixes its own)
     aux_layer_ids: Optional[list[int]] = None  # policy layers whose inputs feed the drafter; null = kind's default
     draft_vocab_size: Optional[int] = None  # draft vocabulary size; null = the policy's vocabulary
     intermediate_size: Optional[int] = None  # drafter MLP width; null = the policy's
+
+
+@dataclass
+class SelfQuantSection:  # drafter.selfquant: the policy quantized into its own drafter
+    quant: str = "int8"  # int8 (per-output-channel) | int4 (group-wise)
+    backend: str = "ao"  # ao (torch fbgemm int8 / aten int4 CPU kernels) | bnb (bitsandbytes) | ref
+    group_size: int = 64  # int4: in-features per scale (bnb: nf4 blocksize)
+
+
+@dataclass
+class DrafterConfig:
+    kind: str = "eagle3"  # a registered kind (drafttrain/drafters/base.py): eagle3 | selfquant
+    path: Optional[str] = "checkpoints/eagle3"  # speculators-format folder; null = a fresh random drafter
     ttt_steps: int = 3  # training-time-test unroll length n
     ttt_decay: float = 0.8  # step i weighs ttt_decay**i
-    quant: str = "int8"  # selfquant: int8 (per-output-channel) | int4 (group-wise)
-    backend: str = "ao"  # selfquant: ao (torch fbgemm int8 / aten int4 CPU kernels) | bnb (bitsandbytes) | ref
-    group_size: int = 64  # selfquant int4: in-features per scale (bnb: nf4 blocksize)
+    eagle3: Eagle3Section = field(default_factory=Eagle3Section)  # kind eagle3's settings
+    selfquant: SelfQuantSection = field(default_factory=SelfQuantSection)  # kind selfquant's settings
 
 
 @dataclass
@@ -95,25 +105,21 @@ class OnlineConfig:
     # draws favour recent policies: a record v policy versions older than the newest weighs 0.5^(v / half_life)
     buffer_half_life: Optional[float] = 2.0  # in policy versions; null = uniform draws
     steps_per_update: int = 16  # at most this many drafter optimizer steps per RL step
-    # sync mode: an update's fixed work (estimate, gate, publish) costs about two drafter steps here, far more where a
-    # publish is dear (vLLM); more steps per update pay it less often but publish later (bench/NOTES.md, issue 18)
+    # an update's fixed work (estimate, gate, publish) costs about two drafter steps here, more where a publish is
+    # dear (vLLM): more steps per update pay it less often but publish later
     min_steps_per_update: int = 1  # sync: an update waits until the bank covers this many whole batches
     time_budget_s: float = 10.0  # sync mode: hard cap on drafter work per RL step
-    # sync mode: each RL step earns budget_frac x its own time, drafter work spends it (tracking/bank.py)
     budget_frac: float = 0.05  # sync: drafter work / RL step time, on average (0 = no cap)
-    # the canary's reference and the publish gate's rows, paid from the time bank: more rows detect a smaller gain
-    # (the bound's half-width falls as 1/sqrt(rows)) and leave less of the bank to training
+    # paid from the time bank: more rows detect a smaller gain (the bound's half-width falls as 1/sqrt(rows))
     estimate_rows: int = 8  # held-out rows the estimate after each update scores (the gate's rows)
-    # publish an update only if it beats the serving drafter on the same rows, paired row by row (tracking/gate.py):
-    # the one-sided lower bound at gate_confidence of the mean per-row MAL difference must exceed gate_margin, on at
-    # least gate_min_rows rows. Significantly worse: train on from the serving weights; undecided: train on from
-    # the update. Online noise must not wear down a drafter the policy barely drifts from
+    # paired row by row (tracking/gate.py): the one-sided lower bound at gate_confidence of the mean per-row MAL
+    # difference must exceed gate_margin on gate_min_rows rows or more. Significantly worse: train on from the
+    # serving weights; undecided: from the update. Online noise must not wear down a drafter the policy barely moves
     publish_gate: bool = True  # publish an update only if it beats the serving drafter (paired, with a bound)
     gate_confidence: float = 0.9  # equal drafters are published in at most 1 - gate_confidence of the decisions
     gate_margin: float = 0.0  # in MAL: the lower bound must exceed it
     gate_min_rows: int = 8  # fewer paired rows than this: no publish
-    # the estimate is taken on these, so the gate and the canary judge the new weights on rollouts they did not
-    # train on
+    # the estimate is taken on these: the gate and the canary judge the new weights on rollouts they did not train on
     holdout_frac: float = 0.0625  # share of captured rollouts kept out of training, in [0, 1)
     # capture costs per row (features, buffer): rows never trained on need not be captured
     capture_frac: float = 1.0  # share of the other rollouts captured for training, in (0, 1]
@@ -241,6 +247,7 @@ def load_recipe(name_or_path: str, overrides: list[str] | tuple[str, ...] = ()) 
 
 def validate(cfg: Config) -> None:
     """Checks that types alone cannot express; each error names its key."""
+    e3, sq = cfg.drafter.eagle3, cfg.drafter.selfquant
     checks = [
         (cfg.engine.kind in ("torch", "vllm"), "engine.kind", f"must be torch or vllm, got {cfg.engine.kind!r}"),
         (cfg.engine.k in ("auto", "ladder") or (isinstance(cfg.engine.k, int) and not isinstance(cfg.engine.k, bool)
@@ -302,10 +309,10 @@ def validate(cfg: Config) -> None:
         (cfg.rl.prompts_per_step >= 1, "rl.prompts_per_step", f"must be >= 1, got {cfg.rl.prompts_per_step}"),
         (cfg.rl.micro_batch >= 1, "rl.micro_batch", f"must be >= 1, got {cfg.rl.micro_batch}"),
         (cfg.rl.lr > 0, "rl.lr", f"must be > 0, got {cfg.rl.lr}"),
-        (cfg.drafter.quant in ("int8", "int4"), "drafter.quant", f"must be int8 or int4, got {cfg.drafter.quant!r}"),
-        (cfg.drafter.backend in ("ao", "bnb", "ref"), "drafter.backend",
-         f"must be ao, bnb or ref, got {cfg.drafter.backend!r}"),
-        (cfg.drafter.group_size >= 1, "drafter.group_size", f"must be >= 1, got {cfg.drafter.group_size}"),
+        (sq.quant in ("int8", "int4"), "drafter.selfquant.quant", f"must be int8 or int4, got {sq.quant!r}"),
+        (sq.backend in ("ao", "bnb", "ref"), "drafter.selfquant.backend",
+         f"must be ao, bnb or ref, got {sq.backend!r}"),
+        (sq.group_size >= 1, "drafter.selfquant.group_size", f"must be >= 1, got {sq.group_size}"),
         (cfg.drafter.kind != "selfquant" or cfg.drafter.path is None, "drafter.path",
          "must be null for drafter.kind=selfquant (it is built from the policy, not loaded)"),
         # an empty path read as "no drafter" (a fresh random one), or as the project root / the working directory
@@ -318,10 +325,10 @@ def validate(cfg: Config) -> None:
          f"must be > 0 (inf = no clipping), got {cfg.train.max_grad_norm}"),
         (cfg.train.weight_decay >= 0, "train.weight_decay", f"must be >= 0, got {cfg.train.weight_decay}"),
         (cfg.rl.clip_eps > 0, "rl.clip_eps", f"must be > 0, got {cfg.rl.clip_eps}"),
-        (cfg.drafter.draft_vocab_size is None or cfg.drafter.draft_vocab_size >= 1, "drafter.draft_vocab_size",
-         f"must be >= 1 or null (the policy's), got {cfg.drafter.draft_vocab_size}"),
-        (cfg.drafter.intermediate_size is None or cfg.drafter.intermediate_size >= 1, "drafter.intermediate_size",
-         f"must be >= 1 or null (the policy's), got {cfg.drafter.intermediate_size}"),
+        (e3.draft_vocab_size is None or e3.draft_vocab_size >= 1, "drafter.eagle3.draft_vocab_size",
+         f"must be >= 1 or null (the policy's), got {e3.draft_vocab_size}"),
+        (e3.intermediate_size is None or e3.intermediate_size >= 1, "drafter.eagle3.intermediate_size",
+         f"must be >= 1 or null (the policy's), got {e3.intermediate_size}"),
         (cfg.data.eval_size >= 1, "data.eval_size", f"must be >= 1, got {cfg.data.eval_size}"),
         (cfg.online.canary_min_ratio >= 0, "online.canary_min_ratio",
          f"must be >= 0, got {cfg.online.canary_min_ratio}"),

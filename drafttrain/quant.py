@@ -2,9 +2,9 @@
 
 Quantization of the linears (embeddings and norms stay fp32):
     int8   per-output-channel symmetric: q = round(w / s), s = max|w_row| / 127, q in [-127, 127]
-    int4   group-wise symmetric along in-features (drafter.group_size): s = max|w_group| / 7 rounded to bf16,
+    int4   group-wise symmetric along in-features (drafter.selfquant.group_size): s = max|w_group| / 7 rounded to bf16,
            q = round(w / s) in [-8, 7]   (bitsandbytes uses its own NF4 blocks of group_size instead)
-Backends (drafter.backend), each a small class below: __call__(x), requantize_(parts, b), load_(t), storage().
+Backends (drafter.selfquant.backend), each a small class below: __call__(x), requantize_(parts, b), load_(t), storage().
 The ao and bnb int8 kernels also quantize activations per call (dynamic W8A8); ref and the int4 paths do not.
     ao   int8: fbgemm dynamic int8 (torch.ops.quantized.linear_dynamic; activations quantized per call, 7-bit as
               quantize_dynamic does). fbgemm's prepacked weight cannot be written in place: the in-place storage
@@ -298,8 +298,8 @@ def _import_bnb():
     try:
         import bitsandbytes as bnb
     except ImportError:
-        raise ValueError("drafter.backend: bnb needs bitsandbytes, which is not installed "
-                         "(pip install bitsandbytes; or drafter.backend=ao|ref)") from None
+        raise ValueError("drafter.selfquant.backend: bnb needs bitsandbytes, which is not installed "
+                         "(pip install bitsandbytes; or drafter.selfquant.backend=ao|ref)") from None
     logging.getLogger("bitsandbytes.autograd._functions").setLevel(logging.ERROR)  # a cast warning per matmul
     return bnb
 
@@ -307,34 +307,35 @@ def _import_bnb():
 def check_backend(quant: str, backend: str, group: int, sizes: dict[str, tuple[int, int]]) -> None:
     """One-line ValueError naming the drafter.* field. sizes: linear name -> (out, in) features."""
     if quant not in QUANTS:
-        raise ValueError(f"drafter.quant: unknown quantization {quant!r} (known: {', '.join(QUANTS)})")
+        raise ValueError(f"drafter.selfquant.quant: unknown quantization {quant!r} (known: {', '.join(QUANTS)})")
     if backend not in BACKENDS:
-        raise ValueError(f"drafter.backend: unknown backend {backend!r} (known: {', '.join(BACKENDS)})")
+        raise ValueError(f"drafter.selfquant.backend: unknown backend {backend!r} (known: {', '.join(BACKENDS)})")
     if backend == "bnb":
         _import_bnb()
     if backend == "ao" and quant == "int8" and not {"x86", "fbgemm"} & set(torch.backends.quantized.supported_engines):
-        raise ValueError("drafter.backend: ao int8 needs torch's fbgemm/x86 quantized engine, which this torch "
-                         "build lacks (use drafter.backend=ref)")
+        raise ValueError("drafter.selfquant.backend: ao int8 needs torch's fbgemm/x86 quantized engine, which this "
+                         "torch build lacks (use drafter.selfquant.backend=ref)")
     if backend == "ao" and quant == "int4" and not hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu"):
-        raise ValueError("drafter.backend: ao int4 needs aten._weight_int4pack_mm_for_cpu, which this torch build "
-                         "lacks (use drafter.backend=ref)")
+        raise ValueError("drafter.selfquant.backend: ao int4 needs aten._weight_int4pack_mm_for_cpu, which this "
+                         "torch build lacks (use drafter.selfquant.backend=ref)")
     if quant != "int4":
         return
     if group < 1:
-        raise ValueError(f"drafter.group_size: must be >= 1, got {group}")
+        raise ValueError(f"drafter.selfquant.group_size: must be >= 1, got {group}")
     for name, (n_out, n_in) in sizes.items():
         if n_in % group:
-            raise ValueError(f"drafter.group_size: {group} does not divide the in-features {n_in} of the policy's "
-                             f"{name} (hidden/intermediate size)")
+            raise ValueError(f"drafter.selfquant.group_size: {group} does not divide the in-features {n_in} of the "
+                             f"policy's {name} (hidden/intermediate size)")
     if backend == "ao" and group not in _AO_INT4_GROUPS:
-        raise ValueError(f"drafter.group_size: ao int4 supports {list(_AO_INT4_GROUPS)}, got {group}")
+        raise ValueError(f"drafter.selfquant.group_size: ao int4 supports {list(_AO_INT4_GROUPS)}, got {group}")
     if backend == "ao":
         bad = next((n for n, (o, _) in sizes.items() if o % 16), None)
         if bad:
-            raise ValueError(f"drafter.backend: ao int4 needs out-features divisible by 16; the policy's {bad} has "
-                             f"{sizes[bad][0]} (use drafter.backend=ref)")
+            raise ValueError(f"drafter.selfquant.backend: ao int4 needs out-features divisible by 16; the policy's "
+                             f"{bad} has {sizes[bad][0]} (use drafter.selfquant.backend=ref)")
     if backend == "bnb" and group not in _BNB_BLOCKS:
-        raise ValueError(f"drafter.group_size: bnb nf4 blocksize must be one of {list(_BNB_BLOCKS)}, got {group}")
+        raise ValueError(f"drafter.selfquant.group_size: bnb nf4 blocksize must be one of {list(_BNB_BLOCKS)}, got "
+                         f"{group}")
 
 
 def quantize_module_int8(module: torch.nn.Module) -> torch.nn.Module:

@@ -59,7 +59,7 @@ MODES = {  # name -> engine overrides (None = AR)
 def make_drafter(name: str, rc, policy):
     dc = copy.deepcopy(rc.drafter)
     if name.startswith("selfquant"):
-        dc.kind, dc.path, dc.quant, dc.backend = "selfquant", None, name.split("_")[1], "ao"
+        dc.kind, dc.path, dc.selfquant.quant, dc.selfquant.backend = "selfquant", None, name.split("_")[1], "ao"
     return build_drafter(dc, policy)
 
 

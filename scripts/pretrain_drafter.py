@@ -192,7 +192,7 @@ def cache_key(pc: PretrainConfig, cfg) -> str:
     return (f"policy.path={cfg.policy.path} data={cfg.data.path}:{cfg.data.split}:{cfg.data.prompt_field} "
             f"eval_size={cfg.data.eval_size} chat={cfg.data.chat_template} seed={pc.seed} chunk={pc.chunk} fwd_batch={pc.fwd_batch} "
             f"sampling={dict(cfg.sampling)} drafter.ttt_steps={cfg.drafter.ttt_steps} "
-            f"aux={cfg.drafter.aux_layer_ids}")
+            f"aux={cfg.drafter.eagle3.aux_layer_ids}")
 
 
 def lr_factor(step: int, total: int, warmup: int) -> float:

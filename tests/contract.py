@@ -30,10 +30,11 @@ RAGGED_PROMPTS = [[5, 9, 3], [7], [11, 4, 8, 20, 1, 30, 2, 17, 6], [3, 3, 3, 3],
 # ---- helpers -------------------------------------------------------------------------------------------------
 
 def fresh_drafter(policy, seed: int = 1, **drafter_kw):
+    from tests.conftest import set_drafter_keys
+
     cfg = OmegaConf.structured(Config).drafter
     cfg.path = None
-    for k, v in drafter_kw.items():
-        setattr(cfg, k, v)
+    set_drafter_keys(cfg, **drafter_kw)
     torch.manual_seed(seed)
     return build_drafter(cfg, policy)
 

@@ -1,8 +1,13 @@
-"""The drafter registry: adding a drafter kind is one file plus one line in DRAFTERS (or register_drafter).
-The protocols a kind implements are in contract.py."""
+"""The drafter registry: adding a drafter kind is one file plus one registration (DRAFTERS, or register_drafter).
+A kind brings what it needs (DrafterKind): how to build a fresh one, how to load one from drafter.path, and its
+vLLM form; its settings are its own config section (drafter.<kind>). The protocols a kind implements are in
+contract.py."""
 from __future__ import annotations
 
 import copy
+import importlib
+from dataclasses import dataclass
+from typing import Callable, Optional
 
 import torch
 
@@ -10,48 +15,73 @@ from drafttrain.drafters import eagle3, selfquant
 from drafttrain.quant import quantize_module_int8
 
 
+@dataclass(frozen=True)
+class DrafterKind:
+    build: Callable  # build(cfg.drafter, policy) -> a fresh drafter (contract.Drafter)
+    load: Optional[Callable] = None  # load(cfg.drafter, policy) -> the drafter at cfg.drafter.path; None: no path
+    # "module:NAME" of its vLLM form (engines/vllm_forms.py: method, write, tensors, accept); None: embedded only.
+    # Named, not imported: the vLLM side imports this registry
+    vllm: Optional[str] = None
+
+    def vllm_form(self, kind: str):
+        if self.vllm is None:
+            raise ValueError(f"drafter.kind: {kind!r} has no vLLM form: it runs in the embedded engine "
+                             f"(engine.kind=torch)")
+        module, name = self.vllm.split(":")
+        return getattr(importlib.import_module(module), name)
+
+
 def _fresh_eagle3(cfg, policy):
+    e = cfg.eagle3
     d = eagle3.Eagle3Drafter(eagle3.config_from_policy(
-        policy.config, cfg.aux_layer_ids, cfg.draft_vocab_size, cfg.intermediate_size))
+        policy.config, e.aux_layer_ids, e.draft_vocab_size, e.intermediate_size))
     with torch.no_grad():
         d.embed_tokens.weight.copy_(policy.get_input_embeddings().weight)
     return d
 
 
-DRAFTERS = {"eagle3": _fresh_eagle3, "selfquant": selfquant.from_config}  # kind -> build(cfg.drafter, policy)
+def _load_eagle3(cfg, policy):
+    """The speculators-format folder at cfg.path; it fixes its own sizes: drafter.eagle3 settings that ask for other
+    ones are an error, not silently overridden."""
+    from drafttrain.config import resolve_path
+    from drafttrain.export import load_drafter
+
+    d = load_drafter(resolve_path(cfg.path), target_num_layers=policy.config.num_hidden_layers)
+    try:
+        check_compatible(d, policy)
+    except ValueError as e:  # name the key: the drafter there was made for another policy
+        raise ValueError(f"drafter.path: {cfg.path} does not fit the policy: {e} (pretrain one for it with "
+                         f"scripts/pretrain_drafter.py, or drafter.path=null for a fresh drafter)") from None
+    have = {"aux_layer_ids": list(d.aux_layer_ids), "draft_vocab_size": d.config.draft_vocab_size,
+            "intermediate_size": d.config.intermediate_size}
+    for key, got in have.items():
+        want = getattr(cfg.eagle3, key, None)
+        if want is not None and (list(want) if key == "aux_layer_ids" else want) != got:
+            raise ValueError(f"drafter.eagle3.{key}: {want} differs from the checkpoint {cfg.path}'s {got} (set "
+                             f"it to null to use the checkpoint's, or drafter.path=null for a fresh drafter)")
+    return d
 
 
-def register_drafter(kind: str, build) -> None:
-    """Add a drafter kind: build(cfg.drafter, policy) -> a fresh Drafter (contract.py)."""
-    DRAFTERS[kind] = build
+DRAFTERS: dict[str, DrafterKind] = {
+    "eagle3": DrafterKind(_fresh_eagle3, _load_eagle3, "drafttrain.engines.vllm_forms:EAGLE3"),
+    "selfquant": DrafterKind(selfquant.from_config, None, "drafttrain.engines.vllm_forms:SELFQUANT"),
+}
+
+
+def register_drafter(kind: str, build, load=None, vllm: str | None = None) -> None:
+    """Add a drafter kind: build(cfg.drafter, policy) -> a fresh Drafter (contract.py); see DrafterKind."""
+    DRAFTERS[kind] = DrafterKind(build, load, vllm)
 
 
 def build_drafter(cfg, policy):
-    """cfg: DrafterConfig. A fresh drafter sized from the policy; loads cfg.path when it is set."""
+    """cfg: DrafterConfig. A fresh drafter sized from the policy; the kind loads cfg.path when it is set."""
     if cfg.kind not in DRAFTERS:
         raise ValueError(f"drafter.kind: unknown drafter {cfg.kind!r} (known: {', '.join(sorted(DRAFTERS))})")
-    if cfg.path and cfg.kind == "selfquant":
-        raise ValueError("drafter.path: must be null for drafter.kind=selfquant (it is built from the policy)")
-    if cfg.path:
-        from drafttrain.config import resolve_path
-        from drafttrain.export import load_drafter
-
-        d = load_drafter(resolve_path(cfg.path), target_num_layers=policy.config.num_hidden_layers)
-        try:
-            check_compatible(d, policy)
-        except ValueError as e:  # name the key: the drafter there was made for another policy
-            raise ValueError(f"drafter.path: {cfg.path} does not fit the policy: {e} (pretrain one for it with "
-                             f"scripts/pretrain_drafter.py, or drafter.path=null for a fresh drafter)") from None
-        # the checkpoint fixes its shape: a recipe asking for another one is an error, not silently overridden
-        have = {"aux_layer_ids": list(d.aux_layer_ids), "draft_vocab_size": d.config.draft_vocab_size,
-                "intermediate_size": d.config.intermediate_size}
-        for key, got in have.items():
-            want = getattr(cfg, key, None)
-            if want is not None and (list(want) if key == "aux_layer_ids" else want) != got:
-                raise ValueError(f"drafter.{key}: {want} differs from the checkpoint {cfg.path}'s {got} (set it to "
-                                 f"null to use the checkpoint's, or drafter.path=null for a fresh drafter)")
-        return d
-    return DRAFTERS[cfg.kind](cfg, policy)
+    kind = DRAFTERS[cfg.kind]
+    if cfg.path and kind.load is None:
+        raise ValueError(f"drafter.path: must be null for drafter.kind={cfg.kind} (it loads no checkpoint: it is "
+                         f"built from the policy)")
+    return kind.load(cfg, policy) if cfg.path else kind.build(cfg, policy)
 
 
 def check_compatible(drafter, policy) -> None:

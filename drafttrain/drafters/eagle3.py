@@ -90,10 +90,10 @@ class Eagle3Drafter(nn.Module):
         if len(set(c.aux_layer_ids)) != len(c.aux_layer_ids) or any(
                 not 0 <= i < c.target_num_layers for i in c.aux_layer_ids) or list(c.aux_layer_ids) != sorted(
                 c.aux_layer_ids):
-            raise ValueError(f"drafter.aux_layer_ids: {list(c.aux_layer_ids)} must be distinct, ascending layers "
-                             f"of the policy in [0, {c.target_num_layers - 1}]")
+            raise ValueError(f"drafter.eagle3.aux_layer_ids: {list(c.aux_layer_ids)} must be distinct, ascending "
+                             f"layers of the policy in [0, {c.target_num_layers - 1}]")
         if not 0 < c.draft_vocab_size <= c.vocab_size:
-            raise ValueError(f"drafter.draft_vocab_size: {c.draft_vocab_size} must be in [1, policy vocab "
+            raise ValueError(f"drafter.eagle3.draft_vocab_size: {c.draft_vocab_size} must be in [1, policy vocab "
                              f"{c.vocab_size}]")
         self.config = c
         A, H = len(c.aux_layer_ids), c.hidden_size

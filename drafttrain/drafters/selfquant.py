@@ -6,7 +6,7 @@ existing quantized storage (same tensors, same data pointers). No trainer, no hi
     d.requantize(policy)                      # after an RL step: in place
     engine.load_drafter(policy.state_dict() or d.state_dict(), version)
 
-Quantization: drafttrain/quant.py (drafter.quant, drafter.backend, drafter.group_size).
+Quantization: drafttrain/quant.py (drafter.selfquant.quant, .backend, .group_size).
 
 state_dict() is the drafter form: the quantized storage itself (names like "0.qkv.q", "lm_head.scale", "embed"),
 specific to (quant, backend, group_size); the tensors alias the live storage. load_state_dict accepts it (copied
@@ -212,5 +212,5 @@ def _is_linear(name: str) -> bool:
 
 
 def from_config(cfg, policy) -> SelfQuantDrafter:
-    """The registry entry: cfg is a DrafterConfig (quant, backend, group_size)."""
-    return SelfQuantDrafter(policy, cfg.quant, cfg.backend, cfg.group_size)
+    """The registry entry: cfg is a DrafterConfig (its selfquant section: quant, backend, group_size)."""
+    return SelfQuantDrafter(policy, cfg.selfquant.quant, cfg.selfquant.backend, cfg.selfquant.group_size)

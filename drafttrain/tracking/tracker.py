@@ -48,7 +48,7 @@ class DraftTracker:
         # score (the AR baseline pays no drafter work)
         self.unused = not cfg.engine.speculative and not cfg.online.track
         if not self.self_drafter and aux and max(aux) >= n_layers:
-            raise ValueError(f"drafter.aux_layer_ids: {list(aux)} do not exist in the policy ({n_layers} layers)")
+            raise ValueError(f"drafter.eagle3.aux_layer_ids: {list(aux)} are not among the policy's {n_layers} layers")
         # features serve both training and k-step measurement
         self.steps = max(cfg.drafter.ttt_steps, max_draft_len(cfg.engine))
         self.buffer = FeatureBuffer(int(cfg.online.buffer_mb * 2 ** 20), seed=cfg.run.seed, name="online.buffer_mb",

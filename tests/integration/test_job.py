@@ -149,7 +149,7 @@ def _files(root: Path) -> dict:
 def _bad_aux_recipe(tmp_path, policy_dir) -> str:
     path = tmp_path / "bad_aux.yaml"
     path.write_text(f"policy:\n  path: {policy_dir}\ndrafter:\n  kind: eagle3\n  path: null\n"
-                    f"  aux_layer_ids: [1, 2, 9]\n")
+                    f"  eagle3:\n    aux_layer_ids: [1, 2, 9]\n")
     return str(path)
 
 
@@ -160,7 +160,7 @@ def test_bad_input_one_line_error_nothing_lost(first_run, policy_dir, tmp_path, 
     args = {"aux_layer_ids": [f"recipe={_bad_aux_recipe(tmp_path, policy_dir)}", "run.resume=false"],
             "buffer_mb": ["recipe=eagle3_track", "online.buffer_mb=0"],
             "resume_other_recipe": ["recipe=eagle3_frozen"]}[case]
-    expect = {"aux_layer_ids": "drafter.aux_layer_ids", "buffer_mb": "online.buffer_mb",
+    expect = {"aux_layer_ids": "drafter.eagle3.aux_layer_ids", "buffer_mb": "online.buffer_mb",
               "resume_other_recipe": "run.resume"}[case]
     before = _files(first_run)
     assert (first_run / "ckpt" / "step-1" / "state.pt").is_file() and (first_run / "config.yaml").is_file()

@@ -34,12 +34,13 @@ def test_recipe_loads(path):
     assert by_name.recipe == path.stem
     assert "${" not in OmegaConf.to_yaml(by_name)  # fully resolved
     # every key the file sets survives into the config (nothing silently dropped)
-    data = OmegaConf.to_container(OmegaConf.load(path))
+    def leaves(d, pre=""):
+        for k, v in d.items():
+            yield from leaves(v, f"{pre}{k}.") if isinstance(v, dict) else [(f"{pre}{k}", v)]
+
     cfg = OmegaConf.to_container(by_name)
-    for section, values in data.items():
-        if isinstance(values, dict):
-            for k, v in values.items():
-                assert cfg[section][k] == v, f"{section}.{k}"
+    for key, v in leaves(OmegaConf.to_container(OmegaConf.load(path))):
+        assert OmegaConf.select(OmegaConf.create(cfg), key) == v, key
     # overrides apply on top
     assert load_recipe(path.stem, ["engine.k=2"]).engine.k == 2
     # the first lines say what it does and how to launch it
@@ -53,10 +54,10 @@ def test_recipe_loads(path):
 
 def test_overrides_and_defaults(tmp_path):
     path = write(tmp_path, MINIMAL, "mine.yaml")
-    cfg = load_recipe(path, ["engine.drafter_int8=false", "sampling.top_p=0.9", "drafter.aux_layer_ids=[0,2]"])
+    cfg = load_recipe(path, ["engine.drafter_int8=false", "sampling.top_p=0.9", "drafter.eagle3.aux_layer_ids=[0,2]"])
     assert cfg.recipe == "mine" and cfg.run.out_dir == "runs/mine"
     assert cfg.engine.k == 3 and cfg.engine.drafter_int8 is False and cfg.sampling.top_p == 0.9
-    assert list(cfg.drafter.aux_layer_ids) == [0, 2] and cfg.drafter.path is None
+    assert list(cfg.drafter.eagle3.aux_layer_ids) == [0, 2] and cfg.drafter.path is None
     assert cfg.engine.max_len == Config().engine.max_len  # untouched defaults
     renamed = load_recipe(path, ["recipe=other"])
     assert renamed.recipe == "other" and renamed.run.out_dir == "runs/other"
@@ -98,13 +99,13 @@ def test_overrides_and_defaults(tmp_path):
     ("rl.clip_eps=-0.2", "rl.clip_eps"),
     ("rl.clip_eps=0", "rl.clip_eps"),
     ("train.weight_decay=-1", "train.weight_decay"),
-    ("drafter.draft_vocab_size=0", "drafter.draft_vocab_size"),
-    ("drafter.intermediate_size=-3", "drafter.intermediate_size"),
+    ("drafter.eagle3.draft_vocab_size=0", "drafter.eagle3.draft_vocab_size"),
+    ("drafter.eagle3.intermediate_size=-3", "drafter.eagle3.intermediate_size"),
     ("online.canary_min_ratio=-1", "online.canary_min_ratio"),
     # an empty value read as null (drafter.path: a fresh random drafter) or as the project root / working directory
     ("drafter.path=", "drafter.path"),
     ("online.buffer_half_life=", "online.buffer_half_life"),
-    ("drafter.aux_layer_ids= ", "drafter.aux_layer_ids"),
+    ("drafter.eagle3.aux_layer_ids= ", "drafter.eagle3.aux_layer_ids"),
     ("drafter.path=''", "drafter.path"),
     ("policy.path=' '", "policy.path"),
     ("run.out_dir=''", "run.out_dir"),
@@ -242,4 +243,5 @@ def test_usage_lists_launch_recipes_and_every_key():
             assert "default eagle3_track" in text
             continue
         assert any(line.strip().startswith(f"{key}=") and line.rstrip().endswith(doc) for line in lines), key
-    assert "  engine.ladder=[2,3,4,6,8]" in text and "  drafter.aux_layer_ids=null" in text  # as overrides write them
+    # as overrides write them
+    assert "  engine.ladder=[2,3,4,6,8]" in text and "  drafter.eagle3.aux_layer_ids=null" in text

@@ -15,7 +15,7 @@ from drafttrain.export import load_drafter, save_drafter
 from drafttrain.modeling import LeanLlama
 from drafttrain.spec import SamplingParams, processed_probs
 from tests import contract as C
-from tests.conftest import engine_cfg, tiny_policy
+from tests.conftest import engine_cfg, set_drafter_keys, tiny_policy
 
 
 
@@ -27,8 +27,7 @@ def drafter_cfg(**kw):
 
     cfg = OmegaConf.structured(Config).drafter
     cfg.path = None
-    for k, v in kw.items():
-        setattr(cfg, k, v)
+    set_drafter_keys(cfg, **kw)
     return cfg
 
 
@@ -278,7 +277,7 @@ def test_recipe_shape_that_contradicts_the_checkpoint_fails(tmp_path, policy, dr
     """drafter.path set and a drafter shape key the checkpoint does not have: a one-line error naming the key (it
     used to be ignored silently, the checkpoint's shape winning); the checkpoint's own value is accepted."""
     save_drafter(drafter, tmp_path / "ok")
-    with pytest.raises(ValueError, match=f"drafter.{key}") as e:
+    with pytest.raises(ValueError, match=f"drafter.eagle3.{key}") as e:
         build_drafter(drafter_cfg(path=str(tmp_path / "ok"), **{key: value}), policy)
     assert "\n" not in str(e.value)
     same = list(drafter.aux_layer_ids) if key == "aux_layer_ids" else getattr(drafter.config, key)
@@ -319,13 +318,13 @@ def test_engine_refuses_a_nonfinite_drafter_at_build(drafter):
 
 @pytest.mark.parametrize("aux", [[0, 9], [1, 1, 2], [3, 1], [-1, 2]])
 def test_bad_aux_layer_ids(policy, aux):
-    with pytest.raises(ValueError, match=r"drafter\.aux_layer_ids"):
+    with pytest.raises(ValueError, match=r"drafter\.eagle3\.aux_layer_ids"):
         build_drafter(drafter_cfg(aux_layer_ids=aux), policy)
 
 
 def test_bad_draft_vocab_size(policy):
     for v in (33, -1):
-        with pytest.raises(ValueError, match=r"drafter\.draft_vocab_size"):
+        with pytest.raises(ValueError, match=r"drafter\.eagle3\.draft_vocab_size"):
             build_drafter(drafter_cfg(draft_vocab_size=v), policy)
 
 
@@ -514,3 +513,19 @@ def test_finite_check_refuses_nan_and_inf_only():
         w[3, 7] = bad
         with pytest.raises(ValueError, match="fc.weight has NaN or inf"):
             check_finite({"fc.weight": w})
+
+
+def test_a_kind_brings_its_load_and_vllm_form_or_is_refused_in_one_line(policy):
+    """The registry, not the engines or export, knows what a kind can do: one that loads no checkpoint refuses
+    drafter.path, one without a vLLM form is refused by name; the shipped kinds' forms are vLLM's methods."""
+    from drafttrain.drafters.base import DRAFTERS, DrafterKind
+
+    assert DRAFTERS["eagle3"].load is not None and DRAFTERS["selfquant"].load is None
+    with pytest.raises(ValueError, match="drafter.path: must be null for drafter.kind=selfquant") as e:
+        build_drafter(set_drafter_keys(drafter_cfg(kind="selfquant"), path="checkpoints/eagle3"), policy)
+    assert "\n" not in str(e.value)
+    with pytest.raises(ValueError, match="drafter.kind: 'toy' has no vLLM form") as e:
+        DrafterKind(build=lambda cfg, policy: None).vllm_form("toy")
+    assert "\n" not in str(e.value)
+    assert DRAFTERS["eagle3"].vllm_form("eagle3").method == "eagle3"
+    assert DRAFTERS["selfquant"].vllm_form("selfquant").method == "draft_model"

@@ -157,6 +157,21 @@ def test_a_checkpoint_from_before_a_new_key_resumes_when_the_key_is_at_its_defau
     assert got == ["reward.fn ('<absent>' -> 'm:f')"]
 
 
+def test_a_checkpoint_from_before_the_per_kind_drafter_sections_resumes_under_the_new_names():
+    """drafter.quant / .backend / .group_size became drafter.selfquant.*, drafter.aux_layer_ids and the EAGLE-3 sizes
+    drafter.eagle3.*: a checkpoint with the old names and the same values resumes; other values are named."""
+    from omegaconf import OmegaConf
+
+    saved = OmegaConf.to_container(load_recipe("selfdraft_int4_track", ["rl.steps=60"]), resolve=True)
+    d = saved["drafter"]
+    d.update(d.pop("selfquant"), **d.pop("eagle3"))  # as the old flat section held them
+    assert "quant" in d and "aux_layer_ids" in d
+    assert changed_settings(saved, load_recipe("selfdraft_int4_track", ["rl.steps=80"]), 60) == []
+    got = changed_settings(saved, load_recipe("selfdraft_int4_track", ["rl.steps=80", "drafter.selfquant.quant=int8"]),
+                           60)
+    assert got == ["drafter.selfquant.quant ('int4' -> 'int8')"]
+
+
 def test_a_job_started_from_a_shell_outlives_the_shell(tmp_path):
     """Only a launcher's child follows its parent: `nohup python -m drafttrain.online ... &` must survive logout.
     A middle process starts the job (no launcher variables) and exits; the job must still be running after it."""

@@ -19,7 +19,7 @@ from drafttrain.engines import build_engine
 from drafttrain.quant import pack_int4, quantize_int4, quantize_int8, unpack_int4
 from drafttrain.spec import SamplingParams
 from tests import contract as C
-from tests.conftest import engine_cfg, tiny_policy
+from tests.conftest import engine_cfg, set_drafter_keys, tiny_policy
 
 COMBOS = [("int8", "ao"), ("int8", "bnb"), ("int8", "ref"), ("int4", "ao"), ("int4", "bnb"), ("int4", "ref")]
 
@@ -259,8 +259,7 @@ def test_int8_agrees_with_policy_int4_lower_but_sane(make_engine, policy):
 def _drafter_cfg(**kw):
     cfg = OmegaConf.structured(Config).drafter
     cfg.kind, cfg.path = "selfquant", None
-    for k, v in kw.items():
-        setattr(cfg, k, v)
+    set_drafter_keys(cfg, **kw)
     return cfg
 
 
@@ -278,34 +277,34 @@ def _one_line_error(fn, *named):
 
 
 @pytest.mark.parametrize("kw,named", [
-    (dict(quant="int4", backend="ref", group_size=48), ["drafter.group_size", "48"]),
-    (dict(quant="int4", backend="ao", group_size=16), ["drafter.group_size"]),  # not an aten int4 group size
-    (dict(quant="int4", backend="bnb", group_size=96), ["drafter.group_size"]),  # divides nothing here
-    (dict(quant="int4", backend="bnb", group_size=32), ["drafter.group_size"]),  # not a bnb blocksize
-    (dict(quant="int3"), ["drafter.quant", "int3"]),
-    (dict(backend="tensorrt"), ["drafter.backend", "tensorrt"]),
+    (dict(quant="int4", backend="ref", group_size=48), ["drafter.selfquant.group_size", "48"]),
+    (dict(quant="int4", backend="ao", group_size=16), ["drafter.selfquant.group_size"]),  # not an aten int4 group size
+    (dict(quant="int4", backend="bnb", group_size=96), ["drafter.selfquant.group_size"]),  # divides nothing here
+    (dict(quant="int4", backend="bnb", group_size=32), ["drafter.selfquant.group_size"]),  # not a bnb blocksize
+    (dict(quant="int3"), ["drafter.selfquant.quant", "int3"]),
+    (dict(backend="tensorrt"), ["drafter.selfquant.backend", "tensorrt"]),
 ])
 def test_bad_settings(policy, kw, named):
     _one_line_error(lambda: build_drafter(_drafter_cfg(**kw), policy), *named)
 
 
 def test_ao_int4_needs_out_features_divisible_by_16(vocab5):
-    _one_line_error(lambda: SelfQuantDrafter(vocab5, "int4", "ao", 32), "drafter.backend", "16")
+    _one_line_error(lambda: SelfQuantDrafter(vocab5, "int4", "ao", 32), "drafter.selfquant.backend", "16")
 
 
 def test_backend_not_installed(policy, monkeypatch):
     monkeypatch.setitem(sys.modules, "bitsandbytes", None)  # import bitsandbytes -> ImportError
     for quant in ("int8", "int4"):
-        _one_line_error(lambda: SelfQuantDrafter(policy, quant, "bnb"), "drafter.backend", "bitsandbytes")
+        _one_line_error(lambda: SelfQuantDrafter(policy, quant, "bnb"), "drafter.selfquant.backend", "bitsandbytes")
 
 
 def test_path_must_be_null(policy):
     _one_line_error(lambda: build_drafter(_drafter_cfg(path="checkpoints/eagle3"), policy), "drafter.path")
 
 
-@pytest.mark.parametrize("override,key", [("drafter.quant=int3", "drafter.quant"),
-                                          ("drafter.backend=onnx", "drafter.backend"),
-                                          ("drafter.group_size=0", "drafter.group_size"),
+@pytest.mark.parametrize("override,key", [("drafter.selfquant.quant=int3", "drafter.selfquant.quant"),
+                                          ("drafter.selfquant.backend=onnx", "drafter.selfquant.backend"),
+                                          ("drafter.selfquant.group_size=0", "drafter.selfquant.group_size"),
                                           ("drafter.kind=selfquant", "drafter.path")])
 def test_recipe_validation(override, key):
     with pytest.raises(ConfigError) as e:

@@ -80,7 +80,7 @@ def test_nf4_self_drafter_refused_before_start(vpolicy):
     before = {p.pid for p in engine_processes()}
     with pytest.raises(ValueError, match="NF4") as e:
         build_engine(engine_cfg(kind="vllm"), vpolicy, d)
-    assert "drafter.backend=ao or ref" in one_line(e.value)
+    assert "drafter.selfquant.backend=ao or ref" in one_line(e.value)
     assert {p.pid for p in engine_processes()} <= before, "an engine was started for an NF4 self-drafter"
 
 

@@ -1,0 +1,65 @@
+"""Each drafter kind's vLLM form (named in its DrafterKind.vllm): how the vLLM engine serves it.
+
+    form.method                                  vLLM's speculative method
+    form.write(drafter, policy_dir, out, k, target) -> out   the folder vLLM loads the drafter from, checked
+    form.template(drafter)                       the engine's own copy: the shape every later swap must have
+    form.accept(template, weights) -> tensors    a swap's weights, validated, in the form the worker holds
+    form.tensors(template)                       the template's weights in that form
+"""
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+from drafttrain.drafters.weights import check_finite
+
+
+class Eagle3Form:
+    """An EAGLE-3 drafter as vLLM's `eagle3` head: the speculators export, weights under its own names."""
+    method = "eagle3"
+
+    def write(self, drafter, policy_dir: Path, out: Path, k: int, target) -> Path:
+        from drafttrain import export
+
+        check_finite(drafter.state_dict())  # no corrupt drafter reaches an engine (load_drafter checks too)
+        export.save_drafter(drafter, out, verifier=policy_dir, k=k)
+        export.check_vllm_target(export.read_speculators_config(out), target, "drafter")
+        return out
+
+    def template(self, drafter):
+        return copy.deepcopy(drafter).eval().requires_grad_(False)
+
+    def accept(self, template, weights: dict) -> dict:
+        from drafttrain.drafters.eagle3 import check_weights
+
+        check_weights(template, weights)  # names, shapes, finiteness: one-line error
+        return weights
+
+    def tensors(self, template) -> dict:
+        return template.state_dict()
+
+
+class SelfQuantForm:
+    """A self-drafter as vLLM's `draft_model`: a compressed-tensors copy of the policy (vllm_selfdraft.py); a swap
+    is requantized (policy form) or copied (own form) into the template, then sent in the checkpoint's form."""
+    method = "draft_model"
+
+    def write(self, drafter, policy_dir: Path, out: Path, k: int, target) -> Path:
+        from drafttrain.engines import vllm_selfdraft
+
+        return vllm_selfdraft.save_checkpoint(drafter, policy_dir, out)
+
+    def template(self, drafter):
+        return copy.deepcopy(drafter)
+
+    def accept(self, template, weights: dict) -> dict:
+        template.load_state_dict(weights)  # validates before writing: one-line error
+        return self.tensors(template)
+
+    def tensors(self, template) -> dict:
+        from drafttrain.engines.vllm_selfdraft import vllm_tensors
+
+        return vllm_tensors(template)
+
+
+EAGLE3, SELFQUANT = Eagle3Form(), SelfQuantForm()
