@@ -118,35 +118,15 @@ def test_logprobs_match_teacher_forced(eng, params):
     C.logprobs_match_teacher_forced(eng.make, eng.policy, eng.drafter, params)
 
 
-# ---- lengths, stops, versions, bad input -------------------------------------------------------------------------
-@both()
-def test_ragged_stops(eng):
-    C.ragged_stops(eng.make, eng.policy, eng.drafter)
+# ---- lengths, stops, versions, bad input: each check with the engine's default policy and drafter -------------------
+CHECKS = [C.ragged_stops, C.max_new_tokens_exact, C.load_drafter_versioned, C.load_drafter_refuses_bad_weights,
+          C.bad_prompts_raise, C.nan_logits_raise]
 
 
 @both()
-def test_max_new_tokens_exact(eng):
-    C.max_new_tokens_exact(eng.make, eng.policy, eng.drafter)
-
-
-@both()
-def test_load_drafter_versioned(eng):
-    C.load_drafter_versioned(eng.make, eng.policy, eng.drafter)
-
-
-@both()
-def test_load_drafter_refuses_bad_weights(eng):
-    C.load_drafter_refuses_bad_weights(eng.make, eng.policy, eng.drafter)
-
-
-@both()
-def test_bad_prompts_raise(eng):
-    C.bad_prompts_raise(eng.make, eng.policy, eng.drafter)
-
-
-@both()
-def test_nan_logits_raise(eng):
-    C.nan_logits_raise(eng.make, eng.policy, eng.drafter)
+@pytest.mark.parametrize("check", CHECKS, ids=[c.__name__ for c in CHECKS])
+def test_contract_check(eng, check):
+    check(eng.make, eng.policy, eng.drafter)
 
 
 # vLLM fixes max_len when it starts: its max-position check runs on an engine of its own, built from folders
