@@ -32,12 +32,19 @@ from drafttrain.tracking.runfolder import load_checkpoint
 
 
 def make_accelerator() -> Accelerator:
-    """The job's Accelerator, as the launcher's accelerate config says: one process; N processes with DDP (gloo, CPU);
-    or N processes with DeepSpeed (gloo), whose engine then trains the drafter (the policy is not given to it)."""
-    multi = int(os.environ.get("WORLD_SIZE", "1")) > 1
+    """The job's Accelerator, as the launcher's accelerate config says: one process; N processes with DDP; or N
+    processes with DeepSpeed, whose engine then trains the drafter (the policy is not given to it)."""
     deepspeed = os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
     # accelerate turns DeepSpeed off under cpu=True; without a GPU its engine runs on the CPU anyway
-    return Accelerator(cpu=not deepspeed, kwargs_handlers=[InitProcessGroupKwargs(backend="gloo")] if multi else [])
+    return Accelerator(cpu=not deepspeed, kwargs_handlers=process_group_kwargs())
+
+
+def process_group_kwargs(cuda: bool | None = None) -> list:
+    """Several processes without a GPU: gloo (accelerate's own choice fails DeepSpeed's batch-size check on CPU);
+    with one, accelerate's default (nccl)."""
+    multi = int(os.environ.get("WORLD_SIZE", "1")) > 1
+    cuda = torch.cuda.is_available() if cuda is None else cuda
+    return [InitProcessGroupKwargs(backend="gloo")] if multi and not cuda else []
 
 
 def _configure_deepspeed(acc: Accelerator, cfg_train) -> None:

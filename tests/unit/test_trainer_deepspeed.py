@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import pytest
 
 from drafttrain.config import ConfigError
-from drafttrain.tracking.trainer import _configure_deepspeed
+from drafttrain.tracking.trainer import _configure_deepspeed, process_group_kwargs
 
 
 def _acc(**ds):
@@ -32,3 +32,11 @@ def test_a_config_the_trainer_cannot_honour_is_refused(ds, key):
     with pytest.raises(ConfigError, match=key) as e:
         _configure_deepspeed(_acc(**ds), SimpleNamespace(batch_size=16, max_grad_norm=1.0))
     assert "\n" not in str(e.value)
+
+
+def test_several_processes_use_gloo_without_a_gpu_and_the_default_with_one(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert [k.backend for k in process_group_kwargs(cuda=False)] == ["gloo"]
+    assert process_group_kwargs(cuda=True) == []  # nccl on a GPU node: gloo there would move every tensor via host
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    assert process_group_kwargs(cuda=False) == []
