@@ -27,6 +27,7 @@ from drafttrain.engines import build_engine
 from drafttrain.policy import load_policy
 from drafttrain.report import RunLogger, accuracy_change, eval_table, plot_run, read_jsonl, summary_table, write_json
 from drafttrain.rl.grpo import GRPO
+from drafttrain.tracking.collective import Collective
 from drafttrain.tracking.runfolder import (CheckpointError, Checkpointer, Stopper, changed_settings, load_checkpoint,
                                            lock_run_folder)
 from drafttrain.tracking.tracker import DraftTracker
@@ -128,12 +129,18 @@ def _run(cfg, acc, out: Path, stopper: Stopper) -> list[dict]:
                 logger.close()
             stopper.stop(step + 1, cfg.rl.steps)
     stopper.in_loop, stopper.step = False, None
-    if acc.num_processes > 1 and tracker.trainer is not None:  # a collective: every process, before any returns
-        agree = tracker.collective.agreement(tracker.version, tracker.drafter)
-        if not agree["agree"]:
-            raise RuntimeError(f"the {acc.num_processes} processes ended with different drafters: versions "
-                               f"{agree['versions']}, weight sums {agree['sums']}")
-        say(f"[drafttrain] {acc.num_processes} processes agree: drafter v{agree['versions'][0]} on each, equal weights")
+    if acc.num_processes > 1:  # collectives: every process, before any returns
+        pol = Collective(acc).agreement(cfg.rl.steps, grpo.policy)  # the averaged gradients kept the policies equal
+        if not pol["agree"]:
+            raise RuntimeError(f"the {acc.num_processes} processes ended with different policies: weight sums "
+                               f"{pol['sums']}")
+        if tracker.trainer is not None:
+            agree = tracker.collective.agreement(tracker.version, tracker.drafter)
+            if not agree["agree"]:
+                raise RuntimeError(f"the {acc.num_processes} processes ended with different drafters: versions "
+                                   f"{agree['versions']}, weight sums {agree['sums']}")
+            say(f"[drafttrain] {acc.num_processes} processes agree: drafter v{agree['versions'][0]} on each, equal "
+                f"weights; equal policies")
     if logger is None:
         return []
     logger.close()

@@ -43,7 +43,7 @@ def test_two_processes_kill_and_resume_lose_no_step_and_end_with_equal_drafters(
     assert recs[step]["rollout_drafter_version"] == version
     final = recs[-1]["drafter_version"]
     assert final > version  # the resumed run trained and published on both processes
-    assert f"[drafttrain] 2 processes agree: drafter v{final} on each, equal weights" in log
+    assert f"[drafttrain] 2 processes agree: drafter v{final} on each, equal weights; equal policies" in log
     if config == "zero2":  # resumed under DDP: one line naming the cause, not a traceback from deep in a load
         cmd[3] = "recipes/accelerate/ddp2.yaml"
         r = subprocess.run(cmd, cwd=PROJECT_ROOT, env=env, capture_output=True, text=True, timeout=300)

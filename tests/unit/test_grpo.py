@@ -146,3 +146,40 @@ def test_engine_speculative_false_decodes_ar_and_the_unused_drafter_costs_nothin
     assert (ro.batch.stats.mean_accepted_length > 1) == speculative  # AR: no draft was ever accepted
     assert bool(tracker.pending) == speculative
     assert ("live_tf_mal" in tracker.measure()) == speculative
+
+
+def _average_rank(rank: int, store: str, out: str) -> None:
+    """One of 2 gloo processes: process 0 has gradients, process 1 ran no backward (None); GRPO.average_grads."""
+    import os
+    from types import SimpleNamespace
+
+    os.environ.update(RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), ACCELERATE_USE_CPU="1",
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT="0")
+    torch.distributed.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
+    from accelerate import Accelerator
+
+    from drafttrain.rl.grpo import GRPO
+
+    lin = torch.nn.Linear(3, 2)
+    if rank == 0:
+        lin.weight.grad, lin.bias.grad = torch.full_like(lin.weight, 2.0), torch.ones_like(lin.bias)
+    GRPO.average_grads(SimpleNamespace(acc=Accelerator(cpu=True), policy=lin))
+    torch.save({"weight": lin.weight.grad, "bias": lin.bias.grad}, f"{out}/rank{rank}.pt")
+    torch.distributed.destroy_process_group()
+
+
+def test_several_processes_average_the_policy_gradients(tmp_path):
+    """The GRPO host's policy is not DDP-wrapped: its gradients are averaged once per update, a process with no
+    backward (every advantage 0) adding zeros, so every process takes the same step."""
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=_average_rank, args=(r, str(tmp_path / "store"), str(tmp_path))) for r in range(2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(120)
+    assert [p.exitcode for p in procs] == [0, 0]
+    for r in range(2):
+        got = torch.load(tmp_path / f"rank{r}.pt")
+        assert torch.equal(got["weight"], torch.full((2, 3), 1.0)) and torch.equal(got["bias"], torch.full((2,), 0.5))
