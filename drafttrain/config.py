@@ -21,6 +21,9 @@ from typing import Any, Optional
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from drafttrain import drafter_config
+from drafttrain.drafter_config import DrafterConfig, drafter_checks
+
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 RECIPES_DIR = PROJECT_ROOT / "recipes"
 
@@ -59,30 +62,6 @@ class EngineConfig:
     draft_sampling: str = "sample"  # sample (draw from the drafter's q) | greedy (one-hot argmax drafts)
     drafter_int8: bool = True  # run the drafter's linears with torch.ao dynamic int8 (only affects acceptance)
     seed: int = 0  # the engine's sampling seed
-
-
-@dataclass
-class Eagle3Section:  # drafter.eagle3: sizes of a fresh EAGLE-3 drafter (a checkpoint at drafter.path fixes its own)
-    aux_layer_ids: Optional[list[int]] = None  # policy layers whose inputs feed the drafter; null = kind's default
-    draft_vocab_size: Optional[int] = None  # draft vocabulary size; null = the policy's vocabulary
-    intermediate_size: Optional[int] = None  # drafter MLP width; null = the policy's
-
-
-@dataclass
-class SelfQuantSection:  # drafter.selfquant: the policy quantized into its own drafter
-    quant: str = "int8"  # int8 (per-output-channel) | int4 (group-wise)
-    backend: str = "ao"  # ao (torch fbgemm int8 / aten int4 CPU kernels) | bnb (bitsandbytes) | ref
-    group_size: int = 64  # int4: in-features per scale (bnb: nf4 blocksize)
-
-
-@dataclass
-class DrafterConfig:
-    kind: str = "eagle3"  # a registered kind (drafttrain/drafters/base.py): eagle3 | selfquant
-    path: Optional[str] = "checkpoints/eagle3"  # speculators-format folder; null = a fresh random drafter
-    ttt_steps: int = 3  # training-time-test unroll length n
-    ttt_decay: float = 0.8  # step i weighs ttt_decay**i
-    eagle3: Eagle3Section = field(default_factory=Eagle3Section)  # kind eagle3's settings
-    selfquant: SelfQuantSection = field(default_factory=SelfQuantSection)  # kind selfquant's settings
 
 
 @dataclass
@@ -247,7 +226,6 @@ def load_recipe(name_or_path: str, overrides: list[str] | tuple[str, ...] = ()) 
 
 def validate(cfg: Config) -> None:
     """Checks that types alone cannot express; each error names its key."""
-    e3, sq = cfg.drafter.eagle3, cfg.drafter.selfquant
     checks = [
         (cfg.engine.kind in ("torch", "vllm"), "engine.kind", f"must be torch or vllm, got {cfg.engine.kind!r}"),
         (cfg.engine.k in ("auto", "ladder") or (isinstance(cfg.engine.k, int) and not isinstance(cfg.engine.k, bool)
@@ -309,15 +287,6 @@ def validate(cfg: Config) -> None:
         (cfg.rl.prompts_per_step >= 1, "rl.prompts_per_step", f"must be >= 1, got {cfg.rl.prompts_per_step}"),
         (cfg.rl.micro_batch >= 1, "rl.micro_batch", f"must be >= 1, got {cfg.rl.micro_batch}"),
         (cfg.rl.lr > 0, "rl.lr", f"must be > 0, got {cfg.rl.lr}"),
-        (sq.quant in ("int8", "int4"), "drafter.selfquant.quant", f"must be int8 or int4, got {sq.quant!r}"),
-        (sq.backend in ("ao", "bnb", "ref"), "drafter.selfquant.backend",
-         f"must be ao, bnb or ref, got {sq.backend!r}"),
-        (sq.group_size >= 1, "drafter.selfquant.group_size", f"must be >= 1, got {sq.group_size}"),
-        (cfg.drafter.kind != "selfquant" or cfg.drafter.path is None, "drafter.path",
-         "must be null for drafter.kind=selfquant (it is built from the policy, not loaded)"),
-        # an empty path read as "no drafter" (a fresh random one), or as the project root / the working directory
-        (cfg.drafter.path is None or cfg.drafter.path.strip() != "", "drafter.path",
-         "is empty: give a folder, or drafter.path=null for a fresh random drafter"),
         (cfg.policy.path.strip() != "", "policy.path", "is empty: give the policy's checkpoint folder"),
         (cfg.run.out_dir.strip() != "", "run.out_dir", "is empty: give the folder the run writes to"),
         # a negative norm flips the clipped gradients (the drafter trained away from the target); 0 zeroes them
@@ -325,13 +294,10 @@ def validate(cfg: Config) -> None:
          f"must be > 0 (inf = no clipping), got {cfg.train.max_grad_norm}"),
         (cfg.train.weight_decay >= 0, "train.weight_decay", f"must be >= 0, got {cfg.train.weight_decay}"),
         (cfg.rl.clip_eps > 0, "rl.clip_eps", f"must be > 0, got {cfg.rl.clip_eps}"),
-        (e3.draft_vocab_size is None or e3.draft_vocab_size >= 1, "drafter.eagle3.draft_vocab_size",
-         f"must be >= 1 or null (the policy's), got {e3.draft_vocab_size}"),
-        (e3.intermediate_size is None or e3.intermediate_size >= 1, "drafter.eagle3.intermediate_size",
-         f"must be >= 1 or null (the policy's), got {e3.intermediate_size}"),
         (cfg.data.eval_size >= 1, "data.eval_size", f"must be >= 1, got {cfg.data.eval_size}"),
         (cfg.online.canary_min_ratio >= 0, "online.canary_min_ratio",
          f"must be >= 0, got {cfg.online.canary_min_ratio}"),
+        *drafter_checks(cfg.drafter),
     ]
     for ok, key, msg in checks:
         if not ok:
@@ -340,13 +306,15 @@ def validate(cfg: Config) -> None:
 
 def key_docs() -> dict[str, tuple[Any, str]]:
     """Every config key -> (default, one-line doc). The doc is the trailing `# ...` comment of the key's dataclass
-    field in this file (the one source of the docs); the default is the field's."""
-    src = Path(__file__).read_text()
-    trailing = {t.start[0]: t.string.lstrip("#").strip()
-                for t in tokenize.generate_tokens(io.StringIO(src).readline) if t.type == tokenize.COMMENT}
-    docs = {(c.name, f.target.id): trailing.get(f.end_lineno, "")  # a comment on the field's last line trails it
-            for c in ast.parse(src).body if isinstance(c, ast.ClassDef)
-            for f in c.body if isinstance(f, ast.AnnAssign) and isinstance(f.target, ast.Name)}
+    field in this file or drafter_config.py (the one source of the docs); the default is the field's."""
+    docs = {}
+    for path in (Path(__file__), Path(drafter_config.__file__)):
+        src = path.read_text()
+        trailing = {t.start[0]: t.string.lstrip("#").strip()
+                    for t in tokenize.generate_tokens(io.StringIO(src).readline) if t.type == tokenize.COMMENT}
+        docs.update({(c.name, f.target.id): trailing.get(f.end_lineno, "")  # a comment on its last line trails it
+                     for c in ast.parse(src).body if isinstance(c, ast.ClassDef)
+                     for f in c.body if isinstance(f, ast.AnnAssign) and isinstance(f.target, ast.Name)})
     out: dict[str, tuple[Any, str]] = {}
 
     def walk(obj, prefix: str) -> None:

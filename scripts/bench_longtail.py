@@ -60,6 +60,8 @@ def make_drafter(name: str, rc, policy):
     dc = copy.deepcopy(rc.drafter)
     if name.startswith("selfquant"):
         dc.kind, dc.path, dc.selfquant.quant, dc.selfquant.backend = "selfquant", None, name.split("_")[1], "ao"
+    elif name != rc.drafter.kind:  # another kind at its defaults (suffix: nothing to load)
+        dc.kind, dc.path = name, None
     return build_drafter(dc, policy)
 
 

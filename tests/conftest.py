@@ -27,7 +27,7 @@ def tiny_policy(vocab=32, hidden=64, layers=4, heads=4, kv_heads=2, inter=128, m
 def set_drafter_keys(cfg, **kw):
     """Set drafter settings on a DrafterConfig: a kind's own key (aux_layer_ids, quant, ...) in its section."""
     for k, v in kw.items():
-        section = next((s for s in ("eagle3", "selfquant") if k in cfg[s]), None)
+        section = next((s for s in ("eagle3", "selfquant", "suffix") if k in cfg[s]), None)
         setattr(cfg[section] if section else cfg, k, v)
     return cfg
 
@@ -58,6 +58,17 @@ def engine_cfg(**kw):
     for k, v in kw.items():
         setattr(cfg, k, v)
     return cfg
+
+
+@pytest.fixture
+def make_engine():
+    """make(policy, drafter=None, **engine_kw) -> an embedded engine (the contract suite's factory)."""
+    from drafttrain.engines import build_engine
+
+    def make(policy, drafter=None, **kw):
+        return build_engine(engine_cfg(kind="torch", **kw), policy, drafter)
+
+    return make
 
 
 @pytest.fixture(scope="session")

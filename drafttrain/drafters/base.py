@@ -11,7 +11,7 @@ from typing import Callable, Optional
 
 import torch
 
-from drafttrain.drafters import eagle3, selfquant
+from drafttrain.drafters import eagle3, selfquant, suffix
 from drafttrain.quant import quantize_module_int8
 
 
@@ -65,6 +65,7 @@ def _load_eagle3(cfg, policy):
 DRAFTERS: dict[str, DrafterKind] = {
     "eagle3": DrafterKind(_fresh_eagle3, _load_eagle3, "drafttrain.engines.vllm_forms:EAGLE3"),
     "selfquant": DrafterKind(selfquant.from_config, None, "drafttrain.engines.vllm_forms:SELFQUANT"),
+    "suffix": DrafterKind(suffix.from_config),
 }
 
 
@@ -79,8 +80,7 @@ def build_drafter(cfg, policy):
         raise ValueError(f"drafter.kind: unknown drafter {cfg.kind!r} (known: {', '.join(sorted(DRAFTERS))})")
     kind = DRAFTERS[cfg.kind]
     if cfg.path and kind.load is None:
-        raise ValueError(f"drafter.path: must be null for drafter.kind={cfg.kind} (it loads no checkpoint: it is "
-                         f"built from the policy)")
+        raise ValueError(f"drafter.path: must be null for drafter.kind={cfg.kind} (it loads no checkpoint)")
     return kind.load(cfg, policy) if cfg.path else kind.build(cfg, policy)
 
 

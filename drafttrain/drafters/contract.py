@@ -4,6 +4,8 @@ A drafter, as an engine serves it (Drafter):
     kind: str                                       its registry name (base.DRAFTERS)
     follows_policy: bool                            True: rebuilt from the policy's weights at every update (a
                                                     self-drafter: no features, no training); stated, never inferred
+    trains: bool                                    True: the tracker trains it on captured features (it is a
+                                                    TrainableDrafter); neither (suffix): nothing to update but itself
     reads: Reads                                    what it needs from the policy's forward
     state_dict() / load_state_dict(weights)         one layout, the one exported to vLLM
     new_state(batch, max_len, prompts[B, P]) -> state  per-generation cache (prompts right-padded);
@@ -40,6 +42,7 @@ class Reads:
 class Drafter(Protocol):
     kind: str
     follows_policy: bool
+    trains: bool
 
     @property
     def reads(self) -> Reads: ...

@@ -84,6 +84,7 @@ class _MidLayer(nn.Module):
 class Eagle3Drafter(nn.Module):
     kind = "eagle3"
     follows_policy = False  # trained online on the policy's hidden states
+    trains = True
 
     def __init__(self, c: Eagle3Config):
         super().__init__()

@@ -60,6 +60,7 @@ class _QuantLlama(LeanLlama):
 class SelfQuantDrafter(nn.Module):
     kind = "selfquant"
     follows_policy = True  # requantized from the policy at every update: no features, no training
+    trains = False
     reads = Reads()  # nothing from the policy's forward
     in_place_update = True  # load_state_dict / requantize write the live storage: double-buffer it in an engine
 

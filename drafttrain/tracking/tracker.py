@@ -42,8 +42,8 @@ class DraftTracker:
         self.cfg, self.engines, self.log = cfg, list(engines), log
         self.drafter = drafter if drafter is not None else build_drafter(cfg.drafter, policy)
         n_layers, aux = policy.config.num_hidden_layers, self.drafter.reads.aux_layers
-        # a self-drafter (selfquant) needs no features and no training: it is rebuilt from the policy
-        self.self_drafter = bool(self.drafter.follows_policy)
+        # only a drafter that trains needs features; a self-drafter (selfquant) is rebuilt from the policy
+        self.self_drafter, self.learns = bool(self.drafter.follows_policy), bool(self.drafter.trains)
         # AR rollouts (engine.speculative=false) and a drafter never trained: nothing drafts, nothing to capture or
         # score (the AR baseline pays no drafter work)
         self.unused = not cfg.engine.speculative and not cfg.online.track
@@ -53,7 +53,7 @@ class DraftTracker:
         self.steps = max(cfg.drafter.ttt_steps, max_draft_len(cfg.engine))
         self.buffer = FeatureBuffer(int(cfg.online.buffer_mb * 2 ** 20), seed=cfg.run.seed, name="online.buffer_mb",
                                     half_life=cfg.online.buffer_half_life)
-        self.trainer = None if self.self_drafter else DrafterTrainer(self.drafter, cfg.train, cfg.drafter,
+        self.trainer = None if not self.learns else DrafterTrainer(self.drafter, cfg.train, cfg.drafter,
                                                                      accelerator, buffer=self.buffer)
         self.collective = Collective(self.trainer.acc if self.trainer is not None else None)
         if self.trainer is not None and cfg.online.mode == "async" and self.collective.n > 1:
@@ -123,7 +123,7 @@ class DraftTracker:
         if self._capture is not None:
             raise RuntimeError("start_capture: a capture is already running (call stop_capture first)")
         self._mark_rl_start()
-        if self.self_drafter or self.unused:
+        if not self.learns or self.unused:
             return None  # nothing to capture
         self._capture = PolicyCapture(policy, self.drafter.reads, self.steps, self._keep, self._now,
                                       response_start, grad_only, rows=self._rows).start()
@@ -172,7 +172,7 @@ class DraftTracker:
         self.policy_version = step + 1 if step is not None else self.policy_version + 1
         if self.self_drafter and self.cfg.online.track:
             return self._requantize(policy)
-        if not self.cfg.online.track:
+        if not self.cfg.online.track or not self.learns:
             return self._idle()
         self.scorer.keep_heldout(self.latest)  # before any idle return: a skipped update still adds its rows
         # every go/no-go before a drafter step is agreed by all processes. This first one also lines them up: the
@@ -365,7 +365,7 @@ class DraftTracker:
         """Teacher-forced acceptance of the live (served) and the frozen step-0 drafter on the rollouts captured since
         the last on_policy_update (call it before on_policy_update: live is then the drafter that generated them).
         Its time (measure_s) is reporting: the time bank counts it neither as RL time nor as drafter work."""
-        if self.self_drafter:  # no teacher-forced scoring for a self-drafter; the same keys all the same
+        if not self.learns:  # no teacher-forced scoring of an untrained kind; the same keys all the same
             return {"live_tf_mal": None, "live_tf_acc_pos": None, "frozen_tf_mal": None, "frozen_tf_acc_pos": None,
                     "policy_minus_drafter_version": self.drafter_lag, "measure_s": 0.0}
         if not self.pending:

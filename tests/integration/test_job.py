@@ -110,9 +110,11 @@ def test_frozen_drafter_records_the_same_keys(policy_dir, tmp_path):
 
 # ---- kill and resume ------------------------------------------------------------------------------------------
 @pytest.mark.slow
-def test_kill_and_resume(policy_dir, tmp_path):
+@pytest.mark.parametrize("recipe", ["eagle3_track", "suffix_track"])
+def test_kill_and_resume(policy_dir, tmp_path, recipe):
+    """Each drafter kind (suffix: nothing to save; its index is rebuilt from the resumed run's rollouts)."""
     out, steps = tmp_path / "run", 6
-    cmd = [sys.executable, "-m", "drafttrain.online", "recipe=eagle3_track",
+    cmd = [sys.executable, "-m", "drafttrain.online", f"recipe={recipe}",
            *overrides(policy_dir, out, f"rl.steps={steps}", "sampling.max_new_tokens=24")]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     latest = out / "ckpt" / "latest"

@@ -26,14 +26,6 @@ COMBOS = [("int8", "ao"), ("int8", "bnb"), ("int8", "ref"), ("int4", "ao"), ("in
 
 
 
-@pytest.fixture
-def make_engine():
-    def make(policy, drafter=None, **kw):
-        return build_engine(engine_cfg(kind="torch", **kw), policy, drafter)
-
-    return make
-
-
 def updated(policy, seed: int = 7, scale: float = 0.05):
     """A copy of the policy after a fake RL step: every weight moved."""
     new = copy.deepcopy(policy)

@@ -1,0 +1,118 @@
+"""The suffix drafter (drafter.kind=suffix): siblings' and recent rollouts' text proposed, the index rebuilt per
+generation, and SD with it lossless (the shared engine contract: greedy identity, the exact output distribution,
+log-probs, ragged rows)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from drafttrain.config import ConfigError, load_recipe
+from drafttrain.drafters.suffix import SuffixDrafter
+from drafttrain.spec import SamplingParams
+from tests import contract as C
+
+PARAMS = SamplingParams(temperature=1.0, max_new_tokens=4)
+
+
+def feed(d, st, rows: list[list[int]], k: int = 3):
+    """propose with each row's tokens after position 0, all new (the engine's first call)."""
+    m = max(len(r) for r in rows) - 1
+    ids = torch.zeros(len(rows), m, dtype=torch.long)
+    for j, r in enumerate(rows):
+        ids[j, :len(r) - 1] = torch.tensor(r[1:])
+    n = torch.tensor([len(r) - 1 for r in rows])
+    return d.propose(st, ids, None, n, torch.zeros(len(rows), dtype=torch.long), k, PARAMS, False)
+
+
+def test_sibling_text_is_proposed():
+    d = SuffixDrafter(max_ngram=4, min_ngram=2, history=1)
+    st = d.new_state(2, 64, torch.tensor([[1, 2], [1, 2]]))
+    drafts, q = feed(d, st, [[1, 2, 7, 8, 9, 10, 11], [1, 2, 7]])
+    assert q is None  # one-hot drafts
+    assert drafts[1].tolist() == [8, 9, 10]  # row 1 goes on as its sibling did after "2 7"
+    # a continuation shorter than k is padded with its last token; the row's own newest position is not a match
+    st = d.new_state(1, 64, torch.tensor([[3]]))
+    drafts, _ = feed(d, st, [[3, 9, 10]], k=3)
+    assert drafts[0].tolist() == [11, 11, 11]  # "9 10" from the last generation's row 0
+
+
+def test_longest_suffix_wins_and_no_match_repeats_the_last_token():
+    d = SuffixDrafter(max_ngram=3, min_ngram=1, history=0)
+    st = d.new_state(1, 64, torch.tensor([[5]]))
+    drafts, _ = feed(d, st, [[5, 1, 2, 3, 1, 4, 2, 3, 9, 4, 2, 3]], k=2)
+    assert drafts[0].tolist() == [9, 4]  # "4 2 3" occurred before "9"; "2 3" alone last went on with "9" too
+    st = d.new_state(1, 64, torch.tensor([[6]]))
+    d2 = SuffixDrafter(max_ngram=3, min_ngram=2, history=0)
+    st = d2.new_state(1, 64, torch.tensor([[6]]))
+    drafts, _ = feed(d2, st, [[6, 7]], k=2)
+    assert drafts[0].tolist() == [7, 7]
+
+
+def test_index_rebuilt_per_generation_keeps_history_generations():
+    d = SuffixDrafter(max_ngram=2, min_ngram=2, history=1)
+    st = d.new_state(1, 64, torch.tensor([[1]]))
+    feed(d, st, [[1, 20, 21, 22, 23]])
+    st = d.new_state(1, 64, torch.tensor([[2]]))  # generation 2: generation 1 is within history=1
+    assert feed(d, st, [[2, 20, 21]])[0][0].tolist() == [22, 23, 23]
+    st = d.new_state(1, 64, torch.tensor([[3]]))  # generation 3: generation 1 dropped, 2 kept
+    assert feed(d, st, [[3, 20, 21]])[0][0].tolist() == [21, 21, 21]  # generation 2's "20 21" has no continuation
+    assert (2, 20) in d.index and (1, 20) not in d.index and (21, 22) not in d.index
+
+
+def test_no_weights():
+    d = SuffixDrafter()
+    assert d.state_dict() == {} and d.trains is False and d.follows_policy is False
+    d.load_state_dict({})
+    with pytest.raises(ValueError, match="suffix drafter: takes no weights"):
+        d.load_state_dict({"fc.weight": torch.zeros(2)})
+
+
+@pytest.mark.parametrize("override,key", [(["drafter.suffix.min_ngram=0"], "drafter.suffix.min_ngram"),
+                                          (["drafter.suffix.max_ngram=1", "drafter.suffix.min_ngram=2"],
+                                           "drafter.suffix.max_ngram"),
+                                          (["drafter.suffix.history=-1"], "drafter.suffix.history"),
+                                          (["drafter.path=checkpoints/eagle3"], "drafter.path"),
+                                          (["drafter.suffix.bogus=1"], "drafter.suffix.bogus")])
+def test_bad_settings_one_line(override, key):
+    with pytest.raises(ConfigError, match=key.replace(".", r"\.")) as e:
+        load_recipe("suffix_track", override)
+    assert "\n" not in str(e.value)
+
+
+# ---- lossless: the shared engine contract ---------------------------------------------------------------------
+
+def test_greedy_sd_equals_ar(make_engine, policy):
+    C.greedy_sd_equals_ar(make_engine, policy, SuffixDrafter(min_ngram=1), drafter_int8=False)
+
+
+@pytest.mark.parametrize("params", [SamplingParams(max_new_tokens=3, seed=31),
+                                    SamplingParams(temperature=0.7, top_k=3, max_new_tokens=3, seed=32)],
+                         ids=["T1", "T0.7_topk3"])
+def test_exact_distribution(make_engine, params):
+    """3000 copies of one prompt: siblings' text drafts (accepted and rejected both exercised); the samples match
+    the policy's exact sequence distribution, and a wrong temperature is rejected."""
+    pol = C.tiny_vocab_policy(vocab=5)
+    C.exact_distribution(make_engine, pol, SuffixDrafter(max_ngram=3, min_ngram=1), params, n_rows=3000,
+                         wrong=SamplingParams(temperature=1.3, max_new_tokens=3), k=2, drafter_int8=False)
+
+
+def test_contract_ragged_lengths_logprobs(make_engine, policy):
+    d = SuffixDrafter(min_ngram=1)
+    C.ragged_stops(make_engine, policy, d)
+    C.max_new_tokens_exact(make_engine, policy, d)
+    C.rows_finish_independently_at_max_position(make_engine, policy, d)
+    C.bad_prompts_raise(make_engine, policy, d)
+    C.logprobs_match_teacher_forced(make_engine, policy, d, SamplingParams(temperature=0.8, top_k=12,
+                                                                             max_new_tokens=10, seed=1))
+
+
+def test_earlier_rollouts_drafted_through_the_engine(make_engine, policy):
+    """A second greedy generation of the same prompts drafts the first one's text: nearly every draft is accepted,
+    its mean accepted length well above the first generation's."""
+    eng = make_engine(policy, SuffixDrafter(), k=3, drafter_int8=False)
+    params = SamplingParams(temperature=0, max_new_tokens=24)
+    first = eng.generate(C.RAGGED_PROMPTS, params)
+    again = eng.generate(C.RAGGED_PROMPTS, params)
+    assert again.tokens == first.tokens
+    assert again.stats.acceptance_rate > 0.8, again.stats.to_dict()  # a loop's latest occurrence may mislead
+    assert again.stats.mean_accepted_length > first.stats.mean_accepted_length + 1
