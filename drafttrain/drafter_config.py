@@ -28,14 +28,20 @@ class SuffixSection:  # drafter.suffix: drafts copied from sibling rows and rece
 
 
 @dataclass
+class DraftModelSection:  # drafter.draft_model: a small separate LM (own KV cache), distilled online from the policy
+    layers: int = 1  # decoder layers of a fresh draft model: the policy's first ones, copied
+
+
+@dataclass
 class DrafterConfig:
-    kind: str = "eagle3"  # a registered kind (drafttrain/drafters/base.py): eagle3 | selfquant | suffix
+    kind: str = "eagle3"  # a registered kind (drafttrain/drafters/base.py): eagle3 | selfquant | suffix | draft_model
     path: Optional[str] = "checkpoints/eagle3"  # speculators-format folder; null = a fresh random drafter
     ttt_steps: int = 3  # training-time-test unroll length n
     ttt_decay: float = 0.8  # step i weighs ttt_decay**i
     eagle3: Eagle3Section = field(default_factory=Eagle3Section)  # kind eagle3's settings
     selfquant: SelfQuantSection = field(default_factory=SelfQuantSection)  # kind selfquant's settings
     suffix: SuffixSection = field(default_factory=SuffixSection)  # kind suffix's settings
+    draft_model: DraftModelSection = field(default_factory=DraftModelSection)  # kind draft_model's settings
 
 
 def drafter_checks(d: DrafterConfig) -> list[tuple[bool, str, str]]:
@@ -59,4 +65,5 @@ def drafter_checks(d: DrafterConfig) -> list[tuple[bool, str, str]]:
         (sx.max_ngram >= sx.min_ngram, "drafter.suffix.max_ngram",
          f"must be >= drafter.suffix.min_ngram = {sx.min_ngram}, got {sx.max_ngram}"),
         (sx.history >= 0, "drafter.suffix.history", f"must be >= 0, got {sx.history}"),
+        (d.draft_model.layers >= 1, "drafter.draft_model.layers", f"must be >= 1, got {d.draft_model.layers}"),
     ]

@@ -26,7 +26,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-QUANTS = ("int8", "int4")
+from drafttrain.modeling import PackedLinear, linear
+
+QUANTS = ("int8", "int4", "fp32")  # fp32: not quantized (ref only)
 BACKENDS = ("ao", "bnb", "ref")
 _AO_INT4_GROUPS = (32, 64, 128, 256)
 _BNB_BLOCKS = (64, 128, 256, 512, 1024, 2048, 4096)
@@ -290,7 +292,28 @@ class BnbNf4(_Bnb):
         return self._with_bias({"weight": self.mod.weight.data, "absmax": self.mod.weight.quant_state.absmax})
 
 
-LINEARS = {("int8", "ref"): RefInt8, ("int4", "ref"): RefInt4, ("int8", "ao"): AoInt8, ("int4", "ao"): AoInt4,
+class Fp32Linear(QuantLinear):
+    """Not quantized: the fp32 weight, prepacked for oneDNN (a trained draft model's runtime form without int8)."""
+
+    def __init__(self, parts, b, group):
+        N, K = sum(w.shape[0] for w in parts), parts[0].shape[1]
+        self.w, self.bias = torch.empty(N, K), None if b is None else torch.empty(N)
+        self.requantize_(parts, b)
+
+    def _rows_(self, w, r0, r1):
+        self.w[r0:r1].copy_(w)
+
+    def _repack(self):
+        self._lin = PackedLinear.wrap(self.w, self.bias)
+
+    def storage(self):
+        return self._with_bias({"w": self.w})
+
+    def __call__(self, x):
+        return linear(x, self._lin)
+
+
+LINEARS = {("fp32", "ref"): Fp32Linear, ("int8", "ref"): RefInt8, ("int4", "ref"): RefInt4, ("int8", "ao"): AoInt8, ("int4", "ao"): AoInt4,
            ("int8", "bnb"): BnbInt8, ("int4", "bnb"): BnbNf4}
 
 
@@ -310,6 +333,8 @@ def check_backend(quant: str, backend: str, group: int, sizes: dict[str, tuple[i
         raise ValueError(f"drafter.selfquant.quant: unknown quantization {quant!r} (known: {', '.join(QUANTS)})")
     if backend not in BACKENDS:
         raise ValueError(f"drafter.selfquant.backend: unknown backend {backend!r} (known: {', '.join(BACKENDS)})")
+    if quant == "fp32" and backend != "ref":
+        raise ValueError(f"drafter.selfquant.backend: fp32 (not quantized) runs on backend ref, got {backend!r}")
     if backend == "bnb":
         _import_bnb()
     if backend == "ao" and quant == "int8" and not {"x86", "fbgemm"} & set(torch.backends.quantized.supported_engines):

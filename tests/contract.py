@@ -270,19 +270,21 @@ def load_drafter_refuses_bad_weights(make_engine, policy, drafter):
     params = SamplingParams(temperature=0, max_new_tokens=12)
     before = eng.generate(RAGGED_PROMPTS, params)
     good = {k: v.clone() for k, v in drafter.state_dict().items()}
-    name = "layers.0.self_attn.q_proj.weight"
-
+    # EAGLE-3's names, else the kind's own: its first, second and last matrices, its last tensor
+    mats = [k for k, v in good.items() if v.dim() == 2 and v.is_floating_point()]
+    shape_n, nan_n, inf_n, miss_n = (("fc.weight", "layers.0.self_attn.q_proj.weight", "lm_head.weight", "norm.weight")
+                                     if "fc.weight" in good else (mats[0], mats[1], mats[-1], sorted(good)[-1]))
     bad_shape = dict(good)
-    bad_shape["fc.weight"] = torch.zeros(good["fc.weight"].shape[0], good["fc.weight"].shape[1] + 1)
+    bad_shape[shape_n] = torch.zeros(good[shape_n].shape[0], good[shape_n].shape[1] + 1)
     nan = dict(good)
-    nan[name] = good[name].clone()
-    nan[name][0, 0] = float("nan")
+    nan[nan_n] = good[nan_n].clone()
+    nan[nan_n][0, 0] = float("nan")
     inf = dict(good)
-    inf["lm_head.weight"] = good["lm_head.weight"].clone()
-    inf["lm_head.weight"][1, 2] = float("inf")
-    missing = {k: v for k, v in good.items() if k != "norm.weight"}
+    inf[inf_n] = good[inf_n].clone()
+    inf[inf_n][1, 2] = float("inf")
+    missing = {k: v for k, v in good.items() if k != miss_n}
     extra = dict(good, **{"bogus.weight": torch.zeros(2)})
-    for weights, named in ((bad_shape, "fc.weight"), (nan, name), (inf, "lm_head.weight"), (missing, "norm.weight"),
+    for weights, named in ((bad_shape, shape_n), (nan, nan_n), (inf, inf_n), (missing, miss_n),
                            (extra, "bogus.weight")):
         try:
             eng.load_drafter(weights, 1)

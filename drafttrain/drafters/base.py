@@ -11,7 +11,7 @@ from typing import Callable, Optional
 
 import torch
 
-from drafttrain.drafters import eagle3, selfquant, suffix
+from drafttrain.drafters import draft_model, eagle3, selfquant, suffix
 from drafttrain.quant import quantize_module_int8
 
 
@@ -66,6 +66,7 @@ DRAFTERS: dict[str, DrafterKind] = {
     "eagle3": DrafterKind(_fresh_eagle3, _load_eagle3, "drafttrain.engines.vllm_forms:EAGLE3"),
     "selfquant": DrafterKind(selfquant.from_config, None, "drafttrain.engines.vllm_forms:SELFQUANT"),
     "suffix": DrafterKind(suffix.from_config),
+    "draft_model": DrafterKind(draft_model.fresh, draft_model.load),
 }
 
 
@@ -81,7 +82,23 @@ def build_drafter(cfg, policy):
     kind = DRAFTERS[cfg.kind]
     if cfg.path and kind.load is None:
         raise ValueError(f"drafter.path: must be null for drafter.kind={cfg.kind} (it loads no checkpoint)")
-    return kind.load(cfg, policy) if cfg.path else kind.build(cfg, policy)
+    if cfg.path:
+        _check_kind(cfg)
+        return kind.load(cfg, policy)
+    return kind.build(cfg, policy)
+
+
+def _check_kind(cfg) -> None:
+    """A checkpoint of another kind at drafter.path is a one-line error (before its own loader misreads it)."""
+    from drafttrain.config import resolve_path
+    from drafttrain.export import read_speculators_config
+
+    path = resolve_path(cfg.path)
+    c = read_speculators_config(path)
+    saved = (c.get("drafttrain") or {}).get("kind") or c.get("speculators_model_type")
+    if saved is not None and saved != cfg.kind:
+        raise ValueError(f"drafter.path: {cfg.path} holds a {saved} drafter, not drafter.kind={cfg.kind} (set "
+                         f"drafter.kind={saved}, or point drafter.path at a {cfg.kind} checkpoint)")
 
 
 def check_compatible(drafter, policy) -> None:

@@ -19,6 +19,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from drafttrain.drafters import ttt
 from drafttrain.drafters.contract import Reads
 from drafttrain.drafters.weights import check_tensors
 from drafttrain.modeling import KVCache, PackedLinear, Rope, attend, fold_norm, linear, rms_norm, rms_unit, step_mask
@@ -208,7 +209,7 @@ class Eagle3Drafter(nn.Module):
 
     # ---- training: training-time test ---------------------------------------------------------------------
     def ttt_logits(self, aux: torch.Tensor, next_ids: torch.Tensor, steps: int,
-                   queries: torch.Tensor | None = None) -> list[torch.Tensor]:
+                   queries: torch.Tensor | None = None, first_ids=None) -> list[torch.Tensor]:
         """aux [B, T, A*H] policy aux states at positions t; next_ids [B, T+steps-1] with next_ids[:, t] =
         token_{t+1}. Returns `steps` draft-logit tensors [B, T, Vd]; step i at position t predicts token_{t+2+i}.
 
@@ -257,37 +258,10 @@ class Eagle3Drafter(nn.Module):
         return outs
 
     def ttt_loss(self, aux, next_ids, target_probs, valid, steps: int, decay: float, query_frac: float = 1.0,
-                 generator: torch.Generator | None = None):
-        """Soft cross-entropy against the policy's distribution, unrolled `steps` steps, step i weighted decay**i.
-
-        aux [B, T, A*H]; next_ids [B, T+steps-1]; target_probs [B, T+steps, V]: the policy's next-token
-        distribution at each position, so step i at t is scored against target_probs[:, t+1+i];
-        valid [B, T+steps] bool: positions whose target distribution is real (not padding, not past the end).
-        query_frac < 1: the loss over a random subset of that share of the positions whose step-0 target is valid in
-        some row (ttt_logits' queries; prompt and padding positions would score nothing).
-        Returns (loss, per-step accuracy list) where accuracy = draft argmax == policy argmax."""
-        T = aux.shape[1]
-        ids = self.draft_ids()
-        S = None  # every position
-        if query_frac < 1.0:  # drawn among the chain starts that draft a response token (not prompt, not padding)
-            cand = valid[:, 1:T + 1].any(0).nonzero().flatten()
-            if not len(cand):
-                cand = torch.arange(T)
-            n = max(1, math.ceil(query_frac * len(cand)))
-            S = cand[torch.randperm(len(cand), generator=generator)[:n]].sort().values
-        logits = self.ttt_logits(aux, next_ids, steps, S)
-        total, accs, wsum = 0.0, [], 0.0
-        for i, lg in enumerate(logits):
-            at = slice(1 + i, 1 + i + T) if S is None else 1 + i + S  # the positions step i is scored at
-            tp = target_probs[:, at].float()[..., ids]  # [B, S, Vd] policy mass on draft vocab
-            tp = tp / tp.sum(-1, keepdim=True).clamp_min(1e-8)
-            m = valid[:, at].float()  # [B, S]
-            ce = -(tp * lg.log_softmax(-1)).sum(-1)  # [B, S]
-            denom = m.sum().clamp_min(1.0)
-            total = total + (decay ** i) * (ce * m).sum() / denom
-            wsum += decay ** i
-            accs.append(float(((lg.argmax(-1) == tp.argmax(-1)).float() * m).sum() / denom))
-        return total / wsum, accs
+                 generator: torch.Generator | None = None, first_ids=None):
+        """Soft cross-entropy against the policy's distribution, unrolled `steps` steps (ttt.ttt_loss); first_ids
+        (token_0) is not read: position t's input is token_{t+1} with the policy's state there."""
+        return ttt.ttt_loss(self, aux, next_ids, target_probs, valid, steps, decay, query_frac, generator)
 
     # ---- inference: chain drafting over a KV cache --------------------------------------------------------
     def new_state(self, batch: int, max_len: int, prompts: torch.Tensor | None = None) -> "Eagle3State":

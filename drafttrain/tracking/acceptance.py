@@ -41,7 +41,8 @@ def acceptance_ratios(drafter, batch: dict[str, torch.Tensor], k: int, start: in
     was_training = drafter.training
     drafter.eval()
     tq = torch.arange(start, T)  # the positions computed
-    logits = drafter.ttt_logits(batch["aux"], batch["next_ids"][:, : T + k - 1], k, tq if start > 0 else None)
+    logits = drafter.ttt_logits(batch["aux"], batch["next_ids"][:, : T + k - 1], k, tq if start > 0 else None,
+                                first_ids=batch.get("first_ids"))
     drafter.train(was_training)
     nxt = batch["next_ids"]
     nxt = torch.cat([nxt, nxt.new_zeros(B, max(0, T + k - nxt.shape[1]))], 1)  # [B, >= T+k]
@@ -96,7 +97,8 @@ def length_chunks(batch: dict[str, torch.Tensor], k: int, max_pad: float = 1.25)
         Tc = int(last[idx].max())
         out.append(({"aux": batch["aux"][idx, :Tc], "next_ids": batch["next_ids"][idx, :Tc + k - 1],
                      "target_probs": batch["target_probs"][idx, :Tc + k], "valid": valid[idx, :Tc + k],
-                     "rows": idx}, int(first[idx].min())))
+                     "rows": idx, **({"first_ids": batch["first_ids"][idx]} if "first_ids" in batch else {})},
+                    int(first[idx].min())))
     return out
 
 

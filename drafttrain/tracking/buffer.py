@@ -67,13 +67,14 @@ class FeatureBuffer:
         # converted once per batch, not per row (the rows are then cut and copied out of it)
         aux, probs = batch["aux"].to(self.dtype), batch["target_probs"].to(self.dtype)
         ids = batch["next_ids"].to(torch.int32)
+        first = batch["first_ids"].tolist() if "first_ids" in batch else [0] * len(L)
         n = 0
         for b, n_b in enumerate(L):
             if not keep[b]:
                 continue
             rec = {"aux": aux[b, :n_b].clone(), "next_ids": ids[b, :n_b + s - 1].clone(),
                    "target_probs": probs[b, :n_b + s].clone(),
-                   "valid": batch["valid"][b, :n_b + s].clone(), "version": int(version)}
+                   "valid": batch["valid"][b, :n_b + s].clone(), "version": int(version), "first": int(first[b])}
             self.records.append(rec)
             self.nbytes += _nbytes(rec)
             self.added += 1
@@ -128,7 +129,7 @@ class FeatureBuffer:
 
 def collate(records: list[dict], steps: int) -> dict[str, torch.Tensor]:
     """Per-sequence records -> padded batch: aux [B, T, X], next_ids [B, T+s-1], target_probs [B, T+s, V],
-    valid [B, T+s], lengths [B]."""
+    valid [B, T+s], lengths [B], first_ids [B]."""
     B, s = len(records), steps
     lengths = torch.tensor([r["aux"].shape[0] for r in records])
     T = int(lengths.max())
@@ -143,4 +144,6 @@ def collate(records: list[dict], steps: int) -> dict[str, torch.Tensor]:
         next_ids[b, :L + s - 1] = r["next_ids"]
         probs[b, :L + s] = r["target_probs"]
         valid[b, :L + s] = r["valid"]
-    return {"aux": aux, "next_ids": next_ids, "target_probs": probs, "valid": valid, "lengths": lengths}
+    first = torch.tensor([r.get("first", 0) for r in records], dtype=torch.long)  # 0: a record saved before it was kept
+    return {"aux": aux, "next_ids": next_ids, "target_probs": probs, "valid": valid, "lengths": lengths,
+            "first_ids": first}

@@ -15,7 +15,11 @@ use; with gradient checkpointing the recompute overwrites it with identical valu
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
+
+from drafttrain.drafters.contract import Reads
 
 
 class HiddenCapture:
@@ -67,7 +71,8 @@ def build_features(ids: torch.Tensor, mask: torch.Tensor, aux: torch.Tensor, log
     of each row's first response token. Returns, with T' = the longest row:
         aux [B, T', X] (float32), next_ids [B, T'+steps-1] (next_ids[:, t] = token_{t+1}, 0 past the end),
         target_probs [B, T'+steps, V] = softmax(logits) (temperature 1), valid [B, T'+steps] (position j counts
-        iff the token it predicts, j+1, is a response token of that row), lengths [B].
+        iff the token it predicts, j+1, is a response token of that row), lengths [B], first_ids [B] = token_0
+        (a draft model's first input; next_ids starts at token_1).
     """
     B, T = ids.shape
     if mask.dim() == 1:  # lengths, right-padded
@@ -91,22 +96,29 @@ def build_features(ids: torch.Tensor, mask: torch.Tensor, aux: torch.Tensor, log
     target_probs = torch.cat([probs, probs.new_zeros(B, pad, probs.shape[-1])], 1)  # [B, T'+steps, V]
     j = torch.arange(Tp + pad).view(1, -1)
     valid = (j + 1 >= rs.view(B, 1)) & (j + 1 < lengths.view(B, 1))  # predicted token j+1 is in the response
-    return {"aux": a, "next_ids": next_ids, "target_probs": target_probs, "valid": valid, "lengths": lengths}
+    return {"aux": a, "next_ids": next_ids, "target_probs": target_probs, "valid": valid, "lengths": lengths,
+            "first_ids": tok[:, 0]}
 
 
 @torch.no_grad()
-def teacher_forced_features(policy, prompts: list[list[int]], responses: list[list[int]], layer_ids,
+def teacher_forced_features(policy, prompts: list[list[int]], responses: list[list[int]], reads,
                             steps: int) -> dict[str, torch.Tensor]:
-    """Features of finished rollouts (offline data): one policy forward over prompt + response, right-padded."""
+    """Features of finished rollouts (offline data): one policy forward over prompt + response, right-padded.
+    reads: the drafter's Reads (or its aux layer ids): aux layer inputs, then the final hidden state, as it reads."""
+    reads = reads if isinstance(reads, Reads) else Reads(aux_layers=tuple(int(i) for i in reads))
     seqs = [p + r for p, r in zip(prompts, responses)]
     lengths = torch.tensor([len(s) for s in seqs])
     ids = torch.zeros(len(seqs), int(lengths.max()), dtype=torch.long)  # [B, T]
     for i, s in enumerate(seqs):
         ids[i, :len(s)] = torch.tensor(s)
     mask = (torch.arange(ids.shape[1]).view(1, -1) < lengths.view(-1, 1)).long()
-    with HiddenCapture(policy, layer_ids) as cap:
-        logits = policy(input_ids=ids, attention_mask=mask).logits  # [B, T, V]
-    return build_features(ids, lengths, cap.features(), logits, steps, torch.tensor([len(p) for p in prompts]))
+    with contextlib.ExitStack() as stack:
+        cap = stack.enter_context(HiddenCapture(policy, reads.aux_layers)) if reads.aux_layers else None
+        h = policy.model(input_ids=ids, attention_mask=mask).last_hidden_state  # [B, T, H], after the final norm
+        logits = policy.get_output_embeddings()(h)  # [B, T, V]
+    parts = ([cap.features()] if cap is not None else []) + ([h] if reads.final_hidden else [])
+    aux = torch.cat(parts, -1) if parts else ids.new_zeros(*ids.shape, 0, dtype=torch.float32)
+    return build_features(ids, lengths, aux, logits, steps, torch.tensor([len(p) for p in prompts]))
 
 
 class PolicyCapture:

@@ -127,7 +127,8 @@ def records(features: list[dict], steps: int, heldout_only: bool = False, where:
                 continue
             n = int(f["lengths"][b])
             recs.append({"aux": f["aux"][b, :n], "next_ids": f["next_ids"][b, :n + steps - 1],
-                         "target_probs": f["target_probs"][b, :n + steps], "valid": f["valid"][b, :n + steps]})
+                         "target_probs": f["target_probs"][b, :n + steps], "valid": f["valid"][b, :n + steps],
+                         "first": int(f["first_ids"][b]) if "first_ids" in f else 0})
             if b in f.get("served", {}):
                 recs[-1]["served"] = f["served"][b]
             if where:

@@ -72,9 +72,9 @@ class _TTTLoss(nn.Module):
         self.drafter, self.steps, self.decay, self.query_frac = drafter, steps, decay, query_frac
         self.gen = torch.Generator().manual_seed(seed)
 
-    def forward(self, aux, next_ids, target_probs, valid):
+    def forward(self, aux, next_ids, target_probs, valid, first_ids=None):
         return self.drafter.ttt_loss(aux, next_ids, target_probs, valid, self.steps, self.decay,
-                                     query_frac=self.query_frac, generator=self.gen)
+                                     query_frac=self.query_frac, generator=self.gen, first_ids=first_ids)
 
 
 class DrafterTrainer:
@@ -104,7 +104,8 @@ class DrafterTrainer:
     def step(self, batch: dict[str, torch.Tensor]) -> dict:
         """One update on a padded feature batch (build_features / FeatureBuffer.sample output)."""
         dev = self.acc.device
-        loss, accs = self.model(*(batch[k].to(dev) for k in ("aux", "next_ids", "target_probs", "valid")))
+        loss, accs = self.model(*(batch[k].to(dev) for k in ("aux", "next_ids", "target_probs", "valid")),
+                                first_ids=batch["first_ids"].to(dev) if "first_ids" in batch else None)
         if self.deepspeed:
             return self._deepspeed_step(loss, accs)
         self.acc.backward(loss)

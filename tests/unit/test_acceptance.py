@@ -100,9 +100,9 @@ def test_scoring_in_length_chunks_equals_each_row_alone(policy):
     calls = []
     real = drafter.ttt_logits
 
-    def counting(aux, next_ids, steps, queries=None):
+    def counting(aux, next_ids, steps, queries=None, first_ids=None):
         calls.append(aux.shape[0] * (aux.shape[1] if queries is None else len(queries)))
-        return real(aux, next_ids, steps, queries)
+        return real(aux, next_ids, steps, queries, first_ids)
 
     drafter.ttt_logits = counting
     scored = teacher_forced_acceptance(drafter, batch, k)

@@ -473,7 +473,7 @@ def test_ttt_queries_are_drawn_among_response_positions(drafter):
     seen = []
     real = d.ttt_logits
 
-    def record(aux_, ids_, steps_, queries=None):
+    def record(aux_, ids_, steps_, queries=None, first_ids=None):
         seen.append(queries)
         return real(aux_, ids_, steps_, queries)
 

@@ -19,6 +19,7 @@ from tests.conftest import engine_cfg
 class BigramDrafter(nn.Module):
     kind = "toy_bigram"
     follows_policy = False
+    trains = True
     reads = Reads()  # token ids only: no hidden states
 
     def __init__(self, vocab: int):
@@ -44,12 +45,12 @@ class BigramDrafter(nn.Module):
     def draft_ids(self) -> torch.Tensor:
         return torch.arange(self.table.shape[0])
 
-    def ttt_logits(self, aux, next_ids, steps: int, queries=None) -> list[torch.Tensor]:
+    def ttt_logits(self, aux, next_ids, steps: int, queries=None, first_ids=None) -> list[torch.Tensor]:
         pos = torch.arange(aux.shape[1]) if queries is None else queries
         return [self.table[next_ids[:, pos + i]] for i in range(steps)]  # step i at t is fed token_{t+1+i}
 
     def ttt_loss(self, aux, next_ids, target_probs, valid, steps: int, decay: float, query_frac: float = 1.0,
-                 generator=None):
+                 generator=None, first_ids=None):
         T, loss, accs = aux.shape[1], 0.0, []
         for i, lg in enumerate(self.ttt_logits(aux, next_ids, steps)):
             p, m = target_probs[:, 1 + i:1 + i + T], valid[:, 1 + i:1 + i + T].float()  # [B, T, V], [B, T]
