@@ -33,8 +33,13 @@ class DraftModelSection:  # drafter.draft_model: a small separate LM (own KV cac
 
 
 @dataclass
+class MtpSection:  # drafter.mtp: a DeepSeek-style MTP head on the policy's final hidden state (vLLM: its eagle form)
+    intermediate_size: Optional[int] = None  # the head's MLP width; null = the policy's (a checkpoint fixes its own)
+
+
+@dataclass
 class DrafterConfig:
-    kind: str = "eagle3"  # a registered kind (drafttrain/drafters/base.py): eagle3 | selfquant | suffix | draft_model
+    kind: str = "eagle3"  # a registered kind (drafttrain/drafters/base.py): eagle3 | selfquant | suffix | draft_model | mtp
     path: Optional[str] = "checkpoints/eagle3"  # speculators-format folder; null = a fresh random drafter
     ttt_steps: int = 3  # training-time-test unroll length n
     ttt_decay: float = 0.8  # step i weighs ttt_decay**i
@@ -42,6 +47,7 @@ class DrafterConfig:
     selfquant: SelfQuantSection = field(default_factory=SelfQuantSection)  # kind selfquant's settings
     suffix: SuffixSection = field(default_factory=SuffixSection)  # kind suffix's settings
     draft_model: DraftModelSection = field(default_factory=DraftModelSection)  # kind draft_model's settings
+    mtp: MtpSection = field(default_factory=MtpSection)  # kind mtp's settings
 
 
 def drafter_checks(d: DrafterConfig) -> list[tuple[bool, str, str]]:
@@ -65,5 +71,7 @@ def drafter_checks(d: DrafterConfig) -> list[tuple[bool, str, str]]:
         (sx.max_ngram >= sx.min_ngram, "drafter.suffix.max_ngram",
          f"must be >= drafter.suffix.min_ngram = {sx.min_ngram}, got {sx.max_ngram}"),
         (sx.history >= 0, "drafter.suffix.history", f"must be >= 0, got {sx.history}"),
+        (d.mtp.intermediate_size is None or d.mtp.intermediate_size >= 1, "drafter.mtp.intermediate_size",
+         f"must be >= 1 or null (the policy's), got {d.mtp.intermediate_size}"),
         (d.draft_model.layers >= 1, "drafter.draft_model.layers", f"must be >= 1, got {d.draft_model.layers}"),
     ]

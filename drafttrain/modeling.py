@@ -266,8 +266,9 @@ def lean_parts(sd: dict, n_layers: int) -> dict:
 class LeanLlama:
     """Inference-only forward of an HF Llama/Qwen2/Qwen3 causal LM over a KVCache.
 
-    forward(tokens[B, m], pos0[B], cache, aux_ids) -> (logits[B, m, V], aux[B, m, len(aux_ids)*H] or None)
-    aux layer id i is the input of decoder layer i (HF hidden_states[i]; vLLM's EAGLE-3 convention).
+    forward(tokens[B, m], pos0[B], cache, aux_ids, final) -> (logits[B, m, V], aux[B, m, X] or None)
+    aux layer id i is the input of decoder layer i (HF hidden_states[i]; vLLM's EAGLE-3 convention); final: the final
+    hidden state (after the final norm) follows them; X = (len(aux_ids) + final) * H.
     """
 
     def __init__(self, model: torch.nn.Module, max_len: int):
@@ -299,7 +300,7 @@ class LeanLlama:
         In place after the first call: no reallocation, and training the policy never touches a decode step."""
         p = lean_parts(self.model.state_dict(), self.n_layers)
         # the rms_norm weights are folded into the linears they feed (fold_norm); forward normalizes with rms_unit
-        snap = {"embed": p["embed"], "lm_head": fold_norm(p["lm_head"][0], p["norm"])}
+        snap = {"embed": p["embed"], "lm_head": fold_norm(p["lm_head"][0], p["norm"]), "norm": p["norm"]}
         for i in range(self.n_layers):
             snap[f"{i}.qkv"] = fold_norm(torch.cat(p[f"{i}.qkv"]), p[f"{i}.ln1"])
             snap[f"{i}.gate_up"] = fold_norm(torch.cat(p[f"{i}.gate_up"]), p[f"{i}.ln2"])
@@ -332,7 +333,7 @@ class LeanLlama:
         return KVCache(self.n_layers, batch, self.n_kv, length, self.head_dim)
 
     @torch.no_grad()
-    def forward(self, tokens: torch.Tensor, pos0: torch.Tensor, cache: KVCache, aux_ids=()):
+    def forward(self, tokens: torch.Tensor, pos0: torch.Tensor, cache: KVCache, aux_ids=(), final: bool = False):
         B, m = tokens.shape
         H, Hkv, D = self.n_heads, self.n_kv, self.head_dim
         pos = pos0.view(B, 1) + torch.arange(m).view(1, m) if m > 1 else pos0.view(B, 1)  # [B, m]
@@ -363,4 +364,6 @@ class LeanLlama:
         logits = linear(self._norm(x, self.weights, "norm"), self.head)  # [B, m, V]
         if aux_ids and len(aux) != len(aux_ids):
             raise ValueError(f"aux_layer_ids {list(aux_ids)} must be distinct layers in [0, {self.n_layers - 1}]")
-        return logits, (torch.cat(aux, -1) if aux_ids else None)
+        if final:  # the final hidden state, after the final norm (an MTP head's input)
+            aux.append(rms_norm(x, self.weights["norm"], self.eps))
+        return logits, (torch.cat(aux, -1) if aux else None)

@@ -11,7 +11,7 @@ from typing import Callable, Optional
 
 import torch
 
-from drafttrain.drafters import draft_model, eagle3, selfquant, suffix
+from drafttrain.drafters import draft_model, eagle3, mtp, selfquant, suffix
 from drafttrain.quant import quantize_module_int8
 
 
@@ -67,6 +67,7 @@ DRAFTERS: dict[str, DrafterKind] = {
     "selfquant": DrafterKind(selfquant.from_config, None, "drafttrain.engines.vllm_forms:SELFQUANT"),
     "suffix": DrafterKind(suffix.from_config),
     "draft_model": DrafterKind(draft_model.fresh, draft_model.load),
+    "mtp": DrafterKind(mtp.fresh, mtp.load),
 }
 
 

@@ -321,7 +321,7 @@ def measure_costs(engine, batch: int, tokens_per_row: list[int], k: int, context
     d = engine.drafter
     if d is not None and k > 0:
         st = d.new_state(batch, L)
-        X = len(d.reads.aux_layers) * lean.hidden
+        X = (len(d.reads.aux_layers) + d.reads.final_hidden) * lean.hidden
         ids = torch.randint(0, lean.vocab_size, (batch, k + 1), generator=gen)
         aux = torch.randn(batch, k + 1, X, generator=gen)
         params = SamplingParams(temperature=1.0)

@@ -42,9 +42,6 @@ class TorchEngine:
         self._ctl: SpecController | None = None
         self._draft_cost_stale = False
         if drafter is not None:
-            if drafter.reads.final_hidden:
-                raise ValueError(f"drafter: the embedded engine hands drafters aux layer inputs only; kind "
-                                 f"{drafter.kind!r} reads the final hidden state")
             check_compatible(drafter, policy)  # at build, not as a torch error at the first SD step
             check_finite(drafter.state_dict())  # no corrupt drafter reaches an engine (load_drafter checks too)
             self._active = (self._runtime(drafter), 0)
@@ -144,6 +141,7 @@ class TorchEngine:
         active = self._active if speculative else None
         drafter, version = active if active else (None, self.drafter_version)
         aux_ids = drafter.reads.aux_layers if drafter is not None else ()
+        final = drafter is not None and drafter.reads.final_hidden
         B = len(prompts)
         # rows in the order of share_prompts: each distinct prompt's first copy, then the repeats (a GRPO batch
         # holds G copies of each prompt), which take the prefill's cache and outputs instead of recomputing them
@@ -170,7 +168,7 @@ class TorchEngine:
         dstate = drafter.new_state(B, L, tokens) if drafter is not None else None
         U = B - len(src)  # distinct prompts: the prefill runs on these rows only
         head = cache.head(U) if src else cache
-        logits, aux = lean.forward(tokens[:U], torch.zeros(U, dtype=torch.long), head, aux_ids)  # prefill
+        logits, aux = lean.forward(tokens[:U], torch.zeros(U, dtype=torch.long), head, aux_ids, final)  # prefill
         rows = torch.arange(B)
         from_prefill = rows  # the prefill row each row reads
         if src:
@@ -248,7 +246,7 @@ class TorchEngine:
             else:
                 d, q = torch.zeros(Bn, 0, dtype=torch.long), None
                 inp = last.view(Bn, 1)
-            logits, aux_v = lean.forward(inp, pos, cache, aux_ids if k_max > 0 else ())
+            logits, aux_v = lean.forward(inp, pos, cache, *((aux_ids, final) if k_max > 0 else ()))
             out, n, lp = self._sample(logits, q, d, params, gen)
             if drafter is not None:  # AR steps (toggle off) accumulate; the next SD step catches up in one pass
                 pend.append(out.clamp_min(0), aux_v, n + 1, pos)

@@ -269,6 +269,7 @@ SMOKE: list[Smoke] = [
     _main_job("selfdraft_int4_track", MAIN, "recipe=selfdraft_int4_track", trainer=False),
     _main_job("suffix_track", MAIN, "recipe=suffix_track", trainer=False),
     _main_job("draft_model_track", MAIN, "recipe=draft_model_track"),
+    _main_job("mtp_track", MAIN, "recipe=mtp_track"),
     _main_job("module_entry", "python -m drafttrain.online", "recipe=eagle3_track", steps=2),
     _main_job("online_options", MAIN, "recipe=eagle3_track engine.k=auto online.budget_frac=0 online.canary=probe",
               steps=2),

@@ -4,8 +4,6 @@ step alignment are right in the engine, in teacher-forced scoring and in the los
 shared engine contract), it learns on a drifted policy, and bad input is one line."""
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
 
@@ -13,8 +11,8 @@ from drafttrain.config import Config, ConfigError, load_recipe
 from drafttrain.drafters import build_drafter
 from drafttrain.drafters.draft_model import DraftModelDrafter, save
 from drafttrain.spec import SamplingParams
-from drafttrain.tracking import DrafterTrainer, FeatureBuffer, teacher_forced_features
-from drafttrain.tracking.acceptance import acceptance_ratios, teacher_forced_acceptance
+from drafttrain.tracking import teacher_forced_features
+from drafttrain.tracking.acceptance import acceptance_ratios
 from tests import contract as C
 from tests.conftest import tiny_policy
 
@@ -25,19 +23,13 @@ def draft_model(policy, layers: int = 1, seed: int = 1) -> DraftModelDrafter:
     return C.fresh_drafter(policy, seed=seed, kind="draft_model", layers=layers)
 
 
-def rollouts(make_engine, policy, n: int = 12, seed: int = 0, max_new: int = 24):
-    prompts = [[1 + (i * 7) % 29, 3 + i % 5, 2 + (i * 3) % 11] for i in range(n)]
-    b = make_engine(policy).generate(prompts, SamplingParams(max_new_tokens=max_new, seed=seed), speculative=False)
-    return prompts, b.tokens
-
-
 def test_full_depth_draft_model_is_the_policy(make_engine, policy):
     d = draft_model(policy, layers=policy.config.num_hidden_layers)
     for int8 in (False,):  # int8 rounds the copy away from the policy; fp32 is exact
         eng = make_engine(policy, d, k=K, drafter_int8=int8)
         b = eng.generate(C.RAGGED_PROMPTS, SamplingParams(max_new_tokens=20, seed=4))
         assert b.stats.acceptance_rate == 1.0, b.stats.to_dict()
-    prompts, resp = rollouts(make_engine, policy, n=4)
+    prompts, resp = C.rollouts(make_engine, policy, n=4)
     f = teacher_forced_features(policy, prompts, resp, d.reads, K)
     r = acceptance_ratios(d.fuse_for_inference(False), f, K)
     ok = f["valid"][:, 1:1 + r.shape[1]]
@@ -80,40 +72,10 @@ def test_contract_ragged_logprobs_swaps_bad_weights(make_engine, policy):
     C.bad_prompts_raise(make_engine, policy, d)
 
 
-# ---- it learns --------------------------------------------------------------------------------------------------
-
-def drifted(policy, seed: int = 7, scale: float = 0.6):
-    """The policy after it moved: every matrix perturbed (a stand-in for RL updates, for this unit test only)."""
-    pol = copy.deepcopy(policy)
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for w in pol.parameters():
-            if w.dim() == 2:
-                w.add_(scale * w.std() * torch.randn(w.shape, generator=g))
-    return pol
-
-
-def learns_on_drifted_policy(make_engine, policy, drafter, steps: int = 40):
-    """Features of the drifted policy's own rollouts: the stale drafter's loss falls and its teacher-forced MAL on
-    held-out rollouts of the drifted policy rises."""
-    new = drifted(policy)
-    prompts, resp = rollouts(make_engine, new, n=48, seed=1)
-    train = teacher_forced_features(new, prompts[:40], resp[:40], drafter.reads, K)
-    held = teacher_forced_features(new, prompts[40:], resp[40:], drafter.reads, K)
-    buf = FeatureBuffer(1 << 30, seed=0)
-    buf.add(train)
-    cfg = copy.deepcopy(load_recipe("eagle3_track"))
-    cfg.train.lr, cfg.train.query_frac, cfg.train.batch_size = 3e-3, 1.0, 8
-    tr = DrafterTrainer(drafter, cfg.train, cfg.drafter, buffer=buf)
-    before = teacher_forced_acceptance(drafter.fuse_for_inference(False), held, K)["mal"]
-    losses = [tr.step(buf.sample(8))["loss"] for _ in range(steps)]
-    after = teacher_forced_acceptance(drafter.fuse_for_inference(False), held, K)["mal"]
-    assert sum(losses[-5:]) / 5 < 0.9 * sum(losses[:5]) / 5, losses  # the soft loss keeps the policy entropy
-    assert after > before + 0.1, (before, after)
-
+# ---- it learns ---------------------------------------------------------------------------------------------
 
 def test_learns_on_a_drifted_policy(make_engine, policy):
-    learns_on_drifted_policy(make_engine, policy, draft_model(policy, layers=1))
+    C.learns_on_drifted_policy(make_engine, policy, draft_model(policy, layers=1))
 
 
 # ---- checkpoints and bad input ----------------------------------------------------------------------------------
