@@ -39,7 +39,7 @@ class MtpSection:  # drafter.mtp: a DeepSeek-style MTP head on the policy's fina
 
 @dataclass
 class DrafterConfig:
-    kind: str = "eagle3"  # a registered kind (drafttrain/drafters/base.py): eagle3 | selfquant | suffix | draft_model | mtp
+    kind: str = "eagle3"  # a registered kind (drafters/base.py): eagle3 | mtp | draft_model | selfquant | suffix
     path: Optional[str] = "checkpoints/eagle3"  # speculators-format folder; null = a fresh random drafter
     ttt_steps: int = 3  # training-time-test unroll length n
     ttt_decay: float = 0.8  # step i weighs ttt_decay**i

@@ -313,7 +313,8 @@ class Fp32Linear(QuantLinear):
         return linear(x, self._lin)
 
 
-LINEARS = {("fp32", "ref"): Fp32Linear, ("int8", "ref"): RefInt8, ("int4", "ref"): RefInt4, ("int8", "ao"): AoInt8, ("int4", "ao"): AoInt4,
+LINEARS = {("fp32", "ref"): Fp32Linear,
+           ("int8", "ref"): RefInt8, ("int4", "ref"): RefInt4, ("int8", "ao"): AoInt8, ("int4", "ao"): AoInt4,
            ("int8", "bnb"): BnbInt8, ("int4", "bnb"): BnbNf4}
 
 

@@ -1,6 +1,9 @@
-"""Pretrain the shipped EAGLE-3 drafter on the policy's own rollouts; save it in the speculators format.
+"""Pretrain a drafter on the policy's own rollouts: EAGLE-3 (the shipped one, speculators format), an MTP head
+(a vLLM EAGLE-1 folder) or a draft model (an HF folder); drafter.kind picks it, out defaults to checkpoints/<kind>.
 
     python scripts/pretrain_drafter.py threads=2                         # -> checkpoints/eagle3/ (as shipped)
+    python scripts/pretrain_drafter.py drafter.kind=mtp threads=2        # -> checkpoints/mtp/
+    python scripts/pretrain_drafter.py drafter.kind=draft_model threads=2   # -> checkpoints/draft_model/
     python scripts/pretrain_drafter.py prompts=256 epochs=2 out=/tmp/e3 train.lr=1e-3 drafter.ttt_steps=4
     accelerate launch --config_file recipes/accelerate/ddp2.yaml scripts/pretrain_drafter.py threads=1
     accelerate launch --config_file recipes/accelerate/zero2.yaml scripts/pretrain_drafter.py threads=1   # ZeRO-2
@@ -9,10 +12,10 @@ Keys: this script's (PretrainConfig below) plus any recipe key (`recipe=eagle3_t
 Data is regenerated in chunks, each process its own shard: the policy samples responses to fresh prompts (the
 task's, or your own: policy.path, data.path and the other data.* keys, as in the main job) through the embedded
 engine (AR, the recipe's sampling); one teacher-forced policy forward per `fwd_batch` rollouts (grouped by length)
-under HiddenCapture yields the aux states and the policy's distributions, which enter a FeatureBuffer (with
-cache=DIR also DIR, per chunk: a rerun on the same data loads them). The drafter, always a fresh one
-(DrafterTrainer, ttt_loss), trains after each chunk until each rollout so far has been drawn `epochs` times on
-average (warmup, then cosine lr).
+yields what the drafter reads (aux layer inputs, the final hidden state, or only the tokens) and the policy's
+distributions, which enter a FeatureBuffer (with cache=DIR also DIR, per chunk: a rerun on the same data loads
+them). The drafter, always a fresh one (DrafterTrainer, ttt_loss), trains after each chunk until each rollout so far
+has been drawn `epochs` times on average (warmup, then cosine lr).
 Training state (drafter, optimizer, step, buffer, data cursor, batches drawn ahead) is checkpointed to
 `<out>.state/` every `save_every` steps and at `max_steps`; a rerun with resume=true and the same settings continues
 there exactly (other settings: a one-line error). At the end the drafter is
@@ -43,8 +46,8 @@ from tqdm import tqdm
 from drafttrain.config import ConfigError, load_recipe, resolve_path, sampling_params
 from drafttrain.data import Prompts, stop_ids
 from drafttrain.drafters import build_drafter
+from drafttrain.drafters.base import save_drafter
 from drafttrain.engines import build_engine
-from drafttrain.export import save_drafter
 from drafttrain.tracking import DrafterTrainer, FeatureBuffer, teacher_forced_features
 from drafttrain.tracking.buffer import collate
 from drafttrain.tracking.trainer import make_accelerator
@@ -60,7 +63,7 @@ RECIPE_DEFAULTS = ("train.lr=3e-3", "drafter.ttt_steps=5", "train.query_frac=1.0
 class PretrainConfig:
     recipe: str = "eagle3_track"
     overrides: list[str] = field(default_factory=list)  # recipe key=value (the CLI routes them here)
-    out: str = "checkpoints/eagle3"
+    out: str = ""  # the drafter's folder; "" = checkpoints/<drafter.kind>
     prompts: int = 8192  # rollouts to train on, all processes together
     chunk: int = 64  # rollouts per generation round, per process
     fwd_batch: int = 16  # rollouts per teacher-forced policy forward (sorted by length: little padding)
@@ -88,6 +91,9 @@ def main(pc: PretrainConfig) -> dict:
     prompts = Prompts(cfg, tok, stop_ids(policy, tok))  # the task's, or data.path's
     torch.manual_seed(pc.seed)
     drafter = build_drafter(cfg.drafter, policy)
+    if not drafter.trains:
+        raise ConfigError(f"drafter.kind: {cfg.drafter.kind} trains nothing: there is nothing to pretrain")
+    pc.out = pc.out or f"checkpoints/{cfg.drafter.kind}"
     buffer = FeatureBuffer(pc.buffer_mb << 20, torch.bfloat16, seed=pc.seed * 7919 + rank, name="buffer_mb")
     trainer = DrafterTrainer(drafter, cfg.train, cfg.drafter, acc, buffer)
     out, state = Path(pc.out), Path(f"{pc.out}.state") / "trainer.pt"
@@ -111,7 +117,7 @@ def main(pc: PretrainConfig) -> dict:
     stop = pc.max_steps or total
     while trainer.step_count < stop:
         if trainer.step_count >= -(-total * chunks_done // n_chunks):  # trained enough on the data so far
-            add_chunk(pc, cfg, policy, prompts, gen_engine, buffer, drafter.aux_layer_ids, chunks_done, rank, world)
+            add_chunk(pc, cfg, policy, prompts, gen_engine, buffer, drafter.reads, chunks_done, rank, world)
             chunks_done += 1
             continue
         s = trainer.step_count
@@ -138,7 +144,7 @@ def main(pc: PretrainConfig) -> dict:
         acc.wait_for_everyone()
         extra["eval"] = evaluate(cfg, policy, prompts, drafter, pc) if main_proc else {}
     if main_proc:
-        save_drafter(drafter.eval(), out, verifier=cfg.policy.path, k=cfg.engine.k, extra=extra)
+        save_drafter(cfg.drafter.kind, drafter.eval(), out, verifier=cfg.policy.path, k=cfg.engine.k, extra=extra)
         print(json.dumps({"out": str(out), "steps": trainer.step_count, "done": done, **extra.get("eval", {})}))
         if done and not pc.keep_state:
             shutil.rmtree(state.parent, ignore_errors=True)
@@ -154,19 +160,20 @@ def optimizer_state_mb(acc, trainer) -> list[float]:
 
 def resume_key(pc: PretrainConfig, cfg, world: int) -> str:
     """The settings a resumed run must share with the run that wrote the state."""
-    return (f"prompts={pc.prompts} chunk={pc.chunk} epochs={pc.epochs} seed={pc.seed} world={world} "
+    return (f"drafter.kind={cfg.drafter.kind} prompts={pc.prompts} chunk={pc.chunk} epochs={pc.epochs} "
+            f"seed={pc.seed} world={world} "
             f"drafter.ttt_steps={cfg.drafter.ttt_steps} train.batch_size={cfg.train.batch_size} "
             f"train.lr={cfg.train.lr} policy.path={cfg.policy.path} data.path={cfg.data.path}")
 
 
-def add_chunk(pc, cfg, policy, source: Prompts, engine, buffer, aux_ids, c: int, rank: int, world: int) -> None:
+def add_chunk(pc, cfg, policy, source: Prompts, engine, buffer, reads, c: int, rank: int, world: int) -> None:
     """Chunk c of this process's shard: AR rollouts on fresh prompts, then their features into the buffer. With
     `cache`, the features are saved per chunk (and process), and a later run with the same settings loads them."""
     seed = (pc.seed * 100_003 + c) * world + rank
     cached = Path(pc.cache) / f"chunk-{c}-of-{world}-{rank}.pt" if pc.cache else None
     if cached is not None and cached.is_file():
         saved = torch.load(cached, weights_only=True)
-        if saved["key"] == cache_key(pc, cfg):
+        if saved["key"] == cache_key(pc, cfg, reads):
             for feats in saved["feats"]:
                 buffer.add(feats)
             return
@@ -177,22 +184,23 @@ def add_chunk(pc, cfg, policy, source: Prompts, engine, buffer, aux_ids, c: int,
     feats = []
     for g in range(0, len(order), pc.fwd_batch):
         idx = order[g:g + pc.fwd_batch]
-        feats.append(teacher_forced_features(policy, [prompts[i] for i in idx], [resp[i] for i in idx], aux_ids,
+        feats.append(teacher_forced_features(policy, [prompts[i] for i in idx], [resp[i] for i in idx], reads,
                                              cfg.drafter.ttt_steps))
         buffer.add(feats[-1])
     if cached is not None:
         cached.parent.mkdir(parents=True, exist_ok=True)
         tmp = cached.with_suffix(".tmp")
-        torch.save({"key": cache_key(pc, cfg), "feats": feats}, tmp)
+        torch.save({"key": cache_key(pc, cfg, reads), "feats": feats}, tmp)
         tmp.replace(cached)  # a reader never sees half a file
 
 
-def cache_key(pc: PretrainConfig, cfg) -> str:
+def cache_key(pc: PretrainConfig, cfg, reads) -> str:
     """What a chunk's cached features depend on: the data (policy, prompts, sampling, seed) and the features' form."""
     return (f"policy.path={cfg.policy.path} data={cfg.data.path}:{cfg.data.split}:{cfg.data.prompt_field} "
-            f"eval_size={cfg.data.eval_size} chat={cfg.data.chat_template} seed={pc.seed} chunk={pc.chunk} fwd_batch={pc.fwd_batch} "
+            f"eval_size={cfg.data.eval_size} chat={cfg.data.chat_template} seed={pc.seed} chunk={pc.chunk} "
+            f"fwd_batch={pc.fwd_batch} "
             f"sampling={dict(cfg.sampling)} drafter.ttt_steps={cfg.drafter.ttt_steps} "
-            f"aux={cfg.drafter.eagle3.aux_layer_ids}")
+            f"reads={reads}")
 
 
 def lr_factor(step: int, total: int, warmup: int) -> float:

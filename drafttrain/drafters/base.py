@@ -22,6 +22,8 @@ class DrafterKind:
     # "module:NAME" of its vLLM form (engines/vllm_forms.py: method, write, tensors, accept); None: embedded only.
     # Named, not imported: the vLLM side imports this registry
     vllm: Optional[str] = None
+    # save(drafter, path, verifier=, k=, extra=) -> path: the folder `load` reads back; None: nothing to save
+    save: Optional[Callable] = None
 
     def vllm_form(self, kind: str):
         if self.vllm is None:
@@ -62,18 +64,32 @@ def _load_eagle3(cfg, policy):
     return d
 
 
+def _save_eagle3(d, path, **kw):
+    from drafttrain.export import save_drafter  # the speculators format
+
+    return save_drafter(d, path, **kw)
+
+
 DRAFTERS: dict[str, DrafterKind] = {
-    "eagle3": DrafterKind(_fresh_eagle3, _load_eagle3, "drafttrain.engines.vllm_forms:EAGLE3"),
+    "eagle3": DrafterKind(_fresh_eagle3, _load_eagle3, "drafttrain.engines.vllm_forms:EAGLE3", _save_eagle3),
     "selfquant": DrafterKind(selfquant.from_config, None, "drafttrain.engines.vllm_forms:SELFQUANT"),
     "suffix": DrafterKind(suffix.from_config),
-    "draft_model": DrafterKind(draft_model.fresh, draft_model.load),
-    "mtp": DrafterKind(mtp.fresh, mtp.load),
+    "draft_model": DrafterKind(draft_model.fresh, draft_model.load, save=draft_model.save),
+    "mtp": DrafterKind(mtp.fresh, mtp.load, save=mtp.save),
 }
 
 
-def register_drafter(kind: str, build, load=None, vllm: str | None = None) -> None:
+def register_drafter(kind: str, build, load=None, vllm: str | None = None, save=None) -> None:
     """Add a drafter kind: build(cfg.drafter, policy) -> a fresh Drafter (contract.py); see DrafterKind."""
-    DRAFTERS[kind] = DrafterKind(build, load, vllm)
+    DRAFTERS[kind] = DrafterKind(build, load, vllm, save)
+
+
+def save_drafter(kind: str, drafter, path, **kw):
+    """The kind's checkpoint folder at path (what drafter.path loads back); a kind with none: one-line error."""
+    save = DRAFTERS[kind].save
+    if save is None:
+        raise ValueError(f"drafter.kind: {kind} has no checkpoint to save (it trains nothing)")
+    return save(drafter, path, **kw)
 
 
 def build_drafter(cfg, policy):

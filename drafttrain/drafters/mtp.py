@@ -124,7 +124,8 @@ class MtpDrafter(ChainDrafter):
         self._fused = {"c": torch.tensor((self.config.hidden_size * self.config.rms_norm_eps) ** 0.5),  # rms_unit's
                        "emb": self.embed_tokens.weight.detach().float().clone(), "fc": make(self.fc.weight),
                        "qkv": make(a.q_proj.weight, a.k_proj.weight, a.v_proj.weight), "o": make(a.o_proj.weight),
-                       "gate_up": make(mlp.gate_proj.weight, mlp.up_proj.weight, norm=L.post_attention_layernorm.weight),
+                       "gate_up": make(mlp.gate_proj.weight, mlp.up_proj.weight,
+                                       norm=L.post_attention_layernorm.weight),
                        "down": make(mlp.down_proj.weight), "lm_head": make(self.lm_head.weight)}
         return self
 
@@ -231,7 +232,8 @@ def save(d: MtpDrafter, path, verifier="", k: int = 4, extra: dict | None = None
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
     try:
-        save_file({n: t.detach().contiguous().cpu() for n, t in d.state_dict().items()}, str(tmp / "model.safetensors"))
+        weights = {n: t.detach().contiguous().cpu() for n, t in d.state_dict().items()}
+        save_file(weights, str(tmp / "model.safetensors"))
         (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
         for p, mode in ((tmp, 0o755), (tmp / "model.safetensors", 0o644)):
             os.chmod(p, mode)

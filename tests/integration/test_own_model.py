@@ -11,6 +11,7 @@ import pytest
 
 from drafttrain.config import ConfigError, load_recipe
 from drafttrain.data import HOLDOUT_SEED, Prompts, RewardError, stop_ids
+from drafttrain.drafters import Reads
 from drafttrain.policy import build_tokenizer, load_policy, save_policy
 from tests import own_reward
 from tests.conftest import load_script, tiny_policy
@@ -190,6 +191,9 @@ def test_the_feature_cache_is_not_reused_across_another_held_out_split(own):
     """data.eval_size decides which rows are held out, so which rows pretraining draws from: a cache written with
     one size must not serve a run with another (the cache key left it out)."""
     pre = load_script("pretrain_drafter")
-    key = lambda *extra: pre.cache_key(pre.parse([]), load_recipe("eagle3_track", keys(own, *extra)))  # noqa: E731
+    key = lambda *extra: pre.cache_key(pre.parse([]), load_recipe("eagle3_track", keys(own, *extra)),  # noqa: E731
+                                       Reads(aux_layers=(1, 2, 3)))
     assert key("data.eval_size=8") != key("data.eval_size=4")
     assert key("data.eval_size=8") == key("data.eval_size=8")
+    cfg = load_recipe("eagle3_track", keys(own))  # nor one of another feature form (another kind's reads)
+    assert pre.cache_key(pre.parse([]), cfg, Reads(final_hidden=True)) != pre.cache_key(pre.parse([]), cfg, Reads())
