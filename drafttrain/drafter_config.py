@@ -38,8 +38,14 @@ class MtpSection:  # drafter.mtp: a DeepSeek-style MTP head on the policy's fina
 
 
 @dataclass
+class AutoSection:  # drafter.auto: several drafters at once; the engine picks one (or none) per active-batch bucket
+    kinds: list[str] = field(default_factory=lambda: ["eagle3", "suffix"])  # member kinds (not selfquant, not auto)
+    paths: list[Optional[str]] = field(default_factory=lambda: ["checkpoints/eagle3", None])  # each member's checkpoint
+
+
+@dataclass
 class DrafterConfig:
-    kind: str = "eagle3"  # a registered kind (drafters/base.py): eagle3 | mtp | draft_model | selfquant | suffix
+    kind: str = "eagle3"  # a registered kind (drafters/base.py): eagle3 | mtp | draft_model | selfquant | suffix | auto
     path: Optional[str] = "checkpoints/eagle3"  # speculators-format folder; null = a fresh random drafter
     ttt_steps: int = 3  # training-time-test unroll length n
     ttt_decay: float = 0.8  # step i weighs ttt_decay**i
@@ -48,6 +54,7 @@ class DrafterConfig:
     suffix: SuffixSection = field(default_factory=SuffixSection)  # kind suffix's settings
     draft_model: DraftModelSection = field(default_factory=DraftModelSection)  # kind draft_model's settings
     mtp: MtpSection = field(default_factory=MtpSection)  # kind mtp's settings
+    auto: AutoSection = field(default_factory=AutoSection)  # kind auto's members
 
 
 def drafter_checks(d: DrafterConfig) -> list[tuple[bool, str, str]]:
@@ -58,7 +65,7 @@ def drafter_checks(d: DrafterConfig) -> list[tuple[bool, str, str]]:
         (sq.backend in ("ao", "bnb", "ref"), "drafter.selfquant.backend",
          f"must be ao, bnb or ref, got {sq.backend!r}"),
         (sq.group_size >= 1, "drafter.selfquant.group_size", f"must be >= 1, got {sq.group_size}"),
-        (d.kind not in ("selfquant", "suffix") or d.path is None, "drafter.path",
+        (d.kind not in ("selfquant", "suffix", "auto") or d.path is None, "drafter.path",
          f"must be null for drafter.kind={d.kind} (it is built from the policy, not loaded)"),
         # an empty path read as "no drafter" (a fresh random one), or as the project root / the working directory
         (d.path is None or d.path.strip() != "", "drafter.path",
@@ -73,5 +80,10 @@ def drafter_checks(d: DrafterConfig) -> list[tuple[bool, str, str]]:
         (sx.history >= 0, "drafter.suffix.history", f"must be >= 0, got {sx.history}"),
         (d.mtp.intermediate_size is None or d.mtp.intermediate_size >= 1, "drafter.mtp.intermediate_size",
          f"must be >= 1 or null (the policy's), got {d.mtp.intermediate_size}"),
+        (len(d.auto.kinds) == len(d.auto.paths), "drafter.auto.paths",
+         f"must give one path (or null) per drafter.auto.kinds entry: {len(d.auto.kinds)} kinds, "
+         f"{len(d.auto.paths)} paths"),
+        (len(set(d.auto.kinds)) == len(d.auto.kinds) and not {"auto", "selfquant"} & set(d.auto.kinds),
+         "drafter.auto.kinds", f"must be distinct kinds other than auto and selfquant, got {list(d.auto.kinds)}"),
         (d.draft_model.layers >= 1, "drafter.draft_model.layers", f"must be >= 1, got {d.draft_model.layers}"),
     ]

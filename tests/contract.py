@@ -263,9 +263,10 @@ def load_drafter_versioned(make_engine, policy, drafter):
     assert b.drafter_version == 7 and set(b.drafter_versions) == {7}
 
 
-def load_drafter_refuses_bad_weights(make_engine, policy, drafter):
+def load_drafter_refuses_bad_weights(make_engine, policy, drafter, same_stats: bool = True):
     """Wrong shapes, NaNs, missing/unexpected tensors: ValueError naming the tensor; the old version keeps serving
-    (same version, same deterministic greedy acceptance stats)."""
+    (same version, same deterministic greedy acceptance stats; same_stats=False: a drafter whose choices depend on
+    what it saw before, drafter.kind=auto's chooser, keeps the same output and version)."""
     eng = make_engine(policy, drafter, drafter_int8=False)
     params = SamplingParams(temperature=0, max_new_tokens=12)
     before = eng.generate(RAGGED_PROMPTS, params)
@@ -298,7 +299,7 @@ def load_drafter_refuses_bad_weights(make_engine, policy, drafter):
     after = eng.generate(RAGGED_PROMPTS, params)
     assert after.drafter_version == 0
     assert after.tokens == before.tokens
-    assert after.stats.to_dict() == before.stats.to_dict()
+    assert after.stats.to_dict() == before.stats.to_dict() or not same_stats
     eng.load_drafter(good, 1)  # a refused load does not burn the version number
     assert eng.drafter_version == 1
 

@@ -11,7 +11,7 @@ from typing import Callable, Optional
 
 import torch
 
-from drafttrain.drafters import draft_model, eagle3, mtp, selfquant, suffix
+from drafttrain.drafters import auto, draft_model, eagle3, mtp, selfquant, suffix
 from drafttrain.quant import quantize_module_int8
 
 
@@ -64,6 +64,19 @@ def _load_eagle3(cfg, policy):
     return d
 
 
+def _build_auto(cfg, policy):
+    """Each member kind from its drafter.auto.paths entry (null: fresh), with the rest of drafter.* as given."""
+    members = {}
+    for kind, path in zip(cfg.auto.kinds, cfg.auto.paths):
+        member = copy.deepcopy(cfg)
+        member.kind, member.path = kind, path
+        try:
+            members[kind] = build_drafter(member, policy)
+        except (ValueError, FileNotFoundError) as e:  # name the member (drafter.path there: its auto.paths entry)
+            raise type(e)(f"drafter.auto.paths ({kind}): {e}") from None
+    return auto.AutoDrafter(members, runtime_copy)
+
+
 def _save_eagle3(d, path, **kw):
     from drafttrain.export import save_drafter  # the speculators format
 
@@ -76,6 +89,7 @@ DRAFTERS: dict[str, DrafterKind] = {
     "suffix": DrafterKind(suffix.from_config),
     "draft_model": DrafterKind(draft_model.fresh, draft_model.load, save=draft_model.save),
     "mtp": DrafterKind(mtp.fresh, mtp.load, save=mtp.save),
+    "auto": DrafterKind(_build_auto),
 }
 
 

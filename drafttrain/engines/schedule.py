@@ -195,9 +195,10 @@ class SpecController:
         b = min(both, key=lambda x: abs(x.bit_length() - want))
         return self.factor[("ar", b)] / self.factor[("sd", b)]
 
-    def observe_step(self, batch: int, k: int, ms: float, decay: float = 0.8) -> None:
-        """A decode step of `batch` rows with k drafts (0: AR) took `ms` of wall time."""
-        if self.cost is None:
+    def observe_step(self, batch: int, k: int, ms: float, typical: bool = True, decay: float = 0.8) -> None:
+        """A decode step of `batch` rows with k drafts (0: AR) took `ms` of wall time. Not typical: a one-off catch-up
+        (prompt, or after AR steps) or a step that also dropped finished rows: not learnt from."""
+        if self.cost is None or not typical:
             return
         key = ("sd" if k else "ar", _bucket(batch))
         f = ms / max(self.model_ms(batch, k), 1e-9)
@@ -207,6 +208,15 @@ class SpecController:
         cur = self.factor[key]  # one observation moves at most to [cur/2, 2 cur]: a stall is not a trend, but a
         f = min(max(f, cur / 2), 2 * cur)  # persistent ratio of any size is reached in a few steps
         self.factor[key] = decay * cur + (1 - decay) * f
+
+    def calibrate(self, engine) -> None:
+        """The cost model, measured on the live engine (CostModel.calibrate)."""
+        self.cost = CostModel.calibrate(engine, self.k_max)
+
+    def refresh_drafts(self, engine) -> None:
+        """The drafting cost again (the drafter changed: a hot-swap)."""
+        self.cost.set_draft({b: measure_costs(engine, b, [], min(self.k_max, 4), repeats=3)["draft_ms_per_token"]
+                             for b in self.cost.draft_ms})
 
     def speedup(self, batch: int, k: int) -> float:
         t_ar, t_sd = self.model_ms(batch, 0), self.model_ms(batch, k)

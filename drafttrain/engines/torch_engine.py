@@ -19,9 +19,11 @@ import time
 import torch
 
 from drafttrain.drafters.base import check_compatible, runtime_copy
+from drafttrain.drafters.pending import Pending
 from drafttrain.drafters.weights import check_finite
 from drafttrain.engines.base import RolloutBatch, StaleVersionError, Timeline
-from drafttrain.engines.schedule import CostModel, SpecController, measure_costs
+from drafttrain.engines.chooser import ChooserController
+from drafttrain.engines.schedule import SpecController
 from drafttrain.modeling import LeanLlama, keep_order, share_prompts
 from drafttrain.spec import SamplingParams, SpecStats, processed_probs, rejection_sample, sample
 
@@ -95,19 +97,24 @@ class TorchEngine:
         self.last_swap_critical_s = time.perf_counter() - t1  # the part a decode step could wait on
         self._draft_cost_stale = True  # recalibrated (drafter part only) before the next generation
 
-    def controller(self) -> SpecController:
-        """The per-step SD schedule (engine.k / toggle); calibrates its cost model on this engine when needed."""
+    def controller(self):
+        """The per-step SD schedule (engine.k / toggle; with drafter.kind=auto, the chooser over its members on top);
+        calibrates its cost model on this engine when needed."""
         cfg = self.cfg
         if self._ctl is None:
-            self._ctl = SpecController(cfg.k, cfg.k_max, cfg.toggle, cfg.toggle_threshold, cfg.toggle_hysteresis,
-                                       tuple(cfg.ladder), cfg.ladder_up, cfg.ladder_down)
+            def make():
+                return SpecController(cfg.k, cfg.k_max, cfg.toggle, cfg.toggle_threshold, cfg.toggle_hysteresis,
+                                      tuple(cfg.ladder), cfg.ladder_up, cfg.ladder_down)
+
+            auto = self._template is not None and self._template.kind == "auto"
+            self._ctl = (ChooserController(self._template.kinds, lambda: self.drafter, make, cfg.seed) if auto
+                         else make())
         ctl = self._ctl
         if cfg.toggle or ctl.mode != "fixed":
             if ctl.cost is None:
-                ctl.cost = CostModel.calibrate(self, ctl.k_max)
+                ctl.calibrate(self)
             elif self._draft_cost_stale:
-                ctl.cost.set_draft({b: measure_costs(self, b, [], min(ctl.k_max, 4), repeats=3)["draft_ms_per_token"]
-                                    for b in ctl.cost.draft_ms})
+                ctl.refresh_drafts(self)
         self._draft_cost_stale = False
         return ctl
 
@@ -182,7 +189,7 @@ class TorchEngine:
         nxt = torch.cat([tokens[:, 1:], tokens.new_zeros(B, 1)], 1)
         nxt[rows, lens - 1] = out[:, 0]
         # the drafter's pending input: positions committed since it last ran (ragged: n_new[b] of them per row)
-        pend = _Pending(nxt, aux, lens.clone(), torch.zeros(B, dtype=torch.long))
+        pend = Pending(nxt, aux, lens.clone(), torch.zeros(B, dtype=torch.long))
         pos = lens.clone()  # position of the last committed token, fed next
         resp: list[list[int]] = [[] for _ in range(B)]
         lps: list[list[float]] = [[] for _ in range(B)]
@@ -253,10 +260,10 @@ class TorchEngine:
             pos = pos + n + 1
             last = out.gather(1, n.view(-1, 1)).squeeze(1)
             ends.append(time.perf_counter())
-            # not a one-off catch-up (prompt, or after AR steps), nor a step that also dropped finished rows from
-            # every cache (a cost of the batch shrinking that AR and SD pay alike, in bursts)
-            if ctl is not None and catch_up <= k_max + 1 and not done:
-                ctl.observe_step(Bn, k, (ends[-1] - t_prev) * 1e3)
+            # typical: not a one-off catch-up (prompt, or after AR steps), nor a step that also dropped finished rows
+            # from every cache (a cost of the batch shrinking that AR and SD pay alike, in bursts)
+            if ctl is not None:
+                ctl.observe_step(Bn, k, (ends[-1] - t_prev) * 1e3, typical=catch_up <= k_max + 1 and not done)
             t_prev = ends[-1]
 
         timeline = Timeline(ends, ctl.trace[trace0:] if ctl is not None else [], step_batch, step_tokens, prefill_s)
@@ -275,71 +282,3 @@ class TorchEngine:
         out, n = rejection_sample(p, q, d, gen)
         lp = p.gather(-1, out.clamp_min(0).unsqueeze(-1)).squeeze(-1).log()  # [B, k+1]
         return out, n, lp
-
-
-class _Pending:
-    """Verified positions the drafter has not consumed yet, per row: token ids [B, cap], aux states [B, cap, X] (or
-    None: a drafter without aux inputs), count n[B] and first position start[B]. Appends write the new entries in
-    place (growing the buffers by doubling, rarely), so a long run of AR steps (the toggle off) costs O(new entries)
-    per step, not a copy of everything pending."""
-
-    def __init__(self, ids: torch.Tensor, aux: torch.Tensor | None, n: torch.Tensor, start: torch.Tensor):
-        self.ids, self.aux, self.n, self.start = ids, aux, n, start
-        self._max = int(n.max())
-
-    def width(self) -> int:
-        return self._max
-
-    def view(self):
-        """(ids [B, w], aux [B, w, X] or None, n [B], start [B]) with w = the longest row's count."""
-        w = self._max
-        return self.ids[:, :w], None if self.aux is None else self.aux[:, :w], self.n, self.start
-
-    def consumed(self) -> None:
-        self.n = torch.zeros_like(self.n)
-        self._max = 0
-
-    def append(self, ids: torch.Tensor, aux: torch.Tensor | None, n: torch.Tensor, start: torch.Tensor) -> None:
-        """Each row's first n[b] of ids [B, m] (aux [B, m, X]); a row with none pending restarts at start[b]."""
-        B, m = ids.shape
-        if B == 1:  # one row (batch 1, the long tail): slices, no index tensors
-            c = self._max
-            need = c + int(n[0])
-            if need > self.ids.shape[1]:
-                self._grow(max(need, 2 * self.ids.shape[1]))
-            self.ids[0, c:need] = ids[0, :need - c]
-            if self.aux is not None:
-                self.aux[0, c:need] = aux[0, :need - c]
-            self.start, self.n, self._max = (start if c == 0 else self.start), self.n + n, need
-            return
-        need = self._max + m if m == 1 else int((self.n + n).max())
-        if need > self.ids.shape[1]:
-            self._grow(max(need, 2 * self.ids.shape[1]))
-        if m == 1:  # an AR step: one entry per row, at each row's count
-            rows, cols, src_ids, src_aux = torch.arange(B), self.n, ids[:, 0], None if aux is None else aux[:, 0]
-        else:
-            cols = self.n.view(B, 1) + torch.arange(m).view(1, m)  # [B, m] destination columns
-            ok = torch.arange(m).view(1, m) < n.view(B, 1)
-            rows, cols = torch.arange(B).view(B, 1).expand(B, m)[ok], cols[ok]
-            src_ids, src_aux = ids[ok], None if aux is None else aux[ok]
-        self.ids[rows, cols] = src_ids
-        if self.aux is not None:
-            self.aux[rows, cols] = src_aux
-        self.start = torch.where(self.n > 0, self.start, start)
-        self.n = self.n + n
-        self._max = need
-
-    def _grow(self, cap: int) -> None:
-        B, w = self.ids.shape
-        ids = self.ids.new_zeros(B, cap)
-        ids[:, :w] = self.ids
-        self.ids = ids
-        if self.aux is not None:
-            aux = self.aux.new_zeros(B, cap, self.aux.shape[-1])
-            aux[:, :w] = self.aux
-            self.aux = aux
-
-    def select_rows(self, keep: torch.Tensor) -> None:
-        self.ids, self.n, self.start = self.ids[keep], self.n[keep], self.start[keep]
-        self.aux = None if self.aux is None else self.aux[keep]
-        self._max = int(self.n.max()) if len(keep) else 0

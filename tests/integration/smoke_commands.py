@@ -270,6 +270,7 @@ SMOKE: list[Smoke] = [
     _main_job("suffix_track", MAIN, "recipe=suffix_track", trainer=False),
     _main_job("draft_model_track", MAIN, "recipe=draft_model_track"),
     _main_job("mtp_track", MAIN, "recipe=mtp_track"),
+    _main_job("auto_track", MAIN, "recipe=auto_track", trainer=False),
     _main_job("module_entry", "python -m drafttrain.online", "recipe=eagle3_track", steps=2),
     _main_job("online_options", MAIN, "recipe=eagle3_track engine.k=auto online.budget_frac=0 online.canary=probe",
               steps=2),
@@ -290,6 +291,15 @@ SMOKE: list[Smoke] = [
     Smoke("pretrain_drafter", "python scripts/pretrain_drafter.py threads=1 prompts=8 epochs=1 out={tmp}/e3 "
           "train.lr=1e-3 drafter.ttt_steps=2 chunk=8 warmup=1 eval_prompts=2 sampling.max_new_tokens=16 "
           "train.batch_size=4", (File("e3", ("config.json", "model.safetensors")),)),
+    Smoke("pretrain_drafter_mtp", "python scripts/pretrain_drafter.py drafter.kind=mtp threads=1 prompts=8 epochs=1 "
+          "out={tmp}/m chunk=8 warmup=1 eval_prompts=2 sampling.max_new_tokens=16 train.batch_size=4",
+          (File("m", ("config.json", "model.safetensors")),)),
+    Smoke("pretrain_drafter_draft_model", "python scripts/pretrain_drafter.py drafter.kind=draft_model threads=1 "
+          "prompts=8 epochs=1 out={tmp}/d chunk=8 warmup=1 eval_prompts=2 sampling.max_new_tokens=16 "
+          "train.batch_size=4", (File("d", ("config.json", "model.safetensors")),)),
+    Smoke("bench_drafters", "python scripts/bench_drafters.py kinds=[mtp,suffix] repeats=1 tracking=true "
+          "track_steps=1 prompts=2 group=2 batches=[1,2] max_new_tokens=16 threads=1 out={tmp}/d.json",
+          (Json("d.json", ("auto_over_best", "suffix_speedup_over_ar"), ("kinds", "tracking")),)),
     Smoke("pretrain_drafter_two_processes", f"{TWO_PROC} scripts/pretrain_drafter.py threads=1 prompts=8 epochs=1 "
           "out={tmp}/e3 chunk=4 warmup=1 eval_prompts=2 sampling.max_new_tokens=16 train.batch_size=4",
           (File("e3", ("config.json", "model.safetensors")),)),

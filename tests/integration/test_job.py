@@ -110,7 +110,7 @@ def test_frozen_drafter_records_the_same_keys(policy_dir, tmp_path):
 
 # ---- kill and resume ------------------------------------------------------------------------------------------
 @pytest.mark.slow
-@pytest.mark.parametrize("recipe", ["eagle3_track", "suffix_track", "draft_model_track", "mtp_track"])
+@pytest.mark.parametrize("recipe", ["eagle3_track", "suffix_track", "draft_model_track", "mtp_track", "auto_track"])
 def test_kill_and_resume(policy_dir, tmp_path, recipe):
     """Each drafter kind (suffix: nothing to save; its index is rebuilt from the resumed run's rollouts)."""
     out, steps = tmp_path / "run", 6

@@ -94,3 +94,36 @@ def test_pretrain_resume_refuses_a_state_that_would_run_code(policy_dir, tmp_pat
     with pytest.raises(ConfigError, match=r"resume: .*trainer\.pt holds builtins\.exec"):
         P.main(P.parse([f"policy.path={policy_dir}", f"out={tmp_path / 'eagle3'}", "prompts=8", "chunk=8"]))
     assert not marker.exists()
+
+
+@pytest.mark.parametrize("kind", ["mtp", "draft_model"])
+def test_pretrain_each_trainable_kind(policy_dir, tmp_path, kind):
+    """drafter.kind picks what is pretrained and saved (its own folder form); the folder loads back as that kind
+    through drafter.path, with the weights trained (moved off the fresh drafter's)."""
+    from omegaconf import OmegaConf
+
+    from drafttrain.config import Config
+    from drafttrain.drafters import build_drafter
+    from drafttrain.policy import load_policy
+
+    P = _script()
+    out = tmp_path / kind
+    res = P.main(P.parse([f"policy.path={policy_dir}", f"drafter.kind={kind}", "sampling.max_new_tokens=12",
+                          "train.batch_size=4", f"out={out}", "prompts=16", "chunk=8", "epochs=1", "warmup=1",
+                          "eval_prompts=4"]))
+    assert res["eval"]["mean_accepted_length"] >= 1.0
+    policy, _ = load_policy(str(policy_dir))
+    cfg = OmegaConf.structured(Config).drafter
+    cfg.kind, cfg.path = kind, str(out)
+    back = build_drafter(cfg, policy)
+    assert back.kind == kind
+    cfg.path = None
+    fresh = build_drafter(cfg, policy)
+    moved = [k for k, v in fresh.state_dict().items() if not torch.equal(v, back.state_dict()[k])]
+    assert moved, "nothing was trained"
+
+
+def test_pretrain_refuses_a_kind_with_nothing_to_train(policy_dir, tmp_path):
+    P = _script()
+    with pytest.raises(ConfigError, match=r"^drafter\.kind: suffix trains nothing"):
+        P.main(P.parse([f"policy.path={policy_dir}", "drafter.kind=suffix", "drafter.path=null", f"out={tmp_path}"]))

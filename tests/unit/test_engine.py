@@ -358,9 +358,9 @@ def test_pending_drafter_input_appends_in_place():
     """The drafter's pending input (positions verified while it did not run, e.g. AR steps with the toggle off):
     ragged appends land after each row's own count, a consumed buffer restarts at the new start, and appends
     within capacity write in place (a long AR stretch must not copy everything pending at every step)."""
-    from drafttrain.engines.torch_engine import _Pending
+    from drafttrain.drafters.pending import Pending
 
-    p = _Pending(torch.tensor([[1, 2, 0], [4, 0, 0]]), torch.arange(6.0).view(2, 3, 1), torch.tensor([2, 1]),
+    p = Pending(torch.tensor([[1, 2, 0], [4, 0, 0]]), torch.arange(6.0).view(2, 3, 1), torch.tensor([2, 1]),
                  torch.tensor([0, 0]))
     p._grow(16)
     ptr = p.ids.data_ptr(), p.aux.data_ptr()

@@ -36,7 +36,7 @@ class Scripted:
     def begin(self):
         pass
 
-    def observe_step(self, batch, k, ms):
+    def observe_step(self, batch, k, ms, typical=True):
         pass
 
 

@@ -1,0 +1,146 @@
+"""The drafter chooser (drafter.kind=auto): per decode step, which of several loaded drafters drafts, or none.
+
+Arms are the member kinds and "ar" (no drafting). Per power-of-two active-batch bucket, Thompson sampling over each
+arm's measured reward: a Gaussian posterior of its mean (exponentially forgetting, so a hot-swap or the policy's drift
+moves it), each arm tried min_tries times first; in a bucket where an arm has not run yet, it starts from the
+nearest bucket's estimate at the weight of one observation. The reward of a step is its measured speed-up over the modelled AR
+step at that batch, tokens / B * T(B, 1) / step time: comparable across the batches a bucket spans (raw tokens/s grows
+with B, and which arm ran while the batch was larger would decide). Every step counts, a member's catch-up on the
+positions since it last drafted included: switching has that cost.
+
+ChooserController sits on top of the per-kind schedule: the chosen member's own SpecController (engine.k: fixed, auto
+or ladder; engine.toggle) sets k, and may still decide on an AR step. It has SpecController's engine-facing
+interface (begin, decide, observe, observe_step, trace, k_max, calibrate, refresh_drafts). Outputs never change
+with the choice: every member's SD is exact, and so is AR.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from drafttrain.engines.schedule import CostModel, SpecController, _bucket, measure_costs
+
+AR = "ar"
+
+
+class Chooser:
+    def __init__(self, arms: list[str], seed: int = 0, decay: float = 0.95, min_tries: int = 2,
+                 noise_floor: float = 0.05):
+        self.arms, self.decay, self.min_tries, self.floor = list(arms), decay, min_tries, noise_floor
+        self.stats: dict[tuple[int, str], list[float]] = {}  # (bucket, arm) -> [n_eff, mean, var]
+        self.tries: dict[tuple[int, str], int] = {}
+        self.gen = torch.Generator().manual_seed(seed)
+
+    def _posterior(self, b: int, arm: str) -> list[float]:
+        """(n_eff, mean, var) at bucket b; a bucket the arm has not run in yet borrows the nearest such bucket's mean
+        and a wider spread, at the weight of one observation (informed, and soon overruled by its own steps)."""
+        if (b, arm) in self.stats:
+            return self.stats[(b, arm)]
+        x = min((x for (x, a) in self.stats if a == arm), key=lambda x: abs(x.bit_length() - b.bit_length()))
+        n, mean, var = self.stats[(x, arm)]
+        return [1.0, mean, 4 * max(var, self.floor ** 2)]
+
+    def pick(self, batch: int) -> str:
+        b = _bucket(batch)
+        for arm in self.arms:  # every arm a few times first (wherever the batch is then), in order
+            if sum(t for (_, a), t in self.tries.items() if a == arm) < self.min_tries:
+                return arm
+        draws = {}
+        for arm in self.arms:
+            n, mean, var = self._posterior(b, arm)
+            sd = math.sqrt(max(var, self.floor ** 2) / n)
+            draws[arm] = mean + sd * float(torch.randn((), generator=self.gen))
+        return max(draws, key=draws.get)
+
+    def observe(self, batch: int, arm: str, reward: float) -> None:
+        key = (_bucket(batch), arm)
+        self.tries[key] = self.tries.get(key, 0) + 1
+        if key not in self.stats:
+            self.stats[key] = [1.0, reward, 0.0]
+            return
+        n, mean, var = self.stats[key]
+        n = self.decay * n + 1.0  # effective count: old evidence fades
+        w = 1.0 / n
+        d = reward - mean
+        self.stats[key] = [n, mean + w * d, (1 - w) * (var + w * d * d)]
+
+    def means(self) -> dict[str, dict[str, float]]:
+        """bucket -> arm -> its current mean reward (for the report)."""
+        out: dict[str, dict[str, float]] = {}
+        for (b, arm), (_, mean, _) in sorted(self.stats.items()):
+            out.setdefault(str(b), {})[arm] = round(mean, 4)
+        return out
+
+
+class ChooserController:
+    def __init__(self, kinds: list[str], serving, make_ctl, seed: int = 0):
+        """kinds: the AutoDrafter's members; serving() -> the AutoDrafter the engine drafts with now (a hot-swap
+        replaces it); make_ctl() -> a fresh SpecController per member."""
+        self.serving = serving
+        self.ctls: dict[str, SpecController] = {k: make_ctl() for k in kinds}
+        self.k_max = max(c.k_max for c in self.ctls.values())
+        self.mode = "auto"  # the engine calibrates a chooser's cost model always
+        self.chooser = Chooser([*kinds, AR], seed=seed)
+        self.trace: list[dict] = []
+        self.step = 0
+        self._arm = AR
+        self._pending: tuple[int, str, float] | None = None  # (batch, arm, ms) of the step whose tokens come next
+
+    @property
+    def cost(self):
+        return next(iter(self.ctls.values())).cost
+
+    def calibrate(self, engine) -> None:
+        """The target's cost once, each member's drafting cost with that member drafting."""
+        target = None
+        for kind, ctl in self.ctls.items():
+            self.serving().use(kind)
+            if target is None:
+                ctl.cost = CostModel.calibrate(engine, self.k_max)
+                target = ctl.cost.target_ms
+            else:
+                ctl.cost = CostModel(target, _draft_ms(engine, target, self.k_max))
+
+    def refresh_drafts(self, engine) -> None:
+        for kind, ctl in self.ctls.items():
+            self.serving().use(kind)
+            ctl.cost.set_draft(_draft_ms(engine, ctl.cost.draft_ms, self.k_max))
+
+    def begin(self) -> None:
+        for c in self.ctls.values():
+            c.begin()
+        self._pending = None
+
+    def decide(self, batch: int) -> int:
+        arm = self.chooser.pick(batch)
+        k = 0
+        if arm != AR:
+            self.serving().use(arm)
+            k = self.ctls[arm].decide(batch)
+        self._arm = arm
+        self.trace.append({"step": self.step, "batch": batch, "kind": arm, "on": k > 0, "k": k})
+        self.step += 1
+        return k
+
+    def observe(self, num_accepted: list[int], k: int, emitted: list[int] | None = None) -> None:
+        if self._arm != AR:
+            self.ctls[self._arm].observe(num_accepted, k, emitted)
+        if self._pending is not None and emitted is not None:
+            batch, arm, ms = self._pending
+            if batch == len(emitted) and ms > 0:
+                ar_ms = self.cost.target(batch, 1) if self.cost is not None else ms
+                self.chooser.observe(batch, arm, sum(emitted) / batch * ar_ms / ms)
+        self._pending = None
+
+    def observe_step(self, batch: int, k: int, ms: float, typical: bool = True) -> None:
+        if self._arm != AR:
+            self.ctls[self._arm].observe_step(batch, k, ms, typical)
+        elif typical:
+            for c in self.ctls.values():  # an AR step informs every member's AR timing
+                c.observe_step(batch, 0, ms)
+        self._pending = (batch, self._arm, ms)
+
+
+def _draft_ms(engine, batches, k_max: int) -> dict[int, float]:
+    return {b: measure_costs(engine, b, [], min(k_max, 4), repeats=3)["draft_ms_per_token"] for b in batches}

@@ -1,0 +1,142 @@
+"""drafter.kind=auto: several drafters at once, one (or none) chosen per decode step. The chooser converges to the
+arm with the best reward per batch bucket and tracks a change; the controller routes each step to the chosen member
+and rewards the arm with the step's measured speed-up; SD with it is lossless (the shared engine contract: greedy
+identity, the exact distribution, log-probs, ragged rows, versioned loads); bad settings are one line."""
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from drafttrain.config import ConfigError, load_recipe
+from drafttrain.engines.chooser import AR, Chooser, ChooserController
+from drafttrain.engines.schedule import CostModel, SpecController
+from drafttrain.spec import SamplingParams
+from tests import contract as C
+
+
+def auto(policy, kinds=("eagle3", "suffix"), seed: int = 1):
+    return C.fresh_drafter(policy, seed=seed, kind="auto", kinds=list(kinds), paths=[None] * len(kinds))
+
+
+def run(ch: Chooser, means: dict[int, dict[str, float]], steps: int, rng: random.Random) -> dict[int, list[str]]:
+    """steps picks per batch, each rewarded N(mean of the picked arm, 0.1) (a synthetic cost model)."""
+    picks: dict[int, list[str]] = {b: [] for b in means}
+    for _ in range(steps):
+        for b, m in means.items():
+            arm = ch.pick(b)
+            ch.observe(b, arm, rng.gauss(m[arm], 0.1))
+            picks[b].append(arm)
+    return picks
+
+
+def test_chooser_converges_per_bucket_and_follows_a_change():
+    rng = random.Random(0)
+    ch = Chooser(["eagle3", "suffix", AR], seed=3)
+    means = {1: {"eagle3": 1.6, "suffix": 1.2, AR: 1.0}, 64: {"eagle3": 0.8, "suffix": 1.1, AR: 1.0}}
+    picks = run(ch, means, 300, rng)
+    assert picks[1][-100:].count("eagle3") >= 90, picks[1][-100:]
+    assert picks[64][-100:].count("suffix") >= 90, picks[64][-100:]
+    first = picks[1][:3] + picks[64][:3]  # the first six picks, whichever bucket: each arm twice
+    assert all(first.count(a) == 2 for a in ("eagle3", "suffix", AR)), first
+    # the drafter went stale at batch 1 (a swap, the policy's drift): evidence fades and the choice follows
+    means[1]["eagle3"] = 0.7
+    picks = run(ch, means, 300, rng)
+    assert picks[1][-100:].count("suffix") >= 90, picks[1][-100:]
+
+
+def test_a_new_bucket_starts_from_the_nearest_ones_estimate():
+    rng = random.Random(1)
+    ch = Chooser(["eagle3", "suffix", AR], seed=4)
+    run(ch, {1: {"eagle3": 1.6, "suffix": 1.0, AR: 1.0}}, 100, rng)
+    picks = [ch.pick(2) for _ in range(50)]  # bucket 2: never run, no observations added
+    assert picks.count("eagle3") >= 40, picks
+
+
+class _Serving:
+    def __init__(self):
+        self.used = []
+
+    def use(self, kind):
+        self.used.append(kind)
+
+
+def test_controller_routes_and_rewards_the_measured_speedup():
+    serving = _Serving()
+    cost = CostModel({1: {m: 10.0 for m in range(1, 10)}}, {1: 1.0})
+
+    def make():
+        c = SpecController(3, 8, False)
+        c.cost = cost
+        return c
+
+    ctl = ChooserController(["eagle3", "suffix"], lambda: serving, make, seed=0)
+    ctl.begin()
+    seen = {}
+    for _ in range(60):
+        k = ctl.decide(1)
+        arm = ctl.trace[-1]["kind"]
+        assert (k == 0) == (arm == AR) and (arm == AR or serving.used[-1] == arm)
+        ms = {"eagle3": 10.0, "suffix": 20.0, AR: 10.0}[arm]  # eagle3 emits 3 tokens in 10 ms: 3x the AR step
+        ctl.observe_step(1, k, ms)
+        ctl.observe([2 if arm != AR else 0], k, [3 if arm == "eagle3" else 1])
+        seen[arm] = ctl.chooser.stats[(1, arm)][1]
+    assert seen == pytest.approx({"eagle3": 3.0, "suffix": 0.5, AR: 1.0})
+    assert [t["kind"] for t in ctl.trace[-20:]].count("eagle3") >= 18
+
+
+# ---- lossless: the shared engine contract ---------------------------------------------------------------------
+
+def test_greedy_sd_equals_ar(make_engine, policy):
+    C.greedy_sd_equals_ar(make_engine, policy, auto(policy), drafter_int8=False)
+
+
+def test_exact_distribution(make_engine):
+    pol = C.tiny_vocab_policy(vocab=5)
+    C.exact_distribution(make_engine, pol, auto(pol, ("eagle3", "mtp", "suffix")), SamplingParams(max_new_tokens=3,
+                         seed=61), n_rows=3000, wrong=SamplingParams(temperature=0.7, max_new_tokens=3), k=2,
+                         drafter_int8=False)
+
+
+def test_contract_ragged_logprobs_swaps_bad_weights(make_engine, policy):
+    d = auto(policy, ("mtp", "draft_model", "suffix"))
+    C.ragged_stops(make_engine, policy, d)
+    C.max_new_tokens_exact(make_engine, policy, d)
+    C.logprobs_match_teacher_forced(make_engine, policy, d, SamplingParams(temperature=0.8, top_k=12,
+                                                                             max_new_tokens=10, seed=1))
+    C.load_drafter_versioned(make_engine, policy, d)
+    C.load_drafter_refuses_bad_weights(make_engine, policy, d, same_stats=False)  # the chooser learns across calls
+    C.bad_prompts_raise(make_engine, policy, d)
+
+
+def test_every_member_drafts_and_catches_up(make_engine, policy):
+    """Every arm runs (each member catching up on every position since it last drafted), and the greedy output is
+    the AR output."""
+    eng = make_engine(policy, auto(policy, ("eagle3", "mtp", "suffix")), k=3, drafter_int8=False)
+    params = SamplingParams(temperature=0, max_new_tokens=30)
+    sd = eng.generate(C.RAGGED_PROMPTS * 3, params)
+    ar = eng.generate(C.RAGGED_PROMPTS * 3, params, speculative=False)
+    assert sd.tokens == ar.tokens
+    kinds = {t["kind"] for t in eng.controller().trace}
+    assert kinds == {"eagle3", "mtp", "suffix", AR}, kinds
+
+
+@pytest.mark.parametrize("override,key", [(["drafter.auto.paths=[null]"], "drafter.auto.paths"),
+                                          (["drafter.auto.kinds=[eagle3,selfquant]", "drafter.auto.paths=[null,null]"],
+                                           "drafter.auto.kinds"),
+                                          (["drafter.auto.kinds=[suffix,suffix]", "drafter.auto.paths=[null,null]"],
+                                           "drafter.auto.kinds"),
+                                          (["drafter.path=checkpoints/eagle3"], "drafter.path")])
+def test_bad_settings_one_line(override, key):
+    with pytest.raises(ConfigError, match=key.replace(".", r"\.")) as e:
+        load_recipe("auto_track", override)
+    assert "\n" not in str(e.value)
+
+
+def test_a_member_checkpoint_that_does_not_fit_names_the_member(policy, tmp_path):
+    from drafttrain.drafters import build_drafter
+
+    cfg = load_recipe("auto_track", [f"drafter.auto.paths=[{tmp_path / 'none'},null]"]).drafter
+    with pytest.raises(FileNotFoundError, match=r"^drafter\.auto\.paths \(eagle3\): drafter checkpoint .*none") as e:
+        build_drafter(cfg, policy)
+    assert "\n" not in str(e.value)
