@@ -11,10 +11,12 @@ Per kind (eagle3, mtp and draft_model from their shipped checkpoints in checkpoi
 - train_ms_per_rl_step (trainable kinds): online.steps_per_update drafter steps on the recipe's batch, from features
   of fresh rollouts, per RL step.
 Long tail: the GRPO batch's wall time with SD + toggle + auto k for each kind and for drafter.kind=auto over every
-member kind, and AR's, interleaved over `repeats` sampling seeds (bench_longtail's method); auto_over_best = auto's
+member kind, and AR's, interleaved over `repeats` sampling seeds (bench_longtail's method) after `warmup` batches
+each (a running job's engine has seen the earlier steps' batches: the schedule and the chooser have learnt); auto_over_best = auto's
 mean wall time over the best single kind's; suffix_speedup_over_ar = AR's over the suffix drafter's.
 Tracking (tracking=true): the main job's default run for each trainable kind (its recipe, `track_steps` RL steps;
-null = the recipe's), and live over frozen teacher-forced MAL over the run's last quarter.
+null = the recipe's; track_overrides: more recipe keys), and live over frozen teacher-forced MAL over the run's last
+quarter.
 Prints tables; writes bench/drafters.json.
 """
 from __future__ import annotations
@@ -42,8 +44,8 @@ from drafttrain.spec import SamplingParams
 from drafttrain.tracking import DrafterTrainer, FeatureBuffer, teacher_forced_features
 
 DEFAULTS = dict(recipe="eagle3_track", kinds=["eagle3", "mtp", "draft_model", "selfquant", "suffix"], prompts=8,
-                group=8, max_new_tokens=256, repeats=5, batches=[1, 8, 64], seed=4321, tracking=True,
-                track_steps=None, out="bench/drafters.json", threads=2)
+                group=8, max_new_tokens=256, repeats=5, warmup=3, batches=[1, 8, 64], seed=4321, tracking=True,
+                track_steps=None, track_overrides=[], out="bench/drafters.json", threads=2)
 TRAINABLE = ("eagle3", "mtp", "draft_model")
 
 
@@ -115,7 +117,8 @@ def long_tail(cfg, rc, policy, prompts, params) -> dict:
     for kind in kinds:
         d = build_drafter(drafter_cfg(rc, kind, cfg.kinds), policy)
         eng = engine(rc, policy, d, k="auto", toggle=True)
-        eng.generate(prompts, replace(params, seed=cfg.seed + 1))  # warm-up, as the previous RL step's rollouts
+        for w in range(cfg.warmup):  # warm-up, as the previous RL steps' rollouts: the schedule and the chooser
+            eng.generate(prompts, replace(params, seed=cfg.seed + 1 + w))  # learn as they would in a running job
         engines[kind] = (eng, True)
     runs = interleaved(engines, prompts, lambda rep: replace(params, seed=cfg.seed + 1000 * rep), cfg.repeats)
     wall = {key: statistics.fmean(r.wall_s for r in rs) for key, rs in runs.items()}
@@ -131,7 +134,8 @@ def tracking(cfg, kind: str) -> dict:
     """The main job's default run of kind's recipe: live over frozen teacher-forced MAL over its last quarter."""
     out = Path(tempfile.mkdtemp(prefix=f"bench_drafters_{kind}_"))
     cmd = [sys.executable, "-m", "drafttrain.online", f"recipe={kind}_track", f"run.out_dir={out}",
-           "run.tensorboard=false", *([f"rl.steps={cfg.track_steps}"] if cfg.track_steps else [])]
+           "run.tensorboard=false", *([f"rl.steps={cfg.track_steps}"] if cfg.track_steps else []),
+           *cfg.track_overrides]
     if kind != "eagle3":
         cmd.append(f"drafter.path=checkpoints/{kind}")  # the shipped pretrained drafter, as the frozen baseline
     r = subprocess.run(cmd, cwd=PROJECT_ROOT, capture_output=True, text=True)

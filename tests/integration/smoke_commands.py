@@ -297,8 +297,10 @@ SMOKE: list[Smoke] = [
     Smoke("pretrain_drafter_draft_model", "python scripts/pretrain_drafter.py drafter.kind=draft_model threads=1 "
           "prompts=8 epochs=1 out={tmp}/d chunk=8 warmup=1 eval_prompts=2 sampling.max_new_tokens=16 "
           "train.batch_size=4", (File("d", ("config.json", "model.safetensors")),)),
-    Smoke("bench_drafters", "python scripts/bench_drafters.py kinds=[mtp,suffix] repeats=1 tracking=true "
-          "track_steps=1 prompts=2 group=2 batches=[1,2] max_new_tokens=16 threads=1 out={tmp}/d.json",
+    Smoke("bench_drafters", "python scripts/bench_drafters.py kinds=[mtp,suffix] repeats=1 warmup=1 tracking=true "
+          "track_steps=1 track_overrides=[rl.eval_prompts=2,rl.prompts_per_step=2,rl.group_size=2,"
+          "sampling.max_new_tokens=16] prompts=2 group=2 batches=[1,2] max_new_tokens=16 threads=1 "
+          "out={tmp}/d.json",
           (Json("d.json", ("auto_over_best", "suffix_speedup_over_ar"), ("kinds", "tracking")),)),
     Smoke("pretrain_drafter_two_processes", f"{TWO_PROC} scripts/pretrain_drafter.py threads=1 prompts=8 epochs=1 "
           "out={tmp}/e3 chunk=4 warmup=1 eval_prompts=2 sampling.max_new_tokens=16 train.batch_size=4",

@@ -110,12 +110,14 @@ def test_frozen_drafter_records_the_same_keys(policy_dir, tmp_path):
 
 # ---- kill and resume ------------------------------------------------------------------------------------------
 @pytest.mark.slow
-@pytest.mark.parametrize("recipe", ["eagle3_track", "suffix_track", "draft_model_track", "mtp_track", "auto_track"])
+@pytest.mark.parametrize("recipe", ["eagle3_track", "mtp_track", "draft_model_track", "selfdraft_int8_track",
+                                    "suffix_track", "auto_track"])
 def test_kill_and_resume(policy_dir, tmp_path, recipe):
     """Each drafter kind (suffix: nothing to save; its index is rebuilt from the resumed run's rollouts)."""
     out, steps = tmp_path / "run", 6
+    fresh = ["drafter.auto.paths=[null,null]"] if recipe == "auto_track" else []  # members fresh for this policy
     cmd = [sys.executable, "-m", "drafttrain.online", f"recipe={recipe}",
-           *overrides(policy_dir, out, f"rl.steps={steps}", "sampling.max_new_tokens=24")]
+           *overrides(policy_dir, out, f"rl.steps={steps}", "sampling.max_new_tokens=24", *fresh)]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     latest = out / "ckpt" / "latest"
     kill_at_checkpoint(cmd, env, latest, 1, timeout_s=240)
