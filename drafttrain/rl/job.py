@@ -120,8 +120,7 @@ def _run(cfg, acc, out: Path, stopper: Stopper) -> list[dict]:
         with tracker.outside_rl_step():  # logging and checkpoints earn the drafter's time bank nothing
             if logger:
                 logger.log(rec)
-                bar.set_postfix(reward=f"{rec['reward_mean']:.2f}", mal=f"{rec['live_mal']:.2f}",
-                                frozen=f"{rec.get('frozen_tf_mal') or 0:.2f}", v=tracker.version)
+                bar.set_postfix(postfix(rec, tracker.version))
             ckpt.save(step + 1, grpo, tracker, cfg, before)
         if stopper.stop_requested():
             bar.close()
@@ -155,3 +154,12 @@ def _run(cfg, acc, out: Path, stopper: Stopper) -> list[dict]:
         print(eval_table(before, after))
     ckpt.mark_finished()
     return logger.records
+
+
+def postfix(rec: dict, version: int) -> dict:
+    """The progress bar's fields for a step's record: the frozen drafter's MAL only where it was measured (a kind
+    that trains nothing has none: 0.00 there read as a drafter gone bad)."""
+    out = {"reward": f"{rec['reward_mean']:.2f}", "mal": f"{rec['live_mal']:.2f}"}
+    if rec.get("frozen_tf_mal") is not None:
+        out["frozen"] = f"{rec['frozen_tf_mal']:.2f}"
+    return {**out, "v": version}

@@ -194,3 +194,12 @@ def test_resume_with_another_number_of_processes_is_one_line(first_run, policy_d
     msg = str(e.value.code)
     assert msg.startswith("error: run.resume: ") and "2 processes" in msg and "\n" not in msg, msg
     assert _files(run) == before
+
+
+def test_progress_bar_shows_the_frozen_drafter_only_where_measured():
+    """A kind that trains nothing (suffix, selfquant, auto) has no frozen MAL: the bar read frozen=0.00 there."""
+    from drafttrain.rl.job import postfix
+
+    rec = {"reward_mean": 0.5, "live_mal": 2.25, "frozen_tf_mal": None}
+    assert postfix(rec, 3) == {"reward": "0.50", "mal": "2.25", "v": 3}
+    assert postfix({**rec, "frozen_tf_mal": 1.5}, 4)["frozen"] == "1.50"
