@@ -14,42 +14,45 @@ from tests import contract as C
 PARAMS = SamplingParams(temperature=1.0, max_new_tokens=4)
 
 
-def feed(d, st, rows: list[list[int]], k: int = 3):
-    """propose with each row's tokens after position 0, all new (the engine's first call)."""
+def feed(d, st, rows: list[list[int]], k: int = 3, greedy: bool = True):
+    """propose with each row's tokens after position 0, all new (the engine's first call); greedy: the most frequent
+    continuation, one-hot."""
     m = max(len(r) for r in rows) - 1
     ids = torch.zeros(len(rows), m, dtype=torch.long)
     for j, r in enumerate(rows):
         ids[j, :len(r) - 1] = torch.tensor(r[1:])
     n = torch.tensor([len(r) - 1 for r in rows])
-    return d.propose(st, ids, None, n, torch.zeros(len(rows), dtype=torch.long), k, PARAMS, False)
+    return d.propose(st, ids, None, n, torch.zeros(len(rows), dtype=torch.long), k, PARAMS, greedy,
+                     torch.Generator().manual_seed(0))
 
 
 def test_sibling_text_is_proposed():
-    d = SuffixDrafter(max_ngram=4, min_ngram=2, history=1)
+    d = SuffixDrafter(32, max_ngram=4, min_ngram=2, history=1)
     st = d.new_state(2, 64, torch.tensor([[1, 2], [1, 2]]))
     drafts, q = feed(d, st, [[1, 2, 7, 8, 9, 10, 11], [1, 2, 7]])
-    assert q is None  # one-hot drafts
+    assert q is None  # greedy drafts: one-hot
     assert drafts[1].tolist() == [8, 9, 10]  # row 1 goes on as its sibling did after "2 7"
-    # a continuation shorter than k is padded with its last token; the row's own newest position is not a match
+    # past the known text nothing matches: the row's last token (the row's own newest position is not a match)
     st = d.new_state(1, 64, torch.tensor([[3]]))
     drafts, _ = feed(d, st, [[3, 9, 10]], k=3)
     assert drafts[0].tolist() == [11, 11, 11]  # "9 10" from the last generation's row 0
 
 
 def test_longest_suffix_wins_and_no_match_repeats_the_last_token():
-    d = SuffixDrafter(max_ngram=3, min_ngram=1, history=0)
+    d = SuffixDrafter(32, max_ngram=3, min_ngram=1, history=0)
     st = d.new_state(1, 64, torch.tensor([[5]]))
     drafts, _ = feed(d, st, [[5, 1, 2, 3, 1, 4, 2, 3, 9, 4, 2, 3]], k=2)
-    assert drafts[0].tolist() == [9, 4]  # "4 2 3" occurred before "9"; "2 3" alone last went on with "9" too
-    st = d.new_state(1, 64, torch.tensor([[6]]))
-    d2 = SuffixDrafter(max_ngram=3, min_ngram=2, history=0)
+    assert drafts[0].tolist() == [9, 4]  # "4 2 3" went on with "9" ("2 3" alone: with 1 as often)
+    st = d.new_state(1, 64, torch.tensor([[1]]))
+    assert feed(d, st, [[1, 5, 1, 5, 1, 6, 1]], k=1)[0][0].tolist() == [5]  # "1": 5 twice, 6 once
+    d2 = SuffixDrafter(32, max_ngram=3, min_ngram=2, history=0)
     st = d2.new_state(1, 64, torch.tensor([[6]]))
     drafts, _ = feed(d2, st, [[6, 7]], k=2)
     assert drafts[0].tolist() == [7, 7]
 
 
 def test_index_rebuilt_per_generation_keeps_history_generations():
-    d = SuffixDrafter(max_ngram=2, min_ngram=2, history=1)
+    d = SuffixDrafter(32, max_ngram=2, min_ngram=2, history=1)
     st = d.new_state(1, 64, torch.tensor([[1]]))
     feed(d, st, [[1, 20, 21, 22, 23]])
     st = d.new_state(1, 64, torch.tensor([[2]]))  # generation 2: generation 1 is within history=1
@@ -59,8 +62,17 @@ def test_index_rebuilt_per_generation_keeps_history_generations():
     assert (2, 20) in d.index and (1, 20) not in d.index and (21, 22) not in d.index
 
 
+def test_sampled_drafts_come_with_the_continuation_frequencies():
+    d = SuffixDrafter(8, max_ngram=1, min_ngram=1, history=0)
+    st = d.new_state(1, 64, torch.tensor([[1]]))
+    drafts, q = feed(d, st, [[1, 5, 1, 5, 1, 6, 1]], k=2, greedy=False)
+    assert q.shape == (1, 2, 8) and torch.allclose(q.sum(-1), torch.ones(1, 2))
+    assert torch.allclose(q[0, 0], torch.tensor([0, 0, 0, 0, 0, 2 / 3, 1 / 3, 0]))  # after "1": 5, 5, 6
+    assert drafts[0, 0].item() in (5, 6) and q[0, 0, drafts[0, 0]] > 0 and q[0, 1, drafts[0, 1]] > 0
+
+
 def test_no_weights():
-    d = SuffixDrafter()
+    d = SuffixDrafter(32)
     assert d.state_dict() == {} and d.trains is False and d.follows_policy is False
     d.load_state_dict({})
     with pytest.raises(ValueError, match="suffix drafter: takes no weights"):
@@ -82,22 +94,23 @@ def test_bad_settings_one_line(override, key):
 # ---- lossless: the shared engine contract ---------------------------------------------------------------------
 
 def test_greedy_sd_equals_ar(make_engine, policy):
-    C.greedy_sd_equals_ar(make_engine, policy, SuffixDrafter(min_ngram=1), drafter_int8=False)
+    C.greedy_sd_equals_ar(make_engine, policy, SuffixDrafter(32, min_ngram=1), drafter_int8=False)
 
 
 @pytest.mark.parametrize("params", [SamplingParams(max_new_tokens=3, seed=31),
                                     SamplingParams(temperature=0.7, top_k=3, max_new_tokens=3, seed=32)],
                          ids=["T1", "T0.7_topk3"])
 def test_exact_distribution(make_engine, params):
-    """3000 copies of one prompt: siblings' text drafts (accepted and rejected both exercised); the samples match
-    the policy's exact sequence distribution, and a wrong temperature is rejected."""
+    """3000 copies of one prompt: siblings' text drafts, sampled from their continuation frequencies (accepted and
+    rejected both exercised); the samples match the policy's exact sequence distribution, and a wrong temperature
+    is rejected."""
     pol = C.tiny_vocab_policy(vocab=5)
-    C.exact_distribution(make_engine, pol, SuffixDrafter(max_ngram=3, min_ngram=1), params, n_rows=3000,
+    C.exact_distribution(make_engine, pol, SuffixDrafter(5, max_ngram=3, min_ngram=1), params, n_rows=3000,
                          wrong=SamplingParams(temperature=1.3, max_new_tokens=3), k=2, drafter_int8=False)
 
 
 def test_contract_ragged_lengths_logprobs(make_engine, policy):
-    d = SuffixDrafter(min_ngram=1)
+    d = SuffixDrafter(32, min_ngram=1)
     C.ragged_stops(make_engine, policy, d)
     C.max_new_tokens_exact(make_engine, policy, d)
     C.rows_finish_independently_at_max_position(make_engine, policy, d)
@@ -109,7 +122,7 @@ def test_contract_ragged_lengths_logprobs(make_engine, policy):
 def test_earlier_rollouts_drafted_through_the_engine(make_engine, policy):
     """A second greedy generation of the same prompts drafts the first one's text: nearly every draft is accepted,
     its mean accepted length well above the first generation's."""
-    eng = make_engine(policy, SuffixDrafter(), k=3, drafter_int8=False)
+    eng = make_engine(policy, SuffixDrafter(32), k=3, drafter_int8=False)
     params = SamplingParams(temperature=0, max_new_tokens=24)
     first = eng.generate(C.RAGGED_PROMPTS, params)
     again = eng.generate(C.RAGGED_PROMPTS, params)
