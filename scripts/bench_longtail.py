@@ -2,6 +2,7 @@
 
     python scripts/bench_longtail.py                         # 16 prompts x G=4, all drafters and modes, sweep
     python scripts/bench_longtail.py prompts=4 sweep_batches=[1,8] drafters=[eagle3]
+    python scripts/bench_longtail.py drafters=[eagle3,suffix,auto]             # + the chooser's trace in the plot
     python scripts/bench_longtail.py overrides=[engine.max_batch=16]         # recipe overrides
 
 Workload: a GRPO-style batch (prompts x G samples of the shipped task, long-tailed response lengths): the active
@@ -180,12 +181,14 @@ def main(cfg) -> dict:
               "ceiling_wall_s": ceil, "ceiling_vs_ar_pct": 100 * (1 - ceil / ar["wall_s"]),
               "rows": rows, "sweep": sweep, "config": OmegaConf.to_container(cfg),
               "trace": traces[(best["drafter"], "sd_toggle_auto")]}
+    if "auto" in cfg.drafters:  # the chooser's decisions (drafter.kind=auto): the kind each step drafted with
+        result["auto_trace"] = traces[("auto", "sd_toggle_auto")]
     print(format_table(rows, ["drafter", "mode", "wall_s", "vs_ar", "tokens_per_s", "mal", "sd_steps", "steps"]))
     print(format_table(sweep, ["batch", "ar_tps", "sd_tps", "toggle_tps", "toggle_over_best"]))
     print(f"toggle + auto k ({best['drafter']}): {result['toggle_auto_vs_ar_pct']:.1f}% below AR wall time; "
           f"ladder {ladder['wall_s']:.2f}s vs auto {best['wall_s']:.2f}s; ceiling at the sweep's speeds "
           f"{result['ceiling_vs_ar_pct']:.1f}% below AR")
-    png = plot_trace(result["trace"], str(cfg.out).replace(".json", "_trace.png"))
+    png = plot_trace(result.get("auto_trace", result["trace"]), str(cfg.out).replace(".json", "_trace.png"))
     print(f"wrote {write_json(result, cfg.out)} and {png}")
     return result
 
@@ -224,13 +227,17 @@ def plot_trace(trace: list[dict], path: str) -> str:
     import matplotlib.pyplot as plt
 
     steps = list(range(len(trace)))
-    fig, ax = plt.subplots(3, 1, figsize=(10, 6), sharex=True)
+    kinds = sorted({t["kind"] for t in trace if "kind" in t})  # drafter.kind=auto: the chooser's pick per step
+    fig, ax = plt.subplots(3 + bool(kinds), 1, figsize=(10, 6 + 2 * bool(kinds)), sharex=True)
     ax[0].plot(steps, [t["batch"] for t in trace])
     ax[0].set(ylabel="active batch", title="SD decision trace (toggle + auto k)")
     ax[1].step(steps, [int(t["on"]) for t in trace], where="post")
     ax[1].set(ylabel="SD on")
     ax[2].step(steps, [t["k"] for t in trace], where="post")
-    ax[2].set(ylabel="k", xlabel="decode step")
+    ax[2].set(ylabel="k", xlabel="" if kinds else "decode step")
+    if kinds:
+        ax[3].scatter(steps, [kinds.index(t["kind"]) for t in trace], s=8)
+        ax[3].set(yticks=range(len(kinds)), yticklabels=kinds, ylabel="chooser", xlabel="decode step")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)

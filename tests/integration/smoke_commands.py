@@ -313,6 +313,10 @@ SMOKE: list[Smoke] = [
           "repeats=1 sweep_repeats=1 sweep_min_batches=1 sweep_rows=2 max_new_tokens=16 sweep_tokens=16 "
           "threads=1 out={tmp}/l.json",
           (Json("l.json", ("ar_wall_s", "ceiling_wall_s"), ("rows", "sweep", "trace")), File("l_trace.png"))),
+    Smoke("bench_longtail_auto", "python scripts/bench_longtail.py prompts=2 group=2 sweep_batches=[1,2] "
+          "drafters=[suffix,auto] overrides=[engine.max_batch=4] repeats=1 sweep_repeats=1 sweep_min_batches=1 "
+          "sweep_rows=2 max_new_tokens=16 sweep_tokens=16 threads=1 out={tmp}/l.json",
+          (Json("l.json", ("ar_wall_s",), ("auto_trace",)), File("l_trace.png"))),
     Smoke("bench_selfquant", "python scripts/bench_selfquant.py policy=checkpoints/policy variants=[int8/ao,int4/ao] "
           "mal_prompts=2 mal_batch=2 batches=[1] repeats=1 requant_repeats=1 max_new_tokens=16 threads=1 "
           "out={tmp}/s.json",
