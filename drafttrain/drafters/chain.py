@@ -19,7 +19,7 @@ import torch
 import torch.nn as nn
 
 from drafttrain.drafters import ttt
-from drafttrain.modeling import KVCache, attend, step_mask
+from drafttrain.modeling import KVCache, Rope, attend, linear, step_mask
 from drafttrain.spec import draft_chain
 
 
@@ -27,6 +27,22 @@ class ChainDrafter(nn.Module):
     hard_targets = False  # the loss: soft cross-entropy against the policy (False) or on the rollout tokens (True)
     follows_policy = False  # trained online on the policy's hidden states
     trains = True
+
+    def _attention_inputs(self, x, pos, top: int | None = None):
+        """The layer's attention input x [B, m, X] at positions pos [B, m] (top: an upper bound of pos, if known) ->
+        q [B, Hq, m, D], k, v [B, Hkv, m, D]: layers[0].self_attn's q/k/v projections (the runtime form: one fused
+        matmul), q and k rotated in one pass."""
+        c = self.config
+        B, m, _ = x.shape
+        Hq, Hkv, D = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+        if self._fused is None:
+            a = self.layers[0].self_attn
+            qkv = torch.cat([a.q_proj(x), a.k_proj(x), a.v_proj(x)], -1)
+        else:
+            qkv = linear(x, self._fused["qkv"])
+        qk, v = qkv.view(B, m, Hq + 2 * Hkv, D).split([Hq + Hkv, Hkv], dim=2)
+        q, k = Rope.rotate(qk, self.rope.tables(pos, top)).split([Hq, Hkv], dim=2)
+        return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
 
     # ---- training: training-time test ---------------------------------------------------------------------
     def ttt_logits(self, aux: torch.Tensor, next_ids: torch.Tensor, steps: int,

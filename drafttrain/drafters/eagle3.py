@@ -178,16 +178,7 @@ class Eagle3Drafter(ChainDrafter):
                            rms_norm(hidden, L.hidden_norm, c.rms_norm_eps)], -1)  # [B, m, 2H]
         else:  # emb is normed already (_embed); hidden_norm's weight is in the qkv columns
             x = torch.cat([emb, rms_unit(hidden, self._fused["c"])], -1)
-        B, m, _ = x.shape
-        Hq, Hkv, D = c.num_attention_heads, c.num_key_value_heads, c.head_dim
-        if self._fused is None:
-            a = L.self_attn
-            qkv = torch.cat([a.q_proj(x), a.k_proj(x), a.v_proj(x)], -1)
-        else:
-            qkv = linear(x, self._fused["qkv"])
-        qk, v = qkv.view(B, m, Hq + 2 * Hkv, D).split([Hq + Hkv, Hkv], dim=2)
-        q, k = Rope.rotate(qk, self.rope.tables(pos, top)).split([Hq, Hkv], dim=2)  # q and k in one pass
-        return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), hidden
+        return (*self._attention_inputs(x, pos, top), hidden)
 
     def _post(self, o, residual):
         """attention output o [B, Hq, m, D] -> (draft logits [B, m, Vd], pre-norm hidden [B, m, H])."""

@@ -137,19 +137,9 @@ class MtpDrafter(ChainDrafter):
         return self.embed_tokens(ids) if self._fused is None else F.embedding(ids, self._fused["emb"])
 
     def _qkv(self, emb, hidden, pos, top: int | None = None):
-        c, f = self.config, self._fused
         both = torch.cat([emb, hidden], -1)  # [B, m, 2H]: vLLM EAGLE-1's order
-        x = self.fc(both) if f is None else linear(both, f["fc"])
-        B, m, _ = x.shape
-        Hq, Hkv, D = c.num_attention_heads, c.num_key_value_heads, c.head_dim
-        if f is None:
-            a = self.layers[0].self_attn
-            qkv = torch.cat([a.q_proj(x), a.k_proj(x), a.v_proj(x)], -1)
-        else:
-            qkv = linear(x, f["qkv"])
-        qk, v = qkv.view(B, m, Hq + 2 * Hkv, D).split([Hq + Hkv, Hkv], dim=2)
-        q, k = Rope.rotate(qk, self.rope.tables(pos, top)).split([Hq, Hkv], dim=2)
-        return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), x
+        x = self.fc(both) if self._fused is None else linear(both, self._fused["fc"])
+        return (*self._attention_inputs(x, pos, top), x)
 
     def _post(self, o, residual):
         c, L, f = self.config, self.layers[0], self._fused
