@@ -417,3 +417,22 @@ def learns_on_drifted_policy(make_engine, policy, drafter, steps: int = 40, k: i
     after = teacher_forced_acceptance(runtime_copy(drafter, int8=False), held, k)["mal"]
     assert sum(losses[-5:]) / 5 < 0.9 * sum(losses[:5]) / 5, losses  # the soft loss keeps the policy entropy
     assert after > before + 0.1, (before, after)
+
+
+# ---- one drafter through the checks above (the per-kind test files) -----------------------------------------------
+
+def serving_checks(make_engine, policy, drafter):
+    """Ragged stops, exact max_new_tokens, rows ending at the maximum position, log-probs of the policy's (top-k 12,
+    T 0.8), bad prompts refused: what every drafter kind must serve alike."""
+    ragged_stops(make_engine, policy, drafter)
+    max_new_tokens_exact(make_engine, policy, drafter)
+    rows_finish_independently_at_max_position(make_engine, policy, drafter)
+    logprobs_match_teacher_forced(make_engine, policy, drafter, SamplingParams(temperature=0.8, top_k=12,
+                                                                               max_new_tokens=10, seed=1))
+    bad_prompts_raise(make_engine, policy, drafter)
+
+
+def swap_checks(make_engine, policy, drafter, same_stats: bool = True):
+    """A kind with weights: versioned loads, and bad weights refused with the old version still serving."""
+    load_drafter_versioned(make_engine, policy, drafter)
+    load_drafter_refuses_bad_weights(make_engine, policy, drafter, same_stats)

@@ -110,14 +110,8 @@ def test_exact_distribution(make_engine):
 
 def test_contract_ragged_logprobs_swaps_bad_weights(make_engine, policy):
     d = perturbed(mtp(policy))
-    C.ragged_stops(make_engine, policy, d)
-    C.max_new_tokens_exact(make_engine, policy, d)
-    C.rows_finish_independently_at_max_position(make_engine, policy, d)
-    C.logprobs_match_teacher_forced(make_engine, policy, d, SamplingParams(temperature=0.8, top_k=12,
-                                                                             max_new_tokens=10, seed=1))
-    C.load_drafter_versioned(make_engine, policy, d)
-    C.load_drafter_refuses_bad_weights(make_engine, policy, d)
-    C.bad_prompts_raise(make_engine, policy, d)
+    C.serving_checks(make_engine, policy, d)
+    C.swap_checks(make_engine, policy, d)
 
 
 def test_learns_on_a_drifted_policy(make_engine, policy):

@@ -172,11 +172,7 @@ def test_exact_distribution(make_engine, vocab5, quant, backend):
 
 def test_contract_ragged_lengths_logprobs_and_swaps(make_engine, policy):
     d = SelfQuantDrafter(policy, "int8", "ao")
-    C.ragged_stops(make_engine, policy, d)
-    C.max_new_tokens_exact(make_engine, policy, d)
-    C.rows_finish_independently_at_max_position(make_engine, policy, d)
-    C.logprobs_match_teacher_forced(make_engine, policy, d, SamplingParams(temperature=0.8, top_k=12,
-                                                                             max_new_tokens=10, seed=1))
+    C.serving_checks(make_engine, policy, d)
     C.load_drafter_versioned(make_engine, policy, d)
 
 

@@ -111,12 +111,7 @@ def test_exact_distribution(make_engine, params):
 
 def test_contract_ragged_lengths_logprobs(make_engine, policy):
     d = SuffixDrafter(32, min_ngram=1)
-    C.ragged_stops(make_engine, policy, d)
-    C.max_new_tokens_exact(make_engine, policy, d)
-    C.rows_finish_independently_at_max_position(make_engine, policy, d)
-    C.bad_prompts_raise(make_engine, policy, d)
-    C.logprobs_match_teacher_forced(make_engine, policy, d, SamplingParams(temperature=0.8, top_k=12,
-                                                                             max_new_tokens=10, seed=1))
+    C.serving_checks(make_engine, policy, d)
 
 
 def test_earlier_rollouts_drafted_through_the_engine(make_engine, policy):
