@@ -436,3 +436,18 @@ def swap_checks(make_engine, policy, drafter, same_stats: bool = True):
     """A kind with weights: versioned loads, and bad weights refused with the old version still serving."""
     load_drafter_versioned(make_engine, policy, drafter)
     load_drafter_refuses_bad_weights(make_engine, policy, drafter, same_stats)
+
+
+def ttt_matches_chain(d, aux, next_ids, steps: int, want: list, tol: float) -> None:
+    """A one-layer chain drafter (chain.py): step i of its training-time test at position t (want[i][:, t]) equals
+    the chain-drafting step at t+i over a cache holding the policy-derived positions <= t."""
+    B, T = aux.shape[:2]
+    for t in range(T):
+        st = d.new_state(B, T + steps)
+        lg, h = d._cached_step(st, d._embed(next_ids[:, : t + 1]), d._fc(aux[:, : t + 1]),
+                               torch.zeros(B, dtype=torch.long))  # outputs at the last position, t
+        torch.testing.assert_close(lg, want[0][:, t], atol=tol, rtol=tol)
+        for i in range(1, steps):
+            lg, h = d._cached_step(st, d._embed(next_ids[:, t + i]).unsqueeze(1), h.unsqueeze(1),
+                                   torch.full((B,), t + i))
+            torch.testing.assert_close(lg, want[i][:, t], atol=tol, rtol=tol)

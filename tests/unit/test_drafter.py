@@ -103,16 +103,7 @@ def test_ttt_logits_match_chain_drafting(drafter):
     aux = torch.randn(B, T, len(c.aux_layer_ids) * c.hidden_size, generator=g)
     next_ids = torch.randint(0, c.vocab_size, (B, T + steps - 1), generator=g)  # next_ids[:, t] = token_{t+1}
     with torch.no_grad():
-        outs = d.ttt_logits(aux, next_ids, steps)
-        for t in range(T):
-            st = d.new_state(B, T + steps)
-            lg, h = d._cached_step(st, d.embed_tokens(next_ids[:, : t + 1]), d.fc(aux[:, : t + 1]),
-                                   torch.zeros(B, dtype=torch.long))  # outputs at the last position, t
-            torch.testing.assert_close(lg, outs[0][:, t], atol=1e-5, rtol=1e-5)
-            for i in range(1, steps):
-                lg, h = d._cached_step(st, d.embed_tokens(next_ids[:, t + i]).unsqueeze(1), h.unsqueeze(1),
-                                       torch.full((B,), t + i))
-                torch.testing.assert_close(lg, outs[i][:, t], atol=1e-5, rtol=1e-5)
+        C.ttt_matches_chain(d, aux, next_ids, steps, d.ttt_logits(aux, next_ids, steps), tol=1e-5)
 
 
 def test_ttt_loss_alignment(drafter):

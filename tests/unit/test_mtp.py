@@ -48,15 +48,7 @@ def test_ttt_logits_match_chain_drafting(policy, fused):
             d = copy.deepcopy(d).fuse_for_inference(int8=False)
             for a, b in zip(d.ttt_logits(aux, next_ids, steps), want):
                 torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
-        for t in range(T):
-            st = d.new_state(B, T + steps)
-            lg, h = d._cached_step(st, d._embed(next_ids[:, : t + 1]), d._fc(aux[:, : t + 1]),
-                                   torch.zeros(B, dtype=torch.long))
-            torch.testing.assert_close(lg, want[0][:, t], atol=1e-4, rtol=1e-4)
-            for i in range(1, steps):
-                lg, h = d._cached_step(st, d._embed(next_ids[:, t + i]).unsqueeze(1), h.unsqueeze(1),
-                                       torch.full((B,), t + i))
-                torch.testing.assert_close(lg, want[i][:, t], atol=1e-4, rtol=1e-4)
+        C.ttt_matches_chain(d, aux, next_ids, steps, want, tol=1e-4)
 
 
 def test_loss_is_cross_entropy_on_the_rollout_tokens(policy):
