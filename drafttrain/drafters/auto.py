@@ -44,6 +44,7 @@ class AutoDrafter(nn.Module):
         self.members = nn.ModuleDict(members)
         self._runtime_copy = runtime_copy  # drafters/base.py's (handed in: the registry imports this module)
         self._reads, self._blocks = union_reads(members)
+        self._cols: dict[tuple[str, int], torch.Tensor | None] = {}  # (member, hidden size) -> its aux columns
         self.current = next(iter(members))  # the member the next propose drafts with (the chooser sets it)
 
     @property
@@ -82,8 +83,11 @@ class AutoDrafter(nn.Module):
         if b is None or aux is None:
             return None
         H = aux.shape[-1] // (len(self._reads.aux_layers) + self._reads.final_hidden)
-        cols = (b.view(-1, 1) * H + torch.arange(H).view(1, -1)).flatten()
-        return aux if len(cols) == aux.shape[-1] else aux[..., cols]
+        if (kind, H) not in self._cols:  # once per member: propose runs at every decode step
+            cols = (b.view(-1, 1) * H + torch.arange(H).view(1, -1)).flatten()
+            self._cols[(kind, H)] = None if torch.equal(cols, torch.arange(aux.shape[-1])) else cols  # None: all
+        cols = self._cols[(kind, H)]
+        return aux if cols is None else aux[..., cols]
 
     @torch.no_grad()
     def propose(self, st, new_ids, aux, n_new, start, k, params, greedy_drafts, generator=None):

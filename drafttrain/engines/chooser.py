@@ -3,10 +3,10 @@
 Arms are the member kinds and "ar" (no drafting). Per power-of-two active-batch bucket, Thompson sampling over each
 arm's measured reward: a Gaussian posterior of its mean (exponentially forgetting, so a hot-swap or the policy's drift
 moves it), each arm tried min_tries times first; in a bucket where an arm has not run yet, it starts from the
-nearest bucket's estimate at the weight of one observation. The reward of a step is its measured speed-up over the modelled AR
-step at that batch, tokens / B * T(B, 1) / step time: comparable across the batches a bucket spans (raw tokens/s grows
-with B, and which arm ran while the batch was larger would decide). Every step counts, a member's catch-up on the
-positions since it last drafted included: switching has that cost.
+nearest bucket's estimate at the weight of one observation. The reward of a step is its measured speed-up over the
+modelled AR step at that batch, tokens / B * T(B, 1) / step time: comparable across the batches a bucket spans
+(raw tokens/s grows with B, and which arm ran while the batch was larger would decide). Every step counts, a
+member's catch-up on the positions since it last drafted included: switching has that cost.
 
 ChooserController sits on top of the per-kind schedule: the chosen member's own SpecController (engine.k: fixed, auto
 or ladder; engine.toggle) sets k, and may still decide on an AR step. It has SpecController's engine-facing
@@ -29,7 +29,7 @@ class Chooser:
                  noise_floor: float = 0.05):
         self.arms, self.decay, self.min_tries, self.floor = list(arms), decay, min_tries, noise_floor
         self.stats: dict[tuple[int, str], list[float]] = {}  # (bucket, arm) -> [n_eff, mean, var]
-        self.tries: dict[tuple[int, str], int] = {}
+        self.tries: dict[str, int] = dict.fromkeys(self.arms, 0)  # steps each arm was rewarded for, any bucket
         self.gen = torch.Generator().manual_seed(seed)
 
     def _posterior(self, b: int, arm: str) -> list[float]:
@@ -44,7 +44,7 @@ class Chooser:
     def pick(self, batch: int) -> str:
         b = _bucket(batch)
         for arm in self.arms:  # every arm a few times first (wherever the batch is then), in order
-            if sum(t for (_, a), t in self.tries.items() if a == arm) < self.min_tries:
+            if self.tries[arm] < self.min_tries:
                 return arm
         draws = {}
         for arm in self.arms:
@@ -55,7 +55,7 @@ class Chooser:
 
     def observe(self, batch: int, arm: str, reward: float) -> None:
         key = (_bucket(batch), arm)
-        self.tries[key] = self.tries.get(key, 0) + 1
+        self.tries[arm] += 1
         if key not in self.stats:
             self.stats[key] = [1.0, reward, 0.0]
             return
