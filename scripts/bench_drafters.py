@@ -12,8 +12,9 @@ Per kind (eagle3, mtp and draft_model from their shipped checkpoints in checkpoi
   of fresh rollouts, per RL step.
 Long tail: the GRPO batch's wall time with SD + toggle + auto k for each kind and for drafter.kind=auto over every
 member kind, and AR's, interleaved over `repeats` sampling seeds (bench_longtail's method) after `warmup` batches
-each (a running job's engine has seen the earlier steps' batches: the schedule and the chooser have learnt); auto_over_best = auto's
-mean wall time over the best single kind's; suffix_speedup_over_ar = AR's over the suffix drafter's.
+each (a running job's engine has seen the earlier steps' batches: the schedule and the chooser have learnt);
+auto_over_best = auto's mean wall time over the best single kind's; suffix_speedup_over_ar = AR's over the suffix
+drafter's.
 Tracking (tracking=true): the main job's default run for each trainable kind (its recipe, `track_steps` RL steps;
 null = the recipe's; track_overrides: more recipe keys), and live over frozen teacher-forced MAL over the run's last
 quarter.

@@ -27,7 +27,7 @@ def tiny_policy(vocab=32, hidden=64, layers=4, heads=4, kv_heads=2, inter=128, m
 def set_drafter_keys(cfg, **kw):
     """Set drafter settings on a DrafterConfig: a kind's own key (aux_layer_ids, quant, ...) in its section."""
     for k, v in kw.items():
-        section = next((s for s in ("eagle3", "selfquant", "suffix", "draft_model", "mtp", "auto") if k in cfg[s]), None)
+        section = next((s for s in cfg if OmegaConf.is_dict(cfg[s]) and k in cfg[s]), None)  # drafter.<kind>
         setattr(cfg[section] if section else cfg, k, v)
     return cfg
 
