@@ -144,19 +144,21 @@ def banked_tracker(trained, monkeypatch, clock, *overrides):
 
 def kill_at_checkpoint(cmd: list[str], env: dict, latest, step: int, timeout_s: float, group: bool = False) -> None:
     """Start the main job and SIGKILL it once its checkpoint pointer `latest` reaches `step`; fails if it ended
-    first. group: the job runs in a session of its own and the whole process group is killed at once (a launcher
-    and its workers, as a node failure would)."""
+    first. group: the job is a launcher with workers (accelerate launch), all of which are killed at once and
+    checked gone."""
     import contextlib
     import os
     import signal
     import subprocess
     import time
 
+    import psutil
+
     from drafttrain.config import PROJECT_ROOT
 
     proc = subprocess.Popen(cmd, cwd=PROJECT_ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             start_new_session=group)
-    kill = (lambda: os.killpg(proc.pid, signal.SIGKILL)) if group else proc.kill
+    tree: list[psutil.Process] = []
     try:
         deadline = time.time() + timeout_s
         while time.time() < deadline and proc.poll() is None:
@@ -164,7 +166,12 @@ def kill_at_checkpoint(cmd: list[str], env: dict, latest, step: int, timeout_s: 
                 break
             time.sleep(0.02)
         assert proc.poll() is None, "the job ended before it was killed"
+        if group:  # torchrun starts each worker in a session of its own: a kill of the group alone leaves them running
+            tree = psutil.Process(proc.pid).children(recursive=True)
     finally:
-        with contextlib.suppress(ProcessLookupError):
-            kill()
+        for pid in [proc.pid, *(p.pid for p in tree)]:  # all at once, as a node failure would
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
         proc.wait()
+        _, alive = psutil.wait_procs(tree, timeout=10)
+        assert not alive, f"still running after the kill: {alive}"
