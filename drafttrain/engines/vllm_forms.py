@@ -62,4 +62,30 @@ class SelfQuantForm:
         return vllm_tensors(template)
 
 
-EAGLE3, SELFQUANT = Eagle3Form(), SelfQuantForm()
+class DraftModelForm:
+    """A draft model (drafter.kind=draft_model) as vLLM's `draft_model`: its HF folder as it is (fp32, the policy's
+    tokenizer; vLLM shares neither embeddings nor LM head with the target for this method), and a swap is its HF
+    state dict, pushed whole."""
+    method = "draft_model"
+
+    def write(self, drafter, policy_dir: Path, out: Path, k: int, target) -> Path:
+        from drafttrain.drafters import draft_model
+
+        check_finite(drafter.state_dict())
+        V = drafter.model.config.vocab_size
+        if V != int(target["vocab_size"]):
+            raise ValueError(f"drafter: a draft model over {V} tokens; the policy has {target['vocab_size']}")
+        return draft_model.save(drafter, out, verifier=policy_dir, k=k)
+
+    def template(self, drafter):
+        return copy.deepcopy(drafter).eval().requires_grad_(False)
+
+    def accept(self, template, weights: dict) -> dict:
+        template.load_state_dict(weights)  # names, shapes, finiteness checked before writing (one-line error)
+        return self.tensors(template)
+
+    def tensors(self, template) -> dict:
+        return {n: t.detach().to("cpu", copy=True).contiguous() for n, t in template.state_dict().items()}
+
+
+EAGLE3, SELFQUANT, DRAFT_MODEL = Eagle3Form(), SelfQuantForm(), DraftModelForm()

@@ -69,7 +69,7 @@ def read_back(engine, weights: dict, draft: bool, what: str) -> None:
     CPU) and compare with the same probe of the sent tensor; ValueError naming the first tensor that differs."""
     groups: dict[str, list[tuple[int, str]]] = {}
     eagle = draft and engine._method == "eagle3"  # a draft_model uses the policy's own names
-    asym = draft and not eagle and engine._template.quant == "int4"  # vLLM's W4A8 kernel: see vllm_worker.probe
+    asym = draft and not eagle and getattr(engine._template, "quant", None) == "int4"  # vLLM's W4A8 kernel: see vllm_worker.probe
     for name in weights:
         base = weights.get(name[:-len("_scale")]) if name.endswith(".weight_scale") else None
         if base is not None and base.dtype == torch.int8:

@@ -278,6 +278,7 @@ SMOKE: list[Smoke] = [
     _main_job("one_process_config", "accelerate launch --config_file recipes/accelerate/one_process.yaml "
               "drafttrain/online.py", "recipe=eagle3_track"),
     _main_job("vllm_engine", MAIN, "recipe=eagle3_track engine.kind=vllm", vllm=True),
+    _main_job("vllm_draft_model", MAIN, "recipe=draft_model_track engine.kind=vllm", vllm=True),
     # the final behaviour of the main job's --help (usage naming recipe= and the config sections)
     Smoke("help", "python -m drafttrain.online --help", (Prints(("recipe=", "rl.steps", "engine.kind")),), slow=False),
     Smoke("help_under_accelerate", "accelerate launch drafttrain/online.py --help",

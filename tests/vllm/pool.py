@@ -94,6 +94,11 @@ class EnginePool:
 
 
 def C_dict(drafter) -> dict:
-    from dataclasses import asdict
+    """What makes two drafters need different engines: the kind, and its config (EAGLE-3) or its tensors' shapes."""
+    from dataclasses import asdict, is_dataclass
 
-    return {k: (tuple(v) if isinstance(v, list) else v) for k, v in asdict(drafter.config).items()}
+    if is_dataclass(getattr(drafter, "config", None)):
+        conf = {k: (tuple(v) if isinstance(v, list) else v) for k, v in asdict(drafter.config).items()}
+    else:
+        conf = {n: tuple(t.shape) for n, t in drafter.state_dict().items()}
+    return {"kind": drafter.kind, **conf}
