@@ -89,43 +89,56 @@ class SuffixDrafter(nn.Module):
         self.texts.append(rows)
         return SuffixState(rows)
 
+    def extend(self, text: list[int], new: list[int]) -> None:
+        """Append a row's new committed tokens to its text and index them."""
+        old = len(text)
+        text.extend(new)
+        self._add(text, max(old - 1, 0), len(text) - 1)  # the previous newest position's next token is known
+
+    def draft(self, text: list[int], k: int, u: list[float] | None) -> tuple[list[int], list[dict[int, float]]]:
+        """k drafts after text from the continuation counts, each sampled at u[i] (None: the most frequent one),
+        and their draft distributions (one-hot where nothing matched)."""
+        ctx, row, qs = text[-self.max_ngram:], [], []
+        for i in range(k):
+            c = self.continuations(ctx)
+            if c is None:
+                d = ctx[-1] if ctx else 0
+                q = {d: 1.0}
+            elif u is None:  # the most frequent; ties to the lowest id (not the order rows were indexed in)
+                d = max(c.items(), key=lambda tc: (tc[1], -tc[0]))[0]
+                q = {d: 1.0}
+            else:
+                tot, acc, d = sum(c.values()), 0.0, None
+                q = {t: v / tot for t, v in c.items()}
+                for t, p in q.items():  # inverse CDF of the draw u
+                    acc += p
+                    if d is None and u[i] < acc:
+                        d = t
+                d = t if d is None else d  # u at the top of the last bin's rounding
+            row.append(d)
+            qs.append(q)
+            ctx = ctx[1:] + [d] if len(ctx) >= self.max_ngram else ctx + [d]
+        return row, qs
+
     @torch.no_grad()
     def propose(self, st, new_ids, aux, n_new, start, k, params, greedy_drafts, generator=None):
-        """Append each row's n_new[b] new tokens (positions start[b]+1 ..) to its text and index them, then draft k
-        tokens per row from the continuation counts. Returns (drafts [B, k], q [B, k, V]; None with greedy drafts:
-        one-hot)."""
+        """Append each row's n_new[b] new tokens (positions start[b]+1 ..) to its text and index them, every row's
+        before any drafts (so no row's drafts depend on the batch's order), then draft k tokens per row from the
+        continuation counts. Returns (drafts [B, k], q [B, k, V]; None with greedy drafts: one-hot)."""
         ids, n, s = new_ids.tolist(), n_new.tolist(), start.tolist()
         B = len(st.rows)
-        u = None if greedy_drafts else torch.rand(B, k, generator=generator).tolist()
-        drafts, entries = [], []  # entries: (row, step, token, q) of the draft distributions
         for j, text in enumerate(st.rows):
             at = s[j] + 1
             if at != len(text):  # only a synthetic timing call re-writes positions (measure_costs)
                 del text[min(at, len(text)):]
                 text.extend([0] * (at - len(text)))
-            old = len(text)
-            text.extend(ids[j][:n[j]])
-            self._add(text, max(old - 1, 0), len(text) - 1)  # the previous newest position's next token is known
-            ctx, row = text[-self.max_ngram:], []
-            for i in range(k):
-                c = self.continuations(ctx)
-                if c is None:
-                    d, q = ctx[-1] if ctx else 0, {ctx[-1] if ctx else 0: 1.0}
-                elif greedy_drafts:
-                    d = max(c, key=c.get)
-                else:
-                    tot, acc, d = sum(c.values()), 0.0, None
-                    q = {t: v / tot for t, v in c.items()}
-                    for t, p in q.items():  # inverse CDF of the draw u
-                        acc += p
-                        if d is None and u[j][i] < acc:
-                            d = t
-                    d = t if d is None else d  # u at the top of the last bin's rounding
-                row.append(d)
-                if not greedy_drafts:
-                    entries.extend((j, i, t, p) for t, p in q.items())
-                ctx = ctx[1:] + [d] if len(ctx) >= self.max_ngram else ctx + [d]
+            self.extend(text, ids[j][:n[j]])
+        u = None if greedy_drafts else torch.rand(B, k, generator=generator).tolist()
+        drafts, entries = [], []  # entries: (row, step, token, q) of the draft distributions
+        for j, text in enumerate(st.rows):
+            row, qs = self.draft(text, k, None if u is None else u[j])
             drafts.append(row)
+            entries.extend((j, i, t, p) for i, q in enumerate(qs) for t, p in q.items())
         d = torch.tensor(drafts, dtype=torch.long).view(B, k)
         if greedy_drafts:
             return d, None

@@ -51,6 +51,21 @@ def test_longest_suffix_wins_and_no_match_repeats_the_last_token():
     assert drafts[0].tolist() == [7, 7]
 
 
+def test_drafts_do_not_depend_on_the_order_of_rows():
+    """Every row's new tokens are indexed before any row drafts, and ties go to the lowest id: the batch's order
+    (the embedded engine's, or vLLM's, which differ) changes no draft. Before, the first row drafted without its
+    later sibling's text and a tie went to the continuation indexed first."""
+    rows = [[1, 2, 7, 8], [1, 2, 7, 9, 5], [1, 2, 7]]
+    got = []
+    for order in ([0, 1, 2], [2, 1, 0], [1, 2, 0]):
+        d = SuffixDrafter(32, max_ngram=3, min_ngram=2, history=0)
+        st = d.new_state(3, 64, torch.tensor([[1]] * 3))
+        drafts, _ = feed(d, st, [rows[i] for i in order], k=2)
+        got.append({i: drafts[j].tolist() for j, i in enumerate(order)})
+    assert got[0] == got[1] == got[2]
+    assert got[0][2] == [8, 8]  # "2 7": 8 and 9 once each, the lower id wins; then "7 8" matches nothing ("8" repeats)
+
+
 def test_index_rebuilt_per_generation_keeps_history_generations():
     d = SuffixDrafter(32, max_ngram=2, min_ngram=2, history=1)
     st = d.new_state(1, 64, torch.tensor([[1]]))
