@@ -74,6 +74,12 @@ class AutoDrafter(nn.Module):
             self.members[kind] = self._runtime_copy(self.members[kind], int8, owned=True)
         return self
 
+    def bind_policy(self, policy) -> None:
+        """Members that read the policy's weights (an MTP head's LM head) read `policy`'s."""
+        for m in self.members.values():
+            if hasattr(m, "bind_policy"):
+                m.bind_policy(policy)
+
     # ---- the engine's calls -------------------------------------------------------------------------------------
     def new_state(self, batch: int, max_len: int, prompts: torch.Tensor | None = None) -> "AutoState":
         return AutoState({k: m.new_state(batch, max_len, prompts) for k, m in self.members.items()})

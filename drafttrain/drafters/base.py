@@ -86,10 +86,10 @@ def _save_eagle3(d, path, **kw):
 DRAFTERS: dict[str, DrafterKind] = {
     "eagle3": DrafterKind(_fresh_eagle3, _load_eagle3, "drafttrain.engines.vllm_forms:EAGLE3", _save_eagle3),
     "selfquant": DrafterKind(selfquant.from_config, None, "drafttrain.engines.vllm_forms:SELFQUANT"),
-    "suffix": DrafterKind(suffix.from_config),
+    "suffix": DrafterKind(suffix.from_config, None, "drafttrain.engines.vllm_forms:SUFFIX"),
     "draft_model": DrafterKind(draft_model.fresh, draft_model.load, "drafttrain.engines.vllm_forms:DRAFT_MODEL",
                                draft_model.save),
-    "mtp": DrafterKind(mtp.fresh, mtp.load, save=mtp.save),
+    "mtp": DrafterKind(mtp.fresh, mtp.load, "drafttrain.engines.vllm_forms:MTP", mtp.save),
     "auto": DrafterKind(_build_auto),
 }
 

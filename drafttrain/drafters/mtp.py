@@ -5,19 +5,21 @@ heads detached from the backbone: the captured states carry no gradient into the
 The module, at position t: x = fc([emb(token_{t+1}); h_t]), one Llama decoder block over x (attention without an
 input norm, then post-attention norm and MLP), out = the block's output, logits = lm_head(out) predicting
 token_{t+2}. h_t is the policy's final hidden state after its final norm (so DeepSeek's hnorm is that norm), emb is
-a frozen copy of the policy's embeddings already RMS-normed (DeepSeek's enorm, unit weight, folded into the table).
+a frozen copy of the policy's embeddings already RMS-normed (DeepSeek's enorm, unit weight, folded into the table),
+lm_head is the policy's own, shared as DeepSeek shares it: read live from the policy the head is bound to (never a
+copy, never trained here, not in the drafter's weights), so it is always the current policy's in both engines.
 Drafting chains the one module: step i feeds out_{i-1} as the next position's h (DeepSeek's module j takes module
 j-1's output; vLLM reuses one MTP layer for every step the same way).
 
 Why this form: it is exactly what vLLM's `eagle` (EAGLE-1) path computes for a Llama target (EagleLlamaForCausalLM:
 fc over [embedding; target hidden], decoder layer 0 with its input norm removed, output = hidden + residual, own
-embed_tokens and lm_head where the checkpoint has them, no final norm), so the heads can be served there without
-approximation. DeepSeek's final norm before the shared head is the one piece that form lacks; the lm_head is a
-trainable copy of the policy's instead (copied, then learned).
+its own embed_tokens where the checkpoint has one, the target's lm_head, no final norm), so the heads are served
+there without approximation. DeepSeek's final norm before the shared head is the one piece that form lacks (the
+block learns to feed the head without it).
 
 A fresh head: fc = [0 | I] (x = h_t), the block's output projections zero (the block starts as the identity), the
-policy's LM head: it starts by drafting the policy's own next-token distribution one position late, and learns.
-Weights: vLLM EAGLE-1 names (embed_tokens.weight, fc.weight, layers.0.*, lm_head.weight); saved with `save` below.
+shared head: it starts by drafting the policy's own next-token distribution one position late, and learns.
+Weights: vLLM EAGLE-1 names (embed_tokens.weight, fc.weight, layers.0.*); saved with `save` below.
 """
 from __future__ import annotations
 
@@ -84,12 +86,29 @@ class _Block(nn.Module):
         self.mlp.down_proj = nn.Linear(I, H, bias=False)
 
 
+class PolicyHead:
+    """The LM head of the policy an MTP head is bound to, read at each use. A copy of the drafter (the engine's
+    runtime, a staged swap) gets its own binding to the same policy, which the engine may rebind to its own."""
+
+    def __init__(self, policy=None):
+        self.policy = policy
+
+    def __deepcopy__(self, memo):
+        return PolicyHead(self.policy)
+
+    def weight(self) -> torch.Tensor:
+        if self.policy is None:
+            raise ValueError("MTP head: not bound to a policy (its LM head is the policy's): build it with "
+                             "drafters.build_drafter(cfg, policy), or call bind_policy(policy)")
+        return self.policy.get_output_embeddings().weight.detach().float()
+
+
 class MtpDrafter(ChainDrafter):
     kind = KIND
     hard_targets = True  # cross-entropy on the rollout tokens
     reads = Reads(final_hidden=True)
 
-    def __init__(self, c: MtpConfig):
+    def __init__(self, c: MtpConfig, policy=None):
         super().__init__()
         self.config = c
         H, V = c.hidden_size, c.vocab_size
@@ -97,9 +116,13 @@ class MtpDrafter(ChainDrafter):
         self.embed_tokens.weight.requires_grad_(False)
         self.fc = nn.Linear(2 * H, H, bias=False)
         self.layers = nn.ModuleList([_Block(c)])
-        self.lm_head = nn.Linear(H, V, bias=False)
+        self.lm_head = PolicyHead(policy)  # the policy's, shared (not a parameter of the drafter)
         self.rope = Rope.from_theta(c.head_dim, c.rope_theta, c.max_position_embeddings)
         self._fused: dict | None = None
+
+    def bind_policy(self, policy) -> None:
+        """Draft with `policy`'s LM head from now on (an engine binds its own copy to the policy it serves)."""
+        self.lm_head.policy = policy
 
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
         check_tensors(self.state_dict(), state_dict, hint="an MTP head of another size or vocabulary?")
@@ -126,7 +149,7 @@ class MtpDrafter(ChainDrafter):
                        "qkv": make(a.q_proj.weight, a.k_proj.weight, a.v_proj.weight), "o": make(a.o_proj.weight),
                        "gate_up": make(mlp.gate_proj.weight, mlp.up_proj.weight,
                                        norm=L.post_attention_layernorm.weight),
-                       "down": make(mlp.down_proj.weight), "lm_head": make(self.lm_head.weight)}
+                       "down": make(mlp.down_proj.weight)}
         return self
 
     # ---- the chain's pieces (chain.py) ------------------------------------------------------------------------
@@ -149,11 +172,11 @@ class MtpDrafter(ChainDrafter):
             h = L.self_attn.o_proj(o) + residual
             g = rms_norm(h, L.post_attention_layernorm.weight, c.rms_norm_eps)
             out = L.mlp.down_proj(F.silu(L.mlp.gate_proj(g)) * L.mlp.up_proj(g)) + h
-            return self.lm_head(out), out
+            return F.linear(out, self.lm_head.weight()), out
         h = linear(o, f["o"]) + residual
         g, u = linear(rms_unit(h, f["c"]), f["gate_up"]).chunk(2, dim=-1)  # the norm's weight is in gate|up
         out = linear(F.silu(g) * u, f["down"]) + h
-        return linear(out, f["lm_head"]), out
+        return F.linear(out, self.lm_head.weight()), out  # the policy's current head
 
 
 # ---- registry entries: fresh, load, save ----------------------------------------------------------------------------
@@ -171,14 +194,13 @@ def config_from_policy(pc, intermediate_size=None) -> MtpConfig:
 @torch.no_grad()
 def fresh(cfg, policy) -> MtpDrafter:
     c = config_from_policy(policy.config, cfg.mtp.intermediate_size)
-    d = MtpDrafter(c)
+    d = MtpDrafter(c, policy)
     H = c.hidden_size
     d.embed_tokens.weight.copy_(rms_norm(policy.get_input_embeddings().weight.float(), None, c.rms_norm_eps))
     d.fc.weight.zero_()
     d.fc.weight[:, H:].copy_(torch.eye(H))  # x = h_t
     d.layers[0].self_attn.o_proj.weight.zero_()  # the block starts as the identity
     d.layers[0].mlp.down_proj.weight.zero_()
-    d.lm_head.weight.copy_(policy.get_output_embeddings().weight.float())
     return d
 
 
@@ -201,8 +223,13 @@ def load(cfg, policy) -> MtpDrafter:
     if cfg.mtp.intermediate_size is not None and cfg.mtp.intermediate_size != c.intermediate_size:
         raise ValueError(f"drafter.mtp.intermediate_size: {cfg.mtp.intermediate_size} differs from the checkpoint "
                          f"{cfg.path}'s {c.intermediate_size} (set it to null to use the checkpoint's)")
-    d = MtpDrafter(c)
-    d.load_state_dict(read_weights(path / "model.safetensors"))
+    weights = read_weights(path / "model.safetensors")
+    if "lm_head.weight" in weights:
+        raise ValueError(f"drafter.path: {cfg.path} is an MTP head with an LM head of its own; the head shares the "
+                         f"policy's (vLLM's EAGLE-1 form has none): retrain it with scripts/pretrain_drafter.py "
+                         f"drafter.kind=mtp")
+    d = MtpDrafter(c, policy)
+    d.load_state_dict(weights)
     return d
 
 

@@ -60,6 +60,8 @@ class TorchEngine:
     def _runtime(self, drafter, owned: bool = False):
         """The inference copy of `drafter` (runtime_copy), with its in-use lock."""
         rt = runtime_copy(drafter, self.cfg.drafter_int8, owned)
+        if hasattr(rt, "bind_policy"):  # it reads the policy's own weights (an MTP head's LM head): this engine's
+            rt.bind_policy(self.policy)
         self._in_use[id(rt)] = threading.Lock()
         return rt
 
@@ -125,6 +127,9 @@ class TorchEngine:
                 check_compatible(self._template, policy)
             self.policy = policy
             self.lean = LeanLlama(policy, self.cfg.max_len)
+            for rt in (self.drafter, self._standby):
+                if hasattr(rt, "bind_policy"):
+                    rt.bind_policy(policy)
         else:
             self.lean.refresh()
 

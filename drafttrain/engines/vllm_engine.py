@@ -113,6 +113,8 @@ class VllmEngine:
             self._finalizer.detach()
             self._finalizer = weakref.finalize(self, shutdown, self._llm, self._tmp, self._procs)
             self.worker_info = self._rpc("dt_setup", os.getpid(), str(self._tmp))
+            if hasattr(self._form, "started"):
+                self._form.started(self, self._template)
             try:  # some failures (an unsupported head size on CPU, say) only surface at the first step
                 self.generate([[0]], SamplingParams(temperature=0, max_new_tokens=2))
             except Exception as e:
@@ -122,9 +124,10 @@ class VllmEngine:
             if drafter_dir is not None:
                 sd = self._vllm_form()
                 served = self._drafter_tensors(sd)
-                read_back(self, served, draft=True, what="drafter")  # what vLLM loaded from the folder
+                if served:  # what vLLM loaded from the folder (a suffix drafter has no weights)
+                    read_back(self, served, draft=True, what="drafter")
                 self._served, self._version = {n: t.clone() for n, t in served.items()}, 0
-                self._fixed = {n: sd[n].clone() for n in self.worker_info["drafter_shared"]}
+                self._fixed = {n: sd[n].clone() for n in self.worker_info["drafter_shared"] if n in sd}
         except BaseException:
             self.close()
             raise
@@ -209,18 +212,20 @@ class VllmEngine:
         t0 = time.perf_counter()
         shared = set(self.worker_info["drafter_shared"])
         weights = self._form.accept(self._template, weights)  # validated (one-line error), in the worker's form
-        if "lm_head.weight" in shared and not torch.equal(weights["lm_head.weight"], self._fixed["lm_head.weight"]):
+        if "lm_head.weight" in self._fixed and not torch.equal(weights["lm_head.weight"],
+                                                              self._fixed["lm_head.weight"]):
             raise ValueError("load_drafter: lm_head.weight is shared with the policy in this vLLM engine (they were "
                              "identical at start-up), so it cannot change; start the engine with a distinct lm_head")
         if not self.worker_info["drafter_has_d2t"] and weights.get("d2t", torch.zeros(1)).any():
             raise ValueError("load_drafter: d2t is non-zero but the served drafter covers the whole vocabulary")
         push = self._drafter_tensors(weights)
-        self._push(push, draft=True)
-        try:
-            read_back(self, push, draft=True, what="load_drafter")
-        except ValueError:  # the worker may hold a mix now: put the served weights back
-            self._push(self._served, draft=True)
-            raise
+        if push:  # a drafter with no weights (the suffix drafter) swaps its version only
+            self._push(push, draft=True)
+            try:
+                read_back(self, push, draft=True, what="load_drafter")
+            except ValueError:  # the worker may hold a mix now: put the served weights back
+                self._push(self._served, draft=True)
+                raise
         # a copy: the caller may keep training its tensors in place, and a failed swap restores these
         self._served = {n: t.detach().to("cpu", copy=True) for n, t in push.items()}
         self._version = version
@@ -317,6 +322,8 @@ class VllmEngine:
             spec = speculative and self._template is not None
             if self._template is not None:
                 self._set_drafting(spec)
+            if spec and hasattr(self._form, "before_generate"):
+                self._form.before_generate(self)
             version = self._version
             ids: dict[str, int] = {}
             pending: set[str] = set()

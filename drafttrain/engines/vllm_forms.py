@@ -5,6 +5,7 @@
     form.template(drafter)                       the engine's own copy: the shape every later swap must have
     form.accept(template, weights) -> tensors    a swap's weights, validated, in the form the worker holds
     form.tensors(template)                       the template's weights in that form
+    form.started(engine, template), form.before_generate(engine)   optional: set-up after start, before a generation
 """
 from __future__ import annotations
 
@@ -88,4 +89,64 @@ class DraftModelForm:
         return {n: t.detach().to("cpu", copy=True).contiguous() for n, t in template.state_dict().items()}
 
 
-EAGLE3, SELFQUANT, DRAFT_MODEL = Eagle3Form(), SelfQuantForm(), DraftModelForm()
+class MtpForm:
+    """An MTP head (drafter.kind=mtp) as vLLM's `eagle` (EAGLE-1) head for a Llama target, the form drafters/mtp.py
+    computes: its folder as saved. No lm_head in it: vLLM's EAGLE-1 Llama draws with the target's, which is what the
+    head shares in the embedded engine too (the policy's current one). Its own embed_tokens (the normed copy) differ
+    from the target's, so vLLM keeps them. Chosen over `medusa` (no embedding input, no recurrence over steps) and
+    `mlp_speculator` (no attention block): only EAGLE-1 runs the module as it is."""
+    method = "eagle"
+
+    def write(self, drafter, policy_dir: Path, out: Path, k: int, target) -> Path:
+        from drafttrain.drafters import mtp
+
+        check_finite(drafter.state_dict())
+        c = drafter.config
+        for key in ("hidden_size", "vocab_size"):
+            if getattr(c, key) != int(target[key]):
+                raise ValueError(f"drafter: an MTP head with {key} {getattr(c, key)}; the policy has {target[key]}")
+        return mtp.save(drafter, out, verifier=policy_dir, k=k)
+
+    def template(self, drafter):
+        return copy.deepcopy(drafter).eval().requires_grad_(False)
+
+    def accept(self, template, weights: dict) -> dict:
+        template.load_state_dict(weights)  # names, shapes, finiteness checked before writing (one-line error)
+        return self.tensors(template)
+
+    def tensors(self, template) -> dict:
+        return {n: t.detach().to("cpu", copy=True).contiguous() for n, t in template.state_dict().items()}
+
+
+class SuffixForm:
+    """The suffix drafter as vLLM's `custom_class` proposer (vllm_suffix.py says why that method): vLLM builds it
+    in its worker from its import path; this form configures it at start and starts a generation per generate() call.
+    No weights: a swap carries none."""
+    method = "custom_class"
+    PROPOSER = "drafttrain.engines.vllm_suffix.SuffixProposer"
+
+    def write(self, drafter, policy_dir: Path, out: Path, k: int, target) -> str:
+        if drafter.vocab_size != int(target["vocab_size"]):
+            raise ValueError(f"drafter: a suffix drafter over {drafter.vocab_size} tokens; the policy has "
+                             f"{target['vocab_size']}")
+        return self.PROPOSER
+
+    def template(self, drafter):
+        return drafter
+
+    def accept(self, template, weights: dict) -> dict:
+        template.load_state_dict(weights)  # none: a one-line error names the first one given
+        return {}
+
+    def tensors(self, template) -> dict:
+        return {}
+
+    def started(self, engine, template) -> None:
+        engine._rpc("dt_drafter_call", "configure", template.vocab_size, template.max_ngram, template.min_ngram,
+                    template.history)
+
+    def before_generate(self, engine) -> None:
+        engine._rpc("dt_drafter_call", "new_generation")
+
+
+EAGLE3, SELFQUANT, DRAFT_MODEL, MTP, SUFFIX = Eagle3Form(), SelfQuantForm(), DraftModelForm(), MtpForm(), SuffixForm()

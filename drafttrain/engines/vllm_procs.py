@@ -1,7 +1,7 @@
 """The vLLM engine's processes: vLLM runs its engine core and worker in spawned processes. close() (also the
-context manager, garbage collection and interpreter exit) shuts them down and reaps them; a failed start cleans up as well; if
-the owning process dies without closing (SIGKILL), a watchdog thread in the worker takes the engine down within
-a second. Scripts that build an engine need an `if __name__ == "__main__":` guard.
+context manager, garbage collection and interpreter exit) shuts them down and reaps them; a failed start cleans up
+as well; if the owning process dies without closing (SIGKILL), a watchdog thread in the worker takes the engine
+down within a second. Scripts that build an engine need an `if __name__ == "__main__":` guard.
 """
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 process, loaded there by vLLM itself (parallel_config.worker_extension_cls names DrafttrainWorkerExtension; the
 import registers the weight transport). Nothing here is called directly by the trainer process.
 
-    DrafttrainWorkerExtension   collective_rpc methods: dt_setup, dt_probe, dt_zero_kv_cache, dt_set_drafting
+    DrafttrainWorkerExtension   collective_rpc methods: dt_setup, dt_probe, dt_zero_kv_cache, dt_set_drafting, dt_drafter_call
     InlineWeightTransferEngine  backend "drafttrain_inline" for vLLM's native start/update/finish weight update
     probe(t, scale)             the read-back probe, computed the same way on both sides
 Importing it also installs the vLLM-CPU workaround that must precede model load (vllm_cpu.guard_cpu_int8_kernel).
@@ -102,6 +102,9 @@ class DrafttrainWorkerExtension:
         # unloaded; vLLM restores them and logs "Failed to load weights" each time. The read-back checks instead.
         logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").setLevel(logging.ERROR)
         guard_cpu_top_k()
+        proposer = getattr(self.model_runner, "drafter", None)
+        if hasattr(proposer, "bind_runner"):  # drafttrain's custom_class proposer (vllm_suffix.py) reads the batch
+            proposer.bind_runner(self.model_runner)
         draft, target = self.get_draft_model(), self.get_model()
         info["int8_fp32_gemm"] = any(hasattr(getattr(getattr(m, "scheme", None), "kernel", None), "dt_weight_fp32")
                                      for model in (draft, target) if model is not None for m in model.modules())
@@ -147,6 +150,10 @@ class DrafttrainWorkerExtension:
         return pack(out)
 
     @torch.no_grad()
+    def dt_drafter_call(self, method: str, *args):
+        """Call a method of drafttrain's own custom_class proposer (vllm_suffix.SuffixProposer) in this worker."""
+        return getattr(self.model_runner.drafter, method)(*args)
+
     def dt_zero_kv_cache(self) -> None:
         """Zero every KV-cache block: NaN/inf values left by a broken policy would otherwise leak into later
         requests that reuse the blocks (masked-out slots still meet 0 * NaN)."""

@@ -279,6 +279,8 @@ SMOKE: list[Smoke] = [
               "drafttrain/online.py", "recipe=eagle3_track"),
     _main_job("vllm_engine", MAIN, "recipe=eagle3_track engine.kind=vllm", vllm=True),
     _main_job("vllm_draft_model", MAIN, "recipe=draft_model_track engine.kind=vllm", vllm=True),
+    _main_job("vllm_mtp", MAIN, "recipe=mtp_track engine.kind=vllm", vllm=True),
+    _main_job("vllm_suffix", MAIN, "recipe=suffix_track engine.kind=vllm engine.k=4", trainer=False, vllm=True),
     # the final behaviour of the main job's --help (usage naming recipe= and the config sections)
     Smoke("help", "python -m drafttrain.online --help", (Prints(("recipe=", "rl.steps", "engine.kind")),), slow=False),
     Smoke("help_under_accelerate", "accelerate launch drafttrain/online.py --help",

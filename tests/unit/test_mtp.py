@@ -8,10 +8,12 @@ import json
 
 import pytest
 import torch
+from safetensors.torch import save_file
 
 from drafttrain.config import Config, ConfigError, load_recipe
 from drafttrain.drafters import build_drafter
 from drafttrain.drafters.mtp import MtpDrafter, save
+from drafttrain.export import read_weights
 from drafttrain.modeling import LeanLlama
 from drafttrain.spec import SamplingParams
 from tests import contract as C
@@ -134,6 +136,39 @@ def test_save_load_round_trip_as_a_vllm_eagle1_folder(policy, tmp_path):
     cfg.mtp.intermediate_size = 7
     with pytest.raises(ValueError, match=r"drafter\.mtp\.intermediate_size: 7 differs"):
         build_drafter(cfg, policy)
+    cfg.mtp.intermediate_size = None  # a head saved with an LM head of its own (before it shared the policy's)
+    w = read_weights(tmp_path / "m" / "model.safetensors")
+    head = torch.zeros(policy.config.vocab_size, 64)
+    save_file({**w, "lm_head.weight": head}, str(tmp_path / "m" / "model.safetensors"))
+    with pytest.raises(ValueError, match=r"drafter\.path: .* an LM head of its own; the head shares the policy's") as e:
+        build_drafter(cfg, policy)
+    assert "\n" not in str(e.value)
+
+
+def test_lm_head_is_the_current_policys(make_engine):
+    """No LM head of its own: it drafts with the policy's, read live; an engine's copy reads the engine's policy, and
+    follows an in-place update and a new policy object."""
+    pol, other = tiny_policy(seed=2), tiny_policy(seed=3)
+    d = mtp(pol)
+    assert not [n for n in d.state_dict() if "lm_head" in n]
+    eng = make_engine(other, d)
+    rt = eng.drafter
+    assert rt.lm_head.policy is other and d.lm_head.policy is pol
+    c = d.config
+    g = torch.Generator().manual_seed(0)
+    aux, ids = torch.randn(2, 5, c.hidden_size, generator=g), torch.randint(0, c.vocab_size, (2, 6), generator=g)
+    before = rt.ttt_logits(aux, ids, 2)
+    with torch.no_grad():
+        other.get_output_embeddings().weight.mul_(2.0)
+    eng.update_policy()
+    for a, b in zip(rt.ttt_logits(aux, ids, 2), before):
+        torch.testing.assert_close(a, 2 * b)  # logits are linear in the head
+    third = tiny_policy(seed=4)
+    eng.update_policy(third)
+    assert eng.drafter.lm_head.policy is third
+    with pytest.raises(ValueError, match="not bound to a policy") as e:
+        MtpDrafter(c).ttt_logits(aux, ids, 2)
+    assert "\n" not in str(e.value)
 
 
 def test_bad_settings_one_line():

@@ -99,6 +99,7 @@ def C_dict(drafter) -> dict:
 
     if is_dataclass(getattr(drafter, "config", None)):
         conf = {k: (tuple(v) if isinstance(v, list) else v) for k, v in asdict(drafter.config).items()}
-    else:
+    else:  # its tensors' shapes and its settings (a suffix drafter's n-gram sizes are fixed when vLLM starts)
         conf = {n: tuple(t.shape) for n, t in drafter.state_dict().items()}
+        conf.update({k: v for k, v in vars(drafter).items() if isinstance(v, (int, float, str))})
     return {"kind": drafter.kind, **conf}
