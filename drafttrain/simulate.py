@@ -21,7 +21,7 @@ from __future__ import annotations
 import math
 import random
 import statistics
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 
 @dataclass(frozen=True)
@@ -86,6 +86,10 @@ MODELS = {
 }
 
 DRAFT_VOCAB = 32000  # EAGLE-3's reduced draft vocabulary (its lm_head rows)
+DRAFT_MODEL_LAYERS = 1  # drafter.draft_model.layers, as shipped
+# The suffix drafter drafts on the host (its n-gram index, pure Python): no GPU forward. Per row and drafted token,
+# measured here (bench/drafters.json: ~0.02 of a decode step at batch 64, ~8 us a row-token), kept as it is at scale
+SUFFIX_ROW_S = 8e-6
 WEIGHT_BYTES = {"bf16": 2.0, "int8": 1.0 + 2 / 128, "int4": 0.5 + 2 / 64}  # + a bf16 scale per group (128 / 64)
 
 
@@ -144,6 +148,24 @@ def eagle3_forward(m: Model, batch: float, ctx: float) -> tuple[float, float]:
     return eagle3_params(m) * 2.0 + kv, flops
 
 
+def mtp_params(m: Model) -> int:
+    """The MTP head's own weights: fc [H, 2H] and one dense decoder layer (its MLP of the EAGLE-3 head's width). Its
+    LM head is the policy's (shared: read at every draft step, not stored twice)."""
+    return 2 * m.hidden * m.hidden + m.attn_params + 3 * m.hidden * (m.head_intermediate or m.intermediate)
+
+
+def mtp_forward(m: Model, batch: float, ctx: float) -> tuple[float, float]:
+    """(bytes, FLOPs) of one MTP draft step: its weights and the shared LM head, its one-layer KV cache."""
+    w = mtp_params(m) + m.vocab * m.hidden
+    kv = 2 * m.kv_heads * m.head_dim * 2.0 * batch * (ctx + 1)
+    return w * 2.0 + kv, 2 * w * batch + 4 * m.heads * m.head_dim * ctx * batch
+
+
+def draft_model(m: Model, layers: int = DRAFT_MODEL_LAYERS) -> Model:
+    """The draft model: the policy's shape cut to its first `layers` decoder layers (own embedding and LM head)."""
+    return replace(m, layers=layers)
+
+
 @dataclass(frozen=True)
 class Replica:
     """One rollout engine replica: a model on tp GPUs, with achievable fractions of the roofline."""
@@ -168,9 +190,17 @@ class Replica:
         return self._t(*policy_forward(self.model, batch, t, ctx), self.model.layers) + row * batch
 
     def draft_s(self, kind: str, batch: float, ctx: float) -> float:
-        """One drafted token for every row: an EAGLE-3 head step, or a forward of the int8/int4 policy copy."""
+        """One drafted token for every row: an EAGLE-3 or MTP head step, a draft model's forward, the suffix
+        index's host-side lookup, or a forward of the int8/int4 policy copy."""
         if kind == "eagle3":
             cost = self._t(*eagle3_forward(self.model, batch, ctx), 1)
+        elif kind == "mtp":
+            cost = self._t(*mtp_forward(self.model, batch, ctx), 1)
+        elif kind == "draft_model":
+            dm = draft_model(self.model)
+            cost = self._t(*policy_forward(dm, batch, 1, ctx), dm.layers)
+        elif kind == "suffix":
+            cost = SUFFIX_ROW_S * batch
         else:
             cost = self._t(*policy_forward(self.model, batch, 1, ctx, WEIGHT_BYTES[kind]), self.model.layers)
         return cost + self.row_s[1] * batch
@@ -274,14 +304,20 @@ def rollout_s(rep: Replica, lengths: list[int], prompt_len: int, mode: Mode, max
 def kv_rows(rep: Replica, kinds, ctx: float, mem_util: float = 0.9, shared_kv: bool = False) -> int:
     """Rows whose KV cache fits the replica at ctx tokens each: mem_util of HBM, less the policy's bf16 weights and
     the drafters' (a self-drafter adds a quantized copy and, unless shared_kv, a whole KV cache of its own, as
-    drafttrain's does; EAGLE-3 one layer's)."""
+    drafttrain's does; EAGLE-3 and MTP one layer's; a draft model its layers'; the suffix index none)."""
     m = rep.model
     free = rep.gpu.hbm_bytes * rep.tp * mem_util - m.params() * 2.0
     per_tok = m.kv_bytes_per_token()
     for kind in kinds:
-        if kind == "eagle3":
-            free -= 2.0 * eagle3_params(m)
+        if kind in ("eagle3", "mtp"):  # one layer's weights and KV cache
+            free -= 2.0 * (eagle3_params(m) if kind == "eagle3" else mtp_params(m))
             per_tok += m.kv_bytes_per_token() / m.layers
+        elif kind == "draft_model":  # its layers, embedding and LM head, and their KV cache
+            dm = draft_model(m)
+            free -= 2.0 * dm.params()
+            per_tok += dm.kv_bytes_per_token()
+        elif kind == "suffix":  # host memory only
+            continue
         else:
             free -= m.params() * WEIGHT_BYTES[kind]
             per_tok += 0.0 if shared_kv else m.kv_bytes_per_token()

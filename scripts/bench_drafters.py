@@ -146,8 +146,11 @@ def tracking(cfg, kind: str) -> dict:
     recs = [x for x in recs if x.get("live_tf_mal") is not None]
     q = recs[-max(1, len(recs) // 4):]
     live, frozen = statistics.fmean(x["live_tf_mal"] for x in q), statistics.fmean(x["frozen_tf_mal"] for x in q)
+    curves = {key: [statistics.fmean(a) for a in zip(*(x[key] for x in q))]  # per position, over the last quarter
+              for key in ("live_tf_acc_pos", "frozen_tf_acc_pos") if all(x.get(key) for x in q)}
     return {"kind": kind, "steps": len(recs), "live_tf_mal": live, "frozen_tf_mal": frozen,
-            "live_over_frozen": live / frozen, "run": str(out)}
+            "live_over_frozen": live / frozen, "k": len(q[-1].get("live_tf_acc_pos") or []) or None, **curves,
+            "run": str(out)}
 
 
 def main(cfg) -> dict:

@@ -6,12 +6,16 @@ papers' headline numbers with it (drafttrain/simulate.py holds the cost model).
 
 Inputs: measured traces from bench/ (tracking: per-position teacher-forced acceptance of the live and the frozen
 EAGLE-3 drafter at each RL step, and response lengths (mean, p90) -> the lognormal sigma of the long tail;
-longtail: p50 / max lengths if the tracking file has none; selfquant: the int8 / int4 self-drafters' acceptance).
+longtail: p50 / max lengths if the tracking file has none; selfquant: the int8 / int4 self-drafters' acceptance;
+drafters: the MTP head's and the draft model's live and frozen acceptance per position at the end of their default
+runs, the suffix drafter's MAL as a flat curve).
 Any curve can be given instead (a list per position; the last value repeats past its end).
 Projection, per model and GPU (the model's acceptance taken as the tiny policy's, position by position): AR;
 EAGLE-3 frozen and tracking (fixed k; tracking pays the drafter budget); tracking + toggle + auto k; the int8 / int4
-self-drafters with toggle + auto k (requantized every step); the chooser (fastest drafter per stretch of active batch,
-every drafter held in HBM). Each is averaged over the tracking run's steps (the drift), with sync and async steps; a
+self-drafters with toggle + auto k (requantized every step); the MTP head and the draft model frozen (fixed k) and
+tracking with toggle + auto k (their end-of-run acceptance at every step: no per-step trace), the suffix drafter with
+toggle + auto k; the chooser (fastest drafter per stretch of active batch, every drafter it holds in HBM) over the
+light drafters (EAGLE-3, MTP, draft model, suffix), and over them and the self-drafters (chooser_with_self). Each is averaged over the tracking run's steps (the drift), with sync and async steps; a
 setting whose weights leave no room for a KV cache is listed with fits=false.
 Reproduction: NeMo-RL at 8B (sync rollout throughput, EAGLE-3) and at 235B (end to end, async SD against sync AR);
 EfficientRollout (W4 self-drafter, toggle, ladder). The settings (NEMO, EFFICIENTROLLOUT, SHARED below; `assumptions`
@@ -38,6 +42,7 @@ from drafttrain.simulate import GPUS, MODELS, Mode, Replica, Workload, rl_step, 
 
 DEFAULTS = dict(
     tracking="bench/tracking.json", longtail="bench/longtail.json", selfquant="bench/selfquant.json",
+    drafters="bench/drafters.json",
     live_acceptance=None, frozen_acceptance=None, int8_acceptance=None, int4_acceptance=None, length_sigma=None,
     # the papers' long tail: a stated lognormal sigma (0.53, this repository's tail at 20637e5), fixed so the paper rows
     # do not move with the tiny world's traces; null = the measured sigma, as the projection uses
@@ -111,6 +116,9 @@ def load_inputs(cfg) -> dict:
             self_acc[kind] = _curve(rows[0], f"{cfg.selfquant} {kind}", km)
     if self_acc and cfg.int8_acceptance is None and cfg.int4_acceptance is None:
         used.append(cfg.selfquant)
+    kinds = drafter_kinds(_read(cfg.drafters, "drafters"), km)
+    if kinds:
+        used.append(cfg.drafters)
     sigma = cfg.length_sigma
     if sigma is None:
         pairs = [(s["resp_len_mean"], s["resp_len_p90"]) for s in series
@@ -128,7 +136,31 @@ def load_inputs(cfg) -> dict:
         else:
             raise ConfigError(f"tracking={cfg.tracking} / longtail={cfg.longtail}: no response lengths "
                               "(give length_sigma=)")
-    return {"steps": steps, "self": self_acc, "sigma": float(sigma), "read": sorted(set(used))}
+    return {"steps": steps, "self": self_acc, "kinds": kinds, "sigma": float(sigma), "read": sorted(set(used))}
+
+
+def drafter_kinds(dr: dict, km: int) -> dict[str, tuple[list[float], list[float]]]:
+    """{kind: (live curve, frozen curve)} of the MTP head and the draft model (their tracking runs' live and frozen
+    teacher-forced acceptance per position over the default run's last quarter; or, where only the mean lengths
+    are given, the flat curves giving them at the run's k), and of the suffix drafter (the flat curve of its MAL at
+    k=4 on fresh rollouts; nothing to freeze: both curves the same)."""
+    from drafttrain.config import load_recipe
+
+    out = {}
+    for t in dr.get("tracking") or []:
+        kind = t.get("kind") if isinstance(t, dict) else None
+        if kind not in ("mtp", "draft_model"):
+            continue
+        if _is_curve(t.get("live_tf_acc_pos")) and _is_curve(t.get("frozen_tf_acc_pos")):  # measured per position
+            out[kind] = (_curve(t["live_tf_acc_pos"], kind, km), _curve(t["frozen_tf_acc_pos"], kind, km))
+        elif _positive(t.get("live_tf_mal")) and _positive(t.get("frozen_tf_mal")):
+            k = t.get("k") or load_recipe(f"{kind}_track").engine.k
+            out[kind] = (uniform_curve(t["live_tf_mal"], k, km), uniform_curve(t["frozen_tf_mal"], k, km))
+    for r in dr.get("kinds") or []:
+        if isinstance(r, dict) and r.get("kind") == "suffix" and _positive(r.get("mal_k4")):
+            c = uniform_curve(r["mal_k4"], 4, km)
+            out["suffix"] = (c, c)
+    return out
 
 
 # Where the papers say too little, these are assumed; each is stated once and shared by the rows it applies to.
@@ -205,7 +237,16 @@ def settings(inp: dict, cfg, live: list[float], frozen: list[float]):
     yield "eagle3_tracking_toggle", Mode({"eagle3": live}, **auto), cfg.drafter_budget, ()
     for kind, acc in inp["self"].items():
         yield f"selfquant_{kind}_toggle", Mode({kind: acc}, **auto), 0.0, (kind,)
-    yield "chooser", Mode({"eagle3": live, **inp["self"]}, **auto), cfg.drafter_budget, tuple(inp["self"])
+    for kind, (live_k, frozen_k) in inp["kinds"].items():
+        if kind == "suffix":
+            yield "suffix_toggle", Mode({kind: live_k}, **auto), 0.0, ()
+            continue
+        yield f"{kind}_frozen", Mode({kind: frozen_k}, k=cfg.k), 0.0, ()
+        yield f"{kind}_tracking_toggle", Mode({kind: live_k}, **auto), cfg.drafter_budget, ()
+    light = {"eagle3": live, **{kind: c[0] for kind, c in inp["kinds"].items()}}  # a layer or two each, or nothing
+    yield "chooser", Mode(light, **auto), cfg.drafter_budget, ()
+    if inp["self"]:  # the self-drafters too: each a policy copy and a KV cache of its own in HBM
+        yield "chooser_with_self", Mode({**light, **inp["self"]}, **auto), cfg.drafter_budget, tuple(inp["self"])
 
 
 def project(inp: dict, cfg) -> list[dict]:

@@ -9,10 +9,10 @@ import pytest
 from omegaconf import OmegaConf
 
 from drafttrain.config import ConfigError
-from drafttrain.simulate import (GPUS, MODELS, Gpu, Mode, Model, Replica, Workload, eagle3_forward, eagle3_params,
-                                 expected_distinct_experts, expected_tokens, kv_rows, ladder_k, lognormal_lengths,
-                                 policy_forward, rl_step, rollout_s, roofline_s, sigma_from_mean_p90, toggle_on,
-                                 uniform_curve)
+from drafttrain.simulate import (GPUS, MODELS, SUFFIX_ROW_S, Gpu, Mode, Model, Replica, Workload, draft_model,
+                                 eagle3_forward, eagle3_params, expected_distinct_experts, expected_tokens, kv_rows,
+                                 ladder_k, lognormal_lengths, mtp_forward, mtp_params, policy_forward, rl_step,
+                                 rollout_s, roofline_s, sigma_from_mean_p90, toggle_on, uniform_curve)
 from tests.conftest import load_script
 
 GPU = Gpu(hbm_bytes_s=1e12, flops_s=1e15, link_bytes_s=1e11, hbm_bytes=1e12)
@@ -44,6 +44,26 @@ def test_eagle3_head_by_hand():
     n_bytes, flops = eagle3_forward(TINY, batch=3, ctx=5)
     assert n_bytes == pytest.approx(eagle3_params(TINY) * 2.0 + 2 * 1 * 2 * 2.0 * 3 * 6)  # + one layer's KV
     assert flops == pytest.approx(2 * eagle3_params(TINY) * 3 + 4 * 4 * 5 * 3)
+
+
+def test_mtp_draft_model_and_suffix_by_hand():
+    # MTP: fc 2*4*4 = 32; one layer: attention 48, MLP 3*4*8 = 96; the policy's lm_head (10x4) read, not its own
+    assert mtp_params(TINY) == 32 + 48 + 96
+    n_bytes, flops = mtp_forward(TINY, batch=3, ctx=5)
+    assert n_bytes == pytest.approx((176 + 40) * 2.0 + 2 * 1 * 2 * 2.0 * 3 * 6)  # + one layer's KV
+    assert flops == pytest.approx(2 * (176 + 40) * 3 + 4 * 4 * 5 * 3)
+    two = Model(layers=2, hidden=4, heads=2, kv_heads=1, head_dim=2, intermediate=8, vocab=10)
+    assert draft_model(two) == TINY  # the policy's first layer, its embedding and lm_head
+    rep = Replica(two, GPU, overhead_s=0.25, row_s=(0.0, 1e-3, 0.0))
+    assert rep.draft_s("draft_model", 3, 5) == pytest.approx(
+        roofline_s(*policy_forward(TINY, 3, 1, 5), GPU, mbu=0.8, mfu=0.6, overhead_s=0.25) + 3e-3)
+    assert rep.draft_s("suffix", 3, 5) == pytest.approx(3 * SUFFIX_ROW_S + 3e-3)  # host-side: no forward
+    big = Gpu(1e12, 1e15, 1e11, hbm_bytes=1e6)
+    free, kv = 1e6 * 0.9 - two.params() * 2.0, two.kv_bytes_per_token()
+    rep = Replica(two, big)
+    assert kv_rows(rep, {"suffix": []}, ctx=100) == kv_rows(rep, {}, ctx=100) == int(free // (kv * 100))
+    assert kv_rows(rep, {"mtp": []}, ctx=100) == int((free - 2.0 * mtp_params(two)) // (1.5 * kv * 100))
+    assert kv_rows(rep, {"draft_model": []}, ctx=100) == int((free - 2.0 * TINY.params()) // (1.5 * kv * 100))
 
 
 def test_moe_expected_distinct_experts():
@@ -159,6 +179,34 @@ def test_reproduction_within_tolerance_on_the_committed_inputs(sim):
     assert len(repro) == 4 and {"shared", "nemo_rl", "efficientrollout"} <= set(assumptions)
     for row in repro:
         assert abs(row["simulated"] - row["paper_value"]) <= 0.25 * row["paper_value"], row
+
+
+def test_every_drafter_kind_projected_from_bench_drafters(sim, tmp_path):
+    """The MTP head and the draft model tracked and frozen, the suffix drafter, and the chooser over them, from
+    bench/drafters.json's numbers (flat curves at their measured lengths); without that file, no such rows."""
+    dr = tmp_path / "d.json"
+    dr.write_text(json.dumps({"kinds": [{"kind": "suffix", "mal_k4": 2.5}],
+                              "tracking": [{"kind": "mtp", "k": 4, "live_tf_mal": 4.0, "frozen_tf_mal": 3.0},
+                                           {"kind": "draft_model", "live_tf_mal": 4.2, "frozen_tf_mal": 3.5}]}))
+    curves = tmp_path / "c.json"  # per-position curves, where the run recorded them, win over the mean lengths
+    curves.write_text(json.dumps({"tracking": [{"kind": "mtp", "live_tf_mal": 4.0, "frozen_tf_mal": 3.0,
+                                                "live_tf_acc_pos": [0.9, 0.8], "frozen_tf_acc_pos": [0.7]}]}))
+    got = sim.load_inputs(OmegaConf.create({**sim.DEFAULTS, "drafters": str(curves)}))["kinds"]
+    assert got == {"mtp": ([0.9] + [0.8] * 7, [0.7] * 8)}
+    cfg = OmegaConf.create({**sim.DEFAULTS, "drafters": str(dr), "gpus": ["H100"]})
+    inp = sim.load_inputs(cfg)
+    km = cfg.k_max
+    assert inp["kinds"]["mtp"] == (uniform_curve(4.0, 4, km), uniform_curve(3.0, 4, km))
+    assert inp["kinds"]["draft_model"][1] == uniform_curve(3.5, 4, km)  # the recipe's k (draft_model_track: 4)
+    assert inp["kinds"]["suffix"] == (uniform_curve(2.5, 4, km),) * 2
+    rows = {(r["model"], r["setting"]): r for r in sim.project(inp, cfg)}
+    for setting in ("mtp_frozen", "mtp_tracking_toggle", "draft_model_frozen", "draft_model_tracking_toggle",
+                    "suffix_toggle", "chooser", "chooser_with_self"):
+        assert ("8b", setting) in rows, setting
+    r = rows[("8b", "mtp_tracking_toggle")]
+    assert r["rollout_speedup"] > rows[("8b", "mtp_frozen")]["rollout_speedup"] > 1.0
+    none = sim.load_inputs(OmegaConf.create({**sim.DEFAULTS, "drafters": str(tmp_path / "absent.json")}))
+    assert none["kinds"] == {}
 
 
 def test_explicit_curves_and_bad_inputs(sim, tmp_path):
