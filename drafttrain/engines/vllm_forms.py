@@ -63,7 +63,21 @@ class SelfQuantForm:
         return vllm_tensors(template)
 
 
-class DraftModelForm:
+class _StateDictForm:
+    """A drafter whose state dict is what vLLM holds, under its names: a swap is that state dict, validated whole."""
+
+    def template(self, drafter):
+        return copy.deepcopy(drafter).eval().requires_grad_(False)
+
+    def accept(self, template, weights: dict) -> dict:
+        template.load_state_dict(weights)  # names, shapes, finiteness checked before writing (one-line error)
+        return self.tensors(template)
+
+    def tensors(self, template) -> dict:
+        return {n: t.detach().to("cpu", copy=True).contiguous() for n, t in template.state_dict().items()}
+
+
+class DraftModelForm(_StateDictForm):
     """A draft model (drafter.kind=draft_model) as vLLM's `draft_model`: its HF folder as it is (fp32, the policy's
     tokenizer; vLLM shares neither embeddings nor LM head with the target for this method), and a swap is its HF
     state dict, pushed whole."""
@@ -78,18 +92,8 @@ class DraftModelForm:
             raise ValueError(f"drafter: a draft model over {V} tokens; the policy has {target['vocab_size']}")
         return draft_model.save(drafter, out, verifier=policy_dir, k=k)
 
-    def template(self, drafter):
-        return copy.deepcopy(drafter).eval().requires_grad_(False)
 
-    def accept(self, template, weights: dict) -> dict:
-        template.load_state_dict(weights)  # names, shapes, finiteness checked before writing (one-line error)
-        return self.tensors(template)
-
-    def tensors(self, template) -> dict:
-        return {n: t.detach().to("cpu", copy=True).contiguous() for n, t in template.state_dict().items()}
-
-
-class MtpForm:
+class MtpForm(_StateDictForm):
     """An MTP head (drafter.kind=mtp) as vLLM's `eagle` (EAGLE-1) head for a Llama target, the form drafters/mtp.py
     computes: its folder as saved. No lm_head in it: vLLM's EAGLE-1 Llama draws with the target's, which is what the
     head shares in the embedded engine too (the policy's current one). Its own embed_tokens (the normed copy) differ
@@ -106,16 +110,6 @@ class MtpForm:
             if getattr(c, key) != int(target[key]):
                 raise ValueError(f"drafter: an MTP head with {key} {getattr(c, key)}; the policy has {target[key]}")
         return mtp.save(drafter, out, verifier=policy_dir, k=k)
-
-    def template(self, drafter):
-        return copy.deepcopy(drafter).eval().requires_grad_(False)
-
-    def accept(self, template, weights: dict) -> dict:
-        template.load_state_dict(weights)  # names, shapes, finiteness checked before writing (one-line error)
-        return self.tensors(template)
-
-    def tensors(self, template) -> dict:
-        return {n: t.detach().to("cpu", copy=True).contiguous() for n, t in template.state_dict().items()}
 
 
 class SuffixForm:

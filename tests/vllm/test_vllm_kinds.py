@@ -123,3 +123,15 @@ def test_same_acceptance_as_embedded_and_swaps_land(monkeypatch, vpolicy, kind):
         assert eng.drafter_version == 1
         assert eng.generate(prompts, greedy).stats.mean_accepted_length == pytest.approx(
             got.stats.mean_accepted_length, abs=1e-9)
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_drafter_of_another_vocabulary_refused_before_start(vpolicy, kind):
+    from tests.vllm.pool import engine_processes
+
+    before = {p.pid for p in engine_processes()}
+    d = fresh(vllm_policy(vocab=48), kind)
+    with pytest.raises(ValueError, match="48") as e:
+        build_engine(engine_cfg(kind="vllm", k=4, max_batch=8, max_len=128), vpolicy, d)
+    assert "\n" not in str(e.value) and "the policy has 32" in str(e.value)
+    assert {p.pid for p in engine_processes()} <= before, "an engine was started"
