@@ -102,8 +102,8 @@ def measure_vllm(m: Model, cfg: GpuCheckConfig) -> dict[int, float]:
               max_model_len=cfg.ctx + cfg.new_tokens + 8, max_num_seqs=max(cfg.batches), gpu_memory_utilization=0.85)
     out = {}
     for B in cfg.batches:
-        prompts = [{"prompt_token_ids": [3 + (i * 7919 + j) % (m.vocab - 3) for j in range(cfg.ctx - cfg.new_tokens // 2)]}
-                   for i in range(B)]
+        n = cfg.ctx - cfg.new_tokens // 2
+        prompts = [{"prompt_token_ids": [3 + (i * 7919 + j) % (m.vocab - 3) for j in range(n)]} for i in range(B)]
 
         def gen(n):
             llm.generate(prompts, SamplingParams(max_tokens=n, min_tokens=n, ignore_eos=True, temperature=0.0,
@@ -132,8 +132,8 @@ def main(cfg: GpuCheckConfig) -> dict:
     result = {"model": cfg.model, "backend": cfg.backend, "gpu": name, "rows": rows}
     Path(cfg.out).write_text(json.dumps(result, indent=1) + "\n")
     for r in rows:
-        print(f"batch {r['batch']:>4}: measured {1e3 * r['measured_s']:8.3f} ms  simulated {1e3 * r['simulated_s']:8.3f} ms"
-              f"  ratio {r['measured_over_simulated']:.2f}")
+        print(f"batch {r['batch']:>4}: measured {1e3 * r['measured_s']:8.3f} ms  "
+              f"simulated {1e3 * r['simulated_s']:8.3f} ms  ratio {r['measured_over_simulated']:.2f}")
     return result
 
 

@@ -15,15 +15,16 @@ EAGLE-3 frozen and tracking (fixed k; tracking pays the drafter budget); trackin
 self-drafters with toggle + auto k (requantized every step); the MTP head and the draft model frozen (fixed k) and
 tracking with toggle + auto k (their end-of-run acceptance at every step: no per-step trace), the suffix drafter with
 toggle + auto k; the chooser (fastest drafter per stretch of active batch, every drafter it holds in HBM) over the
-light drafters (EAGLE-3, MTP, draft model, suffix), and over them and the self-drafters (chooser_with_self). Each is averaged over the tracking run's steps (the drift), with sync and async steps; a
-setting whose weights leave no room for a KV cache is listed with fits=false.
+light drafters (EAGLE-3, MTP, draft model, suffix), and over them and the self-drafters (chooser_with_self). Each is
+averaged over the tracking run's steps (the drift), with sync and async steps; a setting whose weights leave no room
+for a KV cache is listed with fits=false.
 Reproduction: NeMo-RL at 8B (sync rollout throughput, EAGLE-3) and at 235B (end to end, async SD against sync AR);
 EfficientRollout (W4 self-drafter, toggle, ladder). The settings (NEMO, EFFICIENTROLLOUT, SHARED below; `assumptions`
 in the JSON) take what the papers and EfficientRollout's code release state, and assume the rest: for NeMo-RL the
 DAPO batch, mean response 4096 of max 20480, 2048 GPUs at tp 8 for 235B, a flat acceptance giving its length 2.47
 at k=3; for EfficientRollout prompt 256 and mean response 1024 tokens; for both, a lognormal long tail of sigma 0.53
-(paper_length_sigma=; null takes the sigma measured here) and NeMo-RL's measured 8B rollout share (100 s of a 151.2 s step) for the time
-outside the rollout.
+(paper_length_sigma=; null takes the sigma measured here) and NeMo-RL's measured 8B rollout share (100 s of a
+151.2 s step) for the time outside the rollout.
 Writes bench/simulate.json (the PNG's path in `plot`) and bench/simulate.png (git-ignored), prints both tables.
 """
 from __future__ import annotations

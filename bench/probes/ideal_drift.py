@@ -1,4 +1,7 @@
-"""Ideal-frozen MAL: the step-0 policy as drafter on the later policy's rollouts. python drift.py <p0> <p1> [n] [threads]"""
+"""Ideal-frozen MAL: the step-0 policy as drafter on the later policy's rollouts.
+
+    python drift.py <p0> <p1> [n] [threads]
+"""
 import sys, json
 import torch
 from drafttrain.policy import load_policy, encode_prompt, decode

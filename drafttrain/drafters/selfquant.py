@@ -1,6 +1,7 @@
 """Self-drafter: a weight-quantized copy of the policy that drafts k tokens autoregressively over its own KV cache.
 It cannot drift from the policy: after each policy update, `requantize(policy)` writes the new weights into the
-existing quantized storage (same tensors, same data pointers). No trainer, no hidden states (follows_policy, reads nothing).
+existing quantized storage (same tensors, same data pointers). No trainer, no hidden states (follows_policy, reads
+nothing).
 
     d = build_drafter(DrafterConfig(kind="selfquant", path=None, quant="int8", backend="ao"), policy)
     d.requantize(policy)                      # after an RL step: in place

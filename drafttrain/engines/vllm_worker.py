@@ -2,7 +2,8 @@
 process, loaded there by vLLM itself (parallel_config.worker_extension_cls names DrafttrainWorkerExtension; the
 import registers the weight transport). Nothing here is called directly by the trainer process.
 
-    DrafttrainWorkerExtension   collective_rpc methods: dt_setup, dt_probe, dt_zero_kv_cache, dt_set_drafting, dt_drafter_call
+    DrafttrainWorkerExtension   collective_rpc methods: dt_setup, dt_probe, dt_zero_kv_cache, dt_set_drafting,
+                                dt_drafter_call
     InlineWeightTransferEngine  backend "drafttrain_inline" for vLLM's native start/update/finish weight update
     probe(t, scale)             the read-back probe, computed the same way on both sides
 Importing it also installs the vLLM-CPU workaround that must precede model load (vllm_cpu.guard_cpu_int8_kernel).

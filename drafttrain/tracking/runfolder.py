@@ -123,8 +123,9 @@ class Stopper:
     """SIGTERM or SIGINT stops the job at the next step boundary, after that step's checkpoint; a second signal, or
     one outside the RL loop, stops it at once. Started by a launcher (accelerate or torchrun), the job also stops at
     once when that launcher ends (a killed launcher must not leave it training), seen by a thread that polls the
-    parent's PID; started from a shell (`python -m drafttrain.online`), it does not follow the shell (nohup works). Not PR_SET_PDEATHSIG: it fires when the parent *thread* ends, and under torch elastic a worker
-    got it while its launcher was still alive. Each way out prints one line and exits with 128 + the signal."""
+    parent's PID; started from a shell (`python -m drafttrain.online`), it does not follow the shell (nohup works).
+    Not PR_SET_PDEATHSIG: it fires when the parent *thread* ends, and under torch elastic a worker got it while its
+    launcher was still alive. Each way out prints one line and exits with 128 + the signal."""
 
     def __init__(self, acc, out: Path):
         self.acc, self.ckpt_root = acc, out / "ckpt"

@@ -87,8 +87,9 @@ def test_engine_agrees_with_teacher_forced_on_its_rollouts(policy):
 
 def test_scoring_in_length_chunks_equals_each_row_alone(policy):
     """A ragged batch (prompts of 2-9 tokens, responses of 0-40) scored at once pools exactly the counts of each
-    row scored alone, unpadded, and gives each row its own MAL (the publish gate pairs them); and it computes few padded positions: the chains run from each chunk's first
-    response position, over chunks cut to their longest row (the whole padded batch computed every position)."""
+    row scored alone, unpadded, and gives each row its own MAL (the publish gate pairs them); and it computes few
+    padded positions: the chains run from each chunk's first response position, over chunks cut to their longest
+    row (the whole padded batch computed every position)."""
     k = 3
     drafter = C.fresh_drafter(policy, seed=2)
     g = torch.Generator().manual_seed(0)

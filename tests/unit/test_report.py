@@ -52,7 +52,8 @@ def test_accuracy_change_gives_points_and_binomial_standard_error():
                                                                              "eval_greedy_acc": 0.7}, 100)
     assert ch["eval_sampled_acc"]["change_pts"] == pytest.approx(10.0)
     assert ch["eval_sampled_acc"]["se_pts"] == pytest.approx(100 * ((0.25 + 0.24) / 100) ** 0.5)
-    assert ch["eval_greedy_acc"] == {"change_pts": pytest.approx(0.0), "se_pts": pytest.approx(100 * (0.42 / 100) ** 0.5)}
+    assert ch["eval_greedy_acc"] == {"change_pts": pytest.approx(0.0),
+                                     "se_pts": pytest.approx(100 * (0.42 / 100) ** 0.5)}
     assert accuracy_change(None, {"eval_sampled_acc": 0.6}, 100) == {}  # no before: no change to give
     # four times the problems halve the error
     wide = accuracy_change({"a": 0.5}, {"a": 0.6}, 100)["a"]["se_pts"]

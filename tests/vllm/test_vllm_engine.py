@@ -1,7 +1,8 @@
 """vLLM-only checks (the contract runs in tests/test_contract.py): the contract's max-position check on an engine
 built from folders, with a clean exit on an error; a user's plain vllm.LLM loads an exported drafter; a trained
-drafter hot-swapped into the running engine raises acceptance; a policy update changes the outputs; a swap that does not land is caught by the read-back
-and rolled back; bad drafters are refused with one-line errors before vLLM starts; vLLM missing is one line too.
+drafter hot-swapped into the running engine raises acceptance; a policy update changes the outputs; a swap that
+does not land is caught by the read-back and rolled back; bad drafters are refused with one-line errors before
+vLLM starts; vLLM missing is one line too.
 """
 from __future__ import annotations
 

@@ -1,7 +1,8 @@
 """Drafter kinds beyond EAGLE-3 and the self-drafter in the vLLM engine, each through its vLLM form
 (engines/vllm_forms.py): the draft model as vLLM's `draft_model`, the MTP head as its `eagle` (EAGLE-1, the target's
-LM head shared), the suffix drafter as a `custom_class` proposer (engines/vllm_suffix.py). The shared engine contract (tests/contract.py) on
-warm pool engines, the same acceptance as the embedded engine, and hot-swaps read back through vLLM's kernels.
+LM head shared), the suffix drafter as a `custom_class` proposer (engines/vllm_suffix.py). The shared engine
+contract (tests/contract.py) on warm pool engines, the same acceptance as the embedded engine, and hot-swaps read
+back through vLLM's kernels.
 """
 from __future__ import annotations
 
