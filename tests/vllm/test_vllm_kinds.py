@@ -22,19 +22,19 @@ METHOD = {"draft_model": "draft_model", "mtp": "eagle"}
 WEIGHTED = [k for k in KINDS if k != "suffix"]
 
 
-# a drafter that its own policy accepts and another does not: the full-depth draft model (the policy itself), MTP
-TRAINED = {"draft_model": ({"layers": 4}, 0.01), "mtp": ({}, 0.05)}  # (drafter keys, weight noise)
+# weight noise: a drafter its own policy accepts more than another policy does (a fresh draft model is its policy's
+# first layer already; a fresh MTP head drafts the policy's next token one position late, whatever its weights)
+NOISE = {"draft_model": 0.0, "mtp": 0.05}
 
 
-def fresh(policy, kind: str, seed: int = 1, **over):
-    return C.fresh_drafter(policy, seed=seed, kind=kind, **{**KINDS[kind], **over})
+def fresh(policy, kind: str, seed: int = 1):
+    return C.fresh_drafter(policy, seed=seed, kind=kind, **KINDS[kind])
 
 
 def trained(policy, kind: str, seed: int):
-    """A fresh drafter with every weight moved, as training would move them (a fresh MTP head drafts the policy's
-    own next token one position late, whatever its embeddings: a swap between two fresh ones changes nothing)."""
-    keys, noise = TRAINED[kind]
-    d = fresh(policy, kind, **keys)
+    """A fresh drafter with its weights moved by NOISE[kind], as training would move them."""
+    noise = NOISE[kind]
+    d = fresh(policy, kind)
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for t in d.state_dict().values():
@@ -91,39 +91,38 @@ def test_suffix_drafts_what_the_embedded_one_drafts(vpolicy):
 
 
 @pytest.mark.parametrize("kind", WEIGHTED)
-def test_same_acceptance_as_embedded_and_swaps_land(monkeypatch, vpolicy, kind):
+def test_same_acceptance_as_embedded_and_swaps_land(monkeypatch, pool, vpolicy, kind):
     """Greedy: vLLM accepts what the embedded engine accepts with the same drafter, before and after a policy update
     and a swap to the new policy's drafter; a push that does not land is caught and rolled back."""
     greedy, prompts = SamplingParams(temperature=0, max_new_tokens=24), C.RAGGED_PROMPTS
 
     def embedded(policy, d):
-        return build_engine(engine_cfg(kind="torch", k=4, max_batch=8, max_len=128), policy, d).generate(prompts,
-                                                                                                         greedy)
+        return build_engine(engine_cfg(kind="torch", drafter_int8=False), policy, d).generate(prompts, greedy)
 
     d = trained(vpolicy, kind, seed=1)
-    with build_engine(engine_cfg(kind="vllm", k=4, max_batch=8, max_len=128), vpolicy, d) as eng:
-        assert eng.llm.llm_engine.vllm_config.speculative_config.method == METHOD[kind]
-        got, ours = eng.generate(prompts, greedy), embedded(vpolicy, d)
-        assert got.tokens == ours.tokens == [C.hf_greedy(vpolicy, p, 24) for p in prompts]
-        assert got.stats.mean_accepted_length == pytest.approx(ours.stats.mean_accepted_length, abs=0.03)
+    eng = pool.get(vpolicy, d)  # the contract tests' warm engine for this kind: its default config
+    assert eng.llm.llm_engine.vllm_config.speculative_config.method == METHOD[kind]
+    got, ours = eng.generate(prompts, greedy), embedded(vpolicy, d)
+    assert got.tokens == ours.tokens == [C.hf_greedy(vpolicy, p, 24) for p in prompts]
+    assert got.stats.mean_accepted_length == pytest.approx(ours.stats.mean_accepted_length, abs=0.03)
 
-        other = vllm_policy(seed=5)
-        eng.update_policy(other)
-        stale = eng.generate(prompts, greedy)
-        d2 = trained(other, kind, seed=2)
-        eng.load_drafter(d2.state_dict(), 1)
-        got, ours = eng.generate(prompts, greedy), embedded(other, d2)
-        assert got.tokens == stale.tokens == ours.tokens == [C.hf_greedy(other, p, 24) for p in prompts]
-        assert got.stats.mean_accepted_length == pytest.approx(ours.stats.mean_accepted_length, abs=0.03)
-        assert abs(got.stats.mean_accepted_length - stale.stats.mean_accepted_length) > 0.05  # the swap mattered
+    other = vllm_policy(seed=5)
+    eng.update_policy(other)
+    stale = eng.generate(prompts, greedy)
+    d2 = trained(other, kind, seed=2)
+    eng.load_drafter(d2.state_dict(), 1)
+    got, ours = eng.generate(prompts, greedy), embedded(other, d2)
+    assert got.tokens == stale.tokens == ours.tokens == [C.hf_greedy(other, p, 24) for p in prompts]
+    assert got.stats.mean_accepted_length == pytest.approx(ours.stats.mean_accepted_length, abs=0.03)
+    assert abs(got.stats.mean_accepted_length - stale.stats.mean_accepted_length) > 0.05  # the swap mattered
 
-        monkeypatch.setattr(eng, "_push", lambda weights, draft: None)  # an update that does not land
-        with pytest.raises(ValueError, match="did not land"):
-            eng.load_drafter(d.state_dict(), 2)
-        monkeypatch.undo()
-        assert eng.drafter_version == 1
-        assert eng.generate(prompts, greedy).stats.mean_accepted_length == pytest.approx(
-            got.stats.mean_accepted_length, abs=1e-9)
+    monkeypatch.setattr(eng, "_push", lambda weights, draft: None)  # an update that does not land
+    with pytest.raises(ValueError, match="did not land"):
+        eng.load_drafter(d.state_dict(), 2)
+    monkeypatch.undo()
+    assert eng.drafter_version == 1
+    assert eng.generate(prompts, greedy).stats.mean_accepted_length == pytest.approx(
+        got.stats.mean_accepted_length, abs=1e-9)
 
 
 @pytest.mark.parametrize("kind", list(KINDS))
