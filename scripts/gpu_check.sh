@@ -18,7 +18,7 @@ step() {  # step NAME TIMEOUT_S CMD...: run one stage, keep its exit status, wal
 }
 # torch 2.13.0 from PyPI is the CUDA build; transformers stays inside vllm 0.32's range (constraints.txt)
 step install 240 python -m pip install -q -c constraints.txt -e ".[test]" "vllm==0.32.0"
-step contract 150 python -m pytest -q -x tests/vllm/test_vllm_contract.py
+step contract 180 python -m pytest -q -x -m vllm tests/test_contract.py
 step bench_rollout 120 python scripts/bench_rollout.py vllm=true "out=$TMP/rollout.json"
 step decode_8b 180 python scripts/gpu_check.py model=8b backend=vllm "out=$TMP/decode_8b.json"
 python - "$TMP" "$OUT" <<'PY'

@@ -53,3 +53,18 @@ def test_shell_script_parses_and_refuses_without_a_gpu(tmp_path):
     r = subprocess.run(["bash", str(sh), str(tmp_path / "out.json")], capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and "no CUDA GPU" in r.stdout
     assert not (tmp_path / "out.json").exists()  # nothing installed, nothing written
+
+
+def test_every_path_the_shell_script_runs_exists():
+    """Each script and test file gpu_check.sh names is in the repository (it named tests/vllm/test_vllm_contract.py,
+    gone since the contract moved to tests/test_contract.py: on a GPU its contract stage would have failed)."""
+    import re
+    import shlex
+
+    text = (ROOT / "scripts" / "gpu_check.sh").read_text()
+    steps = [shlex.split(line)[3:] for line in text.splitlines() if line.startswith("step ")]
+    assert len(steps) >= 4
+    paths = [a for cmd in steps for a in cmd if re.fullmatch(r"[\w/.-]+\.(py|yaml|txt)", a)]
+    assert any(a.startswith("tests/") for a in paths)
+    missing = [a for a in paths if not (ROOT / a).exists()]
+    assert not missing, missing
