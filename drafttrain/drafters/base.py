@@ -134,16 +134,18 @@ def _check_kind(cfg) -> None:
 
 
 def check_compatible(drafter, policy) -> None:
-    """A drafter built for another policy fails here, with the mismatching field named: any drafter with a config
-    of sizes (EAGLE-3's; a self-drafter's is its policy's own; the Drafter protocol does not require one), and
-    its aux layers where it takes them."""
+    """A drafter built for another policy fails here, with the mismatching field named: its hidden size where it has
+    a config of sizes (EAGLE-3's, MTP's; a self-drafter's is its policy's own; the Drafter protocol does not require
+    one), its vocabulary (a config's, or its own vocab_size: the draft model's, the suffix drafter's), and its aux
+    layers where it takes them. Both engines call it (vLLM's with the target's config.json)."""
     c, pc = getattr(drafter, "config", None), policy.config
+    if hasattr(c, "hidden_size") and c.hidden_size != pc.hidden_size:
+        raise ValueError(f"drafter hidden_size {c.hidden_size} != policy hidden_size {pc.hidden_size}")
+    V = getattr(drafter, "vocab_size", None) or getattr(c, "vocab_size", None)
+    if V is not None and V != pc.vocab_size:
+        raise ValueError(f"drafter vocab_size {V} != policy vocab_size {pc.vocab_size}")
     if c is None or not hasattr(c, "hidden_size"):
         return
-    if c.hidden_size != pc.hidden_size:
-        raise ValueError(f"drafter hidden_size {c.hidden_size} != policy hidden_size {pc.hidden_size}")
-    if c.vocab_size != pc.vocab_size:
-        raise ValueError(f"drafter vocab_size {c.vocab_size} != policy vocab_size {pc.vocab_size}")
     aux = drafter.reads.aux_layers
     if not aux:
         return

@@ -68,8 +68,12 @@ class DraftModelDrafter(nn.Module):
         check_tensors(self.model.state_dict(), state_dict, hint="a draft model of another size or vocabulary?")
         return self.model.load_state_dict(state_dict, strict=strict, assign=assign)
 
+    @property
+    def vocab_size(self) -> int:
+        return self.model.config.vocab_size
+
     def draft_ids(self) -> torch.Tensor:
-        return torch.arange(self.model.config.vocab_size)
+        return torch.arange(self.vocab_size)
 
     # ---- training -----------------------------------------------------------------------------------------------
     def ttt_logits(self, aux, next_ids, steps: int, queries=None, first_ids=None) -> list[torch.Tensor]:

@@ -34,6 +34,7 @@ import threading
 import time
 import weakref
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 
@@ -153,7 +154,7 @@ class VllmEngine:
             path = Path(drafter).resolve()
             export.check_vllm_target(export.read_speculators_config(path), self.target, f"drafter {path}")
             drafter = export.load_drafter(path)
-        from drafttrain.drafters.base import DRAFTERS
+        from drafttrain.drafters.base import DRAFTERS, check_compatible
 
         kind = getattr(drafter, "kind", None)
         if kind not in DRAFTERS:
@@ -161,6 +162,7 @@ class VllmEngine:
                              f"{kind or type(drafter).__name__!r}")
         self._form = DRAFTERS[kind].vllm_form(kind)  # the kind's vLLM form (engines/vllm_forms.py)
         out = self._form.write(drafter, policy_dir, self._tmp / "drafter", int(self.cfg.k), self.target)
+        check_compatible(drafter, SimpleNamespace(config=SimpleNamespace(**self.target)))  # as the embedded engine
         self._template, self._method = self._form.template(drafter), self._form.method
         return out
 

@@ -87,9 +87,6 @@ class DraftModelForm(_StateDictForm):
         from drafttrain.drafters import draft_model
 
         check_finite(drafter.state_dict())
-        V = drafter.model.config.vocab_size
-        if V != int(target["vocab_size"]):
-            raise ValueError(f"drafter: a draft model over {V} tokens; the policy has {target['vocab_size']}")
         return draft_model.save(drafter, out, verifier=policy_dir, k=k)
 
 
@@ -105,10 +102,6 @@ class MtpForm(_StateDictForm):
         from drafttrain.drafters import mtp
 
         check_finite(drafter.state_dict())
-        c = drafter.config
-        for key in ("hidden_size", "vocab_size"):
-            if getattr(c, key) != int(target[key]):
-                raise ValueError(f"drafter: an MTP head with {key} {getattr(c, key)}; the policy has {target[key]}")
         return mtp.save(drafter, out, verifier=policy_dir, k=k)
 
 
@@ -120,9 +113,6 @@ class SuffixForm:
     PROPOSER = "drafttrain.engines.vllm_suffix.SuffixProposer"
 
     def write(self, drafter, policy_dir: Path, out: Path, k: int, target) -> str:
-        if drafter.vocab_size != int(target["vocab_size"]):
-            raise ValueError(f"drafter: a suffix drafter over {drafter.vocab_size} tokens; the policy has "
-                             f"{target['vocab_size']}")
         return self.PROPOSER
 
     def template(self, drafter):

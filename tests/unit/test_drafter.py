@@ -297,6 +297,19 @@ def test_policy_drafter_mismatch(tmp_path, drafter):
             eng.update_policy(other)
 
 
+@pytest.mark.parametrize("kind", ["mtp", "draft_model", "suffix"])
+def test_other_kinds_for_another_vocabulary_refused_at_build(kind):
+    """The draft model and the suffix drafter carry no config of sizes: a draft model over another vocabulary
+    failed at the first SD step (IndexError: index out of range in self), a suffix drafter with a draft_probs shape
+    error. Now one line at build, and at a policy update, as EAGLE-3's."""
+    d = C.fresh_drafter(tiny_policy(vocab=48), kind=kind)
+    with pytest.raises(ValueError, match="^drafter vocab_size 48 != policy vocab_size 32$"):
+        build_engine(engine_cfg(), tiny_policy(vocab=32), d)
+    eng = build_engine(engine_cfg(), tiny_policy(vocab=48), d)
+    with pytest.raises(ValueError, match="^drafter vocab_size 48 != policy vocab_size 32$"):
+        eng.update_policy(tiny_policy(vocab=32))
+
+
 def test_engine_refuses_a_nonfinite_drafter_at_build(drafter):
     """No corrupt drafter reaches an engine: load_drafter refused NaN weights, the one an engine was built with
     was taken as it came."""

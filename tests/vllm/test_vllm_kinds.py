@@ -131,7 +131,6 @@ def test_drafter_of_another_vocabulary_refused_before_start(vpolicy, kind):
 
     before = {p.pid for p in engine_processes()}
     d = fresh(vllm_policy(vocab=48), kind)
-    with pytest.raises(ValueError, match="48") as e:
+    with pytest.raises(ValueError, match="^drafter vocab_size 48 != policy vocab_size 32$"):
         build_engine(engine_cfg(kind="vllm", k=4, max_batch=8, max_len=128), vpolicy, d)
-    assert "\n" not in str(e.value) and "the policy has 32" in str(e.value)
     assert {p.pid for p in engine_processes()} <= before, "an engine was started"
