@@ -83,11 +83,16 @@ class SuffixDrafter(nn.Module):
     # ---- the engine's calls ---------------------------------------------------------------------------------------
     def new_state(self, batch: int, max_len: int, prompts: torch.Tensor | None = None) -> "SuffixState":
         """prompts [B, P] right-padded: each row's text starts with its token 0 (the engine feeds the rest)."""
-        self._rebuild()
         first = prompts[:, 0].tolist() if prompts is not None else [0] * batch
         rows = [[t] for t in first]
-        self.texts.append(rows)
+        self.start_generation(rows)
         return SuffixState(rows)
+
+    def start_generation(self, rows: list[list[int]]) -> None:
+        """A generation starts: the index is rebuilt from the kept generations, and `rows` (this generation's texts,
+        grown in place by extend; the vLLM proposer appends rows as requests arrive) are kept from now on."""
+        self._rebuild()
+        self.texts.append(rows)
 
     def extend(self, text: list[int], new: list[int]) -> None:
         """Append a row's new committed tokens to its text and index them."""

@@ -62,6 +62,5 @@ class SuffixProposer:
     def new_generation(self) -> None:
         """As the embedded drafter's new_state: keep the last `history` generations' texts, index them, and collect
         this generation's rows as they come."""
-        self.index._rebuild()
         self.rows, self.gen = {}, []
-        self.index.texts.append(self.gen)
+        self.index.start_generation(self.gen)
