@@ -1,11 +1,15 @@
 """Several drafters at once (drafter.kind=auto): the engine's chooser (engines/chooser.py) picks, per decode step, the
 member that drafts, or none.
 
-Every member sees every verified position: the engine hands this drafter each step's new positions, each member
-keeps its own backlog of the positions it has not consumed (Pending), and the member that drafts catches up on its
-whole backlog in that one call, as a drafter does after AR steps. What the members read from the policy's forward is
-the union of their Reads (aux layer inputs in ascending order, then the final hidden state); each gets its own
-columns.
+Each generation serves the members the chooser planned for it (plan(); all of them until it has tried each): only
+those get a state and a backlog, and the policy's forward returns only what they read (generation_reads), so a
+member the chooser has set aside costs nothing while it is (its KV cache, its backlog copies, an EAGLE-3's aux layers:
+~10% of a long-tail batch with four members, every step drafted by one). Every planned member sees every verified
+position: the engine hands this drafter each step's new positions, each planned member keeps its own backlog of the
+positions it has not consumed (Pending), and the member that drafts catches up on its whole backlog in that one
+call, as a drafter does after AR steps. What they read from the policy's forward is the union of their Reads (aux
+layer inputs in ascending order, then the final hidden state); each gets its own columns. `reads` is every
+member's union: what the policy must be able to give (check_compatible).
 
 Members are served as loaded (drafter.auto.kinds, each from drafter.auto.paths: a checkpoint, or null for a fresh
 one): the tracker does not train them in this mode yet. Weights are the members' own, under "<kind>." prefixes, so
@@ -43,8 +47,8 @@ class AutoDrafter(nn.Module):
             raise ValueError("drafter.auto.kinds: give at least one drafter kind")
         self.members = nn.ModuleDict(members)
         self._runtime_copy = runtime_copy  # drafters/base.py's (handed in: the registry imports this module)
-        self._reads, self._blocks = union_reads(members)
-        self._cols: dict[tuple[str, int], torch.Tensor | None] = {}  # (member, hidden size) -> its aux columns
+        self._reads = union_reads(members)[0]
+        self.planned = list(members)  # the members the next generation serves (plan())
         self.current = next(iter(members))  # the member the next propose drafts with (the chooser sets it)
 
     @property
@@ -57,6 +61,17 @@ class AutoDrafter(nn.Module):
 
     def use(self, kind: str) -> None:
         self.current = kind
+
+    def plan(self, kinds) -> None:
+        """The members the next generation serves (in member order); the others sit it out."""
+        planned = [k for k in self.kinds if k in kinds]
+        if not planned:
+            raise ValueError(f"auto drafter: plan names no member (members {self.kinds}, got {list(kinds)})")
+        self.planned = planned
+
+    def generation_reads(self) -> Reads:
+        """What the policy's forward returns in the next generation: the planned members' union."""
+        return union_reads({k: self.members[k] for k in self.planned})[0]
 
     # ---- weights: the members', prefixed ----------------------------------------------------------------------
     def state_dict(self, *args, **kwargs) -> dict:
@@ -82,25 +97,20 @@ class AutoDrafter(nn.Module):
 
     # ---- the engine's calls -------------------------------------------------------------------------------------
     def new_state(self, batch: int, max_len: int, prompts: torch.Tensor | None = None) -> "AutoState":
-        return AutoState({k: m.new_state(batch, max_len, prompts) for k, m in self.members.items()})
-
-    def _aux(self, kind: str, aux):
-        b = self._blocks[kind]
-        if b is None or aux is None:
-            return None
-        H = aux.shape[-1] // (len(self._reads.aux_layers) + self._reads.final_hidden)
-        if (kind, H) not in self._cols:  # once per member: propose runs at every decode step
-            cols = (b.view(-1, 1) * H + torch.arange(H).view(1, -1)).flatten()
-            self._cols[(kind, H)] = None if torch.equal(cols, torch.arange(aux.shape[-1])) else cols  # None: all
-        cols = self._cols[(kind, H)]
-        return aux if cols is None else aux[..., cols]
+        """The planned members' states; the aux the engine hands propose is their union's (generation_reads)."""
+        planned = {k: self.members[k] for k in self.planned}
+        reads, blocks = union_reads(planned)
+        return AutoState({k: m.new_state(batch, max_len, prompts) for k, m in planned.items()}, reads, blocks)
 
     @torch.no_grad()
     def propose(self, st, new_ids, aux, n_new, start, k, params, greedy_drafts, generator=None):
-        """Every member's backlog takes the new positions; the current member drafts after consuming its own."""
-        for kind in self.kinds:
-            st.add(kind, new_ids, self._aux(kind, aux), n_new, start)
+        """Every served member's backlog takes the new positions; the current member drafts after consuming its own.
+        The state names the members (a hot-swapped copy drafts on with the state its predecessor made)."""
         kind = self.current
+        if kind not in st.states:
+            raise ValueError(f"auto drafter: {kind!r} is not served in this generation (planned: {list(st.states)})")
+        for m in st.states:
+            st.add(m, new_ids, st.aux_of(m, aux), n_new, start)
         d, q = self.members[kind].propose(st.states[kind], *st.backlog[kind].view(), k, params, greedy_drafts,
                                           generator)
         st.backlog[kind].consumed()
@@ -108,11 +118,31 @@ class AutoDrafter(nn.Module):
 
 
 class AutoState:
-    """Each member's generation state and its backlog of verified positions it has not consumed."""
+    """Each served member's generation state and its backlog of verified positions it has not consumed; reads and
+    blocks: the union the engine's aux follows, and each member's blocks in it (union_reads)."""
 
-    def __init__(self, states: dict):
+    def __init__(self, states: dict, reads: Reads, blocks: dict[str, torch.Tensor | None]):
         self.states = states
         self.backlog: dict[str, Pending] = {}
+        self._per = len(reads.aux_layers) + reads.final_hidden  # blocks in the aux the engine hands in
+        self._blocks = blocks
+        self._cols: dict[str, slice | torch.Tensor | None] = {}  # member -> its aux columns (None: all of them)
+
+    def aux_of(self, kind: str, aux):
+        """The member's columns of the engine's aux: a slice where its blocks are adjacent (a view), else an index."""
+        b = self._blocks[kind]
+        if b is None or aux is None:
+            return None
+        if kind not in self._cols:  # once per member and generation: propose runs at every decode step
+            H = aux.shape[-1] // self._per
+            blocks = b.tolist()
+            if blocks == list(range(blocks[0], blocks[0] + len(blocks))):
+                cols = None if len(blocks) == self._per else slice(blocks[0] * H, (blocks[-1] + 1) * H)
+            else:
+                cols = (b.view(-1, 1) * H + torch.arange(H).view(1, -1)).flatten()
+            self._cols[kind] = cols
+        cols = self._cols[kind]
+        return aux if cols is None else aux[..., cols]
 
     def add(self, kind: str, ids, aux, n, start) -> None:
         if kind not in self.backlog:

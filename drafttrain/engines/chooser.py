@@ -8,6 +8,11 @@ modelled AR step at that batch, tokens / B * T(B, 1) / step time: comparable acr
 (raw tokens/s grows with B, and which arm ran while the batch was larger would decide). Every step counts, a
 member's catch-up on the positions since it last drafted included: switching has that cost.
 
+Per generation (begin), plan() sets the members it serves: those that win some bucket's Thompson draw (every one
+until each has been tried), so a member no bucket favours costs nothing that generation (AutoDrafter.plan); a member
+set aside sees its evidence fade generation by generation, so that a drafter that got better (a hot-swap) comes
+back to be measured. Per step the draw is among the planned members and "ar".
+
 ChooserController sits on top of the per-kind schedule: the chosen member's own SpecController (engine.k: fixed, auto
 or ladder; engine.toggle) sets k, and may still decide on an AR step. It has SpecController's engine-facing
 interface (begin, decide, observe, observe_step, trace, k_max, calibrate, refresh_drafts). Outputs never change
@@ -26,8 +31,10 @@ AR = "ar"
 
 class Chooser:
     def __init__(self, arms: list[str], seed: int = 0, decay: float = 0.95, min_tries: int = 2,
-                 noise_floor: float = 0.05):
+                 noise_floor: float = 0.05, plan_share: float = 0.1):
         self.arms, self.decay, self.min_tries, self.floor = list(arms), decay, min_tries, noise_floor
+        self.plan_share = plan_share
+        self.ms: dict[int, float] = {}  # bucket -> decode time measured there (its share of a generation: plan)
         self.stats: dict[tuple[int, str], list[float]] = {}  # (bucket, arm) -> [n_eff, mean, var]
         self.tries: dict[str, int] = dict.fromkeys(self.arms, 0)  # steps each arm was rewarded for, any bucket
         self.gen = torch.Generator().manual_seed(seed)
@@ -41,20 +48,41 @@ class Chooser:
         n, mean, var = self.stats[(x, arm)]
         return [1.0, mean, 4 * max(var, self.floor ** 2)]
 
-    def pick(self, batch: int) -> str:
+    def _draw(self, b: int, arm: str) -> float:
+        n, mean, var = self._posterior(b, arm)
+        return mean + math.sqrt(max(var, self.floor ** 2) / n) * float(torch.randn((), generator=self.gen))
+
+    def pick(self, batch: int, arms: list[str] | None = None) -> str:
+        """One arm for a step at `batch`, among `arms` (default: all)."""
+        arms = self.arms if arms is None else arms
         b = _bucket(batch)
-        for arm in self.arms:  # every arm a few times first (wherever the batch is then), in order
+        for arm in arms:  # every arm a few times first (wherever the batch is then), in order
             if self.tries[arm] < self.min_tries:
                 return arm
-        draws = {}
-        for arm in self.arms:
-            n, mean, var = self._posterior(b, arm)
-            sd = math.sqrt(max(var, self.floor ** 2) / n)
-            draws[arm] = mean + sd * float(torch.randn((), generator=self.gen))
+        draws = {arm: self._draw(b, arm) for arm in arms}
         return max(draws, key=draws.get)
 
-    def observe(self, batch: int, arm: str, reward: float) -> None:
+    def plan(self, keep: str = AR) -> list[str]:
+        """The arms the next generation serves: the Thompson winner of each bucket that takes at least plan_share of
+        the measured decode time (an arm not yet tried min_tries times: all). The tail's few-row buckets take little
+        time and are measured seldom and noisily: planning for them kept a third member ready all generation for a
+        few steps at its end. An arm set aside loses a share (1 - decay) of its evidence in every bucket, down to a
+        floor, so that its draws widen until one wins again and it is measured afresh."""
+        if any(self.tries[a] < self.min_tries for a in self.arms):
+            return list(self.arms)
+        total = sum(self.ms.values())
+        buckets = sorted(b for b, ms in self.ms.items() if ms >= self.plan_share * total)
+        won = {max(self.arms, key=lambda a, b=b: self._draw(b, a)) for b in buckets}
+        won.add(keep)
+        for (b, arm), st in self.stats.items():
+            if arm not in won:
+                st[0] = max(self.decay * st[0], 0.01)
+        return [a for a in self.arms if a in won]
+
+    def observe(self, batch: int, arm: str, reward: float, ms: float = 0.0) -> None:
+        """A step's reward; ms: its wall time (the bucket's share of decode time)."""
         key = (_bucket(batch), arm)
+        self.ms[key[0]] = self.ms.get(key[0], 0.0) + ms
         self.tries[arm] += 1
         if key not in self.stats:
             self.stats[key] = [1.0, reward, 0.0]
@@ -85,6 +113,7 @@ class ChooserController:
         self.trace: list[dict] = []
         self.step = 0
         self._arm = AR
+        self.planned = [*kinds, AR]  # the arms this generation serves (begin)
         self._pending: tuple[int, str, float] | None = None  # (batch, arm, ms) of the step whose tokens come next
 
     @property
@@ -94,6 +123,7 @@ class ChooserController:
     def calibrate(self, engine) -> None:
         """The target's cost once, each member's drafting cost with that member drafting."""
         target = None
+        self.serving().plan(self.ctls)  # every member, timed on a state of all of them
         for kind, ctl in self.ctls.items():
             self.serving().use(kind)
             if target is None:
@@ -103,17 +133,23 @@ class ChooserController:
                 ctl.cost = CostModel(target, _draft_ms(engine, target, self.k_max))
 
     def refresh_drafts(self, engine) -> None:
+        self.serving().plan(self.ctls)
         for kind, ctl in self.ctls.items():
             self.serving().use(kind)
             ctl.cost.set_draft(_draft_ms(engine, ctl.cost.draft_ms, self.k_max))
 
     def begin(self) -> None:
+        """A generation starts: the members it serves (Chooser.plan; "ar" is always an arm)."""
         for c in self.ctls.values():
             c.begin()
         self._pending = None
+        self.planned = self.chooser.plan()
+        members = [a for a in self.planned if a != AR] or [max(self.ctls, key=lambda k: self.chooser.tries[k])]
+        self.serving().plan(members)
+        self.planned = [*members, AR]
 
     def decide(self, batch: int) -> int:
-        arm = self.chooser.pick(batch)
+        arm = self.chooser.pick(batch, self.planned)
         k = 0
         if arm != AR:
             self.serving().use(arm)
@@ -130,7 +166,7 @@ class ChooserController:
             batch, arm, ms = self._pending
             if batch == len(emitted) and ms > 0:
                 ar_ms = self.cost.target(batch, 1) if self.cost is not None else ms
-                self.chooser.observe(batch, arm, sum(emitted) / batch * ar_ms / ms)
+                self.chooser.observe(batch, arm, sum(emitted) / batch * ar_ms / ms, ms)
         self._pending = None
 
     def observe_step(self, batch: int, k: int, ms: float, typical: bool = True) -> None:

@@ -152,19 +152,21 @@ class TorchEngine:
         lean, cfg = self.lean, self.cfg
         active = self._active if speculative else None
         drafter, version = active if active else (None, self.drafter_version)
-        aux_ids = drafter.reads.aux_layers if drafter is not None else ()
-        final = drafter is not None and drafter.reads.final_hidden
+        ctl = self.controller() if drafter is not None else None
+        k_max = ctl.k_max if ctl is not None else 0
+        trace0 = len(ctl.trace) if ctl is not None else 0
+        if ctl is not None:
+            ctl.begin()  # drafter.kind=auto: plans the members this generation serves, and so what they read
+        reads = None if drafter is None else (drafter.generation_reads() if hasattr(drafter, "generation_reads")
+                                              else drafter.reads)
+        aux_ids = reads.aux_layers if reads is not None else ()
+        final = reads is not None and reads.final_hidden
         B = len(prompts)
         # rows in the order of share_prompts: each distinct prompt's first copy, then the repeats (a GRPO batch
         # holds G copies of each prompt), which take the prefill's cache and outputs instead of recomputing them
         order, src = share_prompts(prompts)
         lens = torch.tensor([len(prompts[b]) for b in order])
         P = int(lens.max())
-        ctl = self.controller() if drafter is not None else None
-        k_max = ctl.k_max if ctl is not None else 0
-        trace0 = len(ctl.trace) if ctl is not None else 0
-        if ctl is not None:
-            ctl.begin()
         t_start = time.perf_counter()  # after any (re)calibration of the schedule
         L = min(lean.max_len, P + params.max_new_tokens + k_max + 1)
         if params.seed is None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import random
 
 import pytest
+import torch
 
 from drafttrain.config import ConfigError, load_recipe
 from drafttrain.engines.chooser import AR, Chooser, ChooserController
@@ -60,6 +61,9 @@ class _Serving:
     def use(self, kind):
         self.used.append(kind)
 
+    def plan(self, kinds):
+        self.planned = list(kinds)
+
 
 def test_controller_routes_and_rewards_the_measured_speedup():
     serving = _Serving()
@@ -83,6 +87,51 @@ def test_controller_routes_and_rewards_the_measured_speedup():
         seen[arm] = ctl.chooser.stats[(1, arm)][1]
     assert seen == pytest.approx({"eagle3": 3.0, "suffix": 0.5, AR: 1.0})
     assert [t["kind"] for t in ctl.trace[-20:]].count("eagle3") >= 18
+
+
+def test_plan_serves_the_winners_of_the_buckets_that_take_the_time_and_brings_back_a_set_aside_arm():
+    """A generation serves the winners of the buckets that hold its decode time (not a tail bucket's noisy winner);
+    an arm set aside fades until it is planned again."""
+    rng = random.Random(2)
+    ch = Chooser(["eagle3", "mtp", "suffix", AR], seed=5)
+    assert ch.plan() == ["eagle3", "mtp", "suffix", AR]  # before every arm's tries: all
+    means = {64: {"eagle3": 1.2, "mtp": 1.5, "suffix": 0.8, AR: 1.0}, 1: {"eagle3": 2.0, "mtp": 1.0, "suffix": 1.0,
+                                                                          AR: 1.0}}
+    for _ in range(200):
+        for b, m, ms in ((64, means[64], 30.0), (1, means[1], 0.5)):  # bucket 1: ~2% of the time
+            arm = ch.pick(b)
+            ch.observe(b, arm, rng.gauss(m[arm], 0.05), ms)
+    plans = [ch.plan() for _ in range(20)]
+    assert sum(p == ["mtp", AR] for p in plans) >= 18, plans
+    later = [ch.plan() for _ in range(400)]  # eagle3 and suffix set aside: their evidence fades, draws widen
+    assert any("eagle3" in p for p in later) and any("suffix" in p for p in later)
+
+
+def test_a_generation_serves_and_reads_only_the_planned_members(make_engine, policy):
+    """With one member planned, the policy's forward returns only what it reads (no EAGLE-3 aux layers), the
+    generation has its state only, and the output is the AR output; a member not served is refused in one line."""
+    d = auto(policy, ("eagle3", "mtp", "suffix"))
+    assert d.generation_reads().aux_layers  # all planned: EAGLE-3's layers are read
+    d.plan(["mtp"])
+    assert d.generation_reads().aux_layers == () and d.generation_reads().final_hidden
+    st = d.new_state(2, 16)
+    assert list(st.states) == ["mtp"]
+    d.use("eagle3")
+    with pytest.raises(ValueError, match="'eagle3' is not served") as e:
+        d.propose(st, torch.zeros(2, 1, dtype=torch.long), torch.zeros(2, 1, policy.config.hidden_size),
+                  torch.ones(2, dtype=torch.long), torch.zeros(2, dtype=torch.long), 2, SamplingParams(), True)
+    assert "\n" not in str(e.value)
+    with pytest.raises(ValueError, match="plan names no member"):
+        d.plan(["draft_model"])
+    eng = make_engine(policy, d, k="auto", toggle=False, drafter_int8=False)
+    params = SamplingParams(temperature=0, max_new_tokens=24)
+    eng.generate(C.RAGGED_PROMPTS, params)  # warm-up: every arm is tried, then the plan narrows
+    ctl = eng.controller()
+    for _ in range(6):
+        sd = eng.generate(C.RAGGED_PROMPTS, params)
+        served = ctl.serving().planned
+        assert {t["kind"] for t in sd.timeline.schedule} <= {*served, AR}
+        assert sd.tokens == eng.generate(C.RAGGED_PROMPTS, params, speculative=False).tokens
 
 
 # ---- lossless: the shared engine contract ---------------------------------------------------------------------

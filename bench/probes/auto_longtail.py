@@ -1,0 +1,43 @@
+"""The long-tail comparison of bench_drafters alone (issue 20's chooser): each kind with toggle + auto k, and
+drafter.kind=auto, interleaved over many seeds; mean, median and spread of the wall times, auto over the best single.
+
+    python bench/probes/auto_longtail.py [repeats=20] [kinds=[eagle3,mtp,draft_model,suffix]] [out=/tmp/lt.json]
+"""
+import json
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
+from bench_drafters import DEFAULTS, long_tail  # noqa: E402
+
+from drafttrain.config import load_recipe, resolve_path, script_config  # noqa: E402
+from drafttrain.policy import encode_prompt, load_policy, make_prompts  # noqa: E402
+from drafttrain.spec import SamplingParams  # noqa: E402
+
+
+def main(cfg):
+    torch.set_num_threads(cfg.threads)
+    rc = load_recipe(cfg.recipe)
+    policy, tok = load_policy(str(resolve_path(rc.policy.path)))
+    probs = make_prompts(cfg.prompts, seed=cfg.seed)
+    prompts = [encode_prompt(tok, p.prompt) for p in probs for _ in range(cfg.group)]
+    params = SamplingParams(temperature=rc.sampling.temperature, max_new_tokens=cfg.max_new_tokens,
+                            stop_token_ids=(tok.eos_token_id,), seed=cfg.seed)
+    lt = long_tail(cfg, rc, policy, prompts, params)
+    runs = lt["wall_s_runs"]
+    med = {k: statistics.median(v) for k, v in runs.items()}
+    best_mean = min((k for k in runs if k not in ("auto", "ar")), key=lambda k: lt["wall_s"][k])
+    best_med = min((k for k in runs if k not in ("auto", "ar")), key=med.get)
+    for k, v in runs.items():
+        print(f"{k:12s} mean {statistics.fmean(v):.4f} sd {statistics.stdev(v):.4f} median {med[k]:.4f}")
+    print(f"auto/best mean {lt['wall_s']['auto'] / lt['wall_s'][best_mean]:.3f} ({best_mean}); "
+          f"median {med['auto'] / med[best_med]:.3f} ({best_med}); steps {lt['auto_kinds_steps']}")
+    Path(cfg.out).write_text(json.dumps({**lt, "median": med}, indent=1))
+
+
+if __name__ == "__main__":
+    main(script_config({**DEFAULTS, "kinds": ["eagle3", "mtp", "draft_model", "suffix"], "repeats": 20,
+                        "out": "/tmp/lt.json"}))
