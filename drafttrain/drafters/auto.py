@@ -109,6 +109,9 @@ class AutoDrafter(nn.Module):
         kind = self.current
         if kind not in st.states:
             raise ValueError(f"auto drafter: {kind!r} is not served in this generation (planned: {list(st.states)})")
+        if len(st.states) == 1:  # the engine's pending positions are exactly this member's: no copy of its own
+            return self.members[kind].propose(st.states[kind], new_ids, st.aux_of(kind, aux), n_new, start, k, params,
+                                              greedy_drafts, generator)
         for m in st.states:
             st.add(m, new_ids, st.aux_of(m, aux), n_new, start)
         d, q = self.members[kind].propose(st.states[kind], *st.backlog[kind].view(), k, params, greedy_drafts,
