@@ -74,7 +74,44 @@ def test_index_rebuilt_per_generation_keeps_history_generations():
     assert feed(d, st, [[2, 20, 21]])[0][0].tolist() == [22, 23, 23]
     st = d.new_state(1, 64, torch.tensor([[3]]))  # generation 3: generation 1 dropped, 2 kept
     assert feed(d, st, [[3, 20, 21]])[0][0].tolist() == [21, 21, 21]  # generation 2's "20 21" has no continuation
-    assert (2, 20) in d.index and (1, 20) not in d.index and (21, 22) not in d.index
+    assert d.counts((2, 20)) and d.counts((1, 20)) is None and d.counts((21, 22)) is None
+
+
+def brute_counts(texts, n0: int, n1: int) -> dict[tuple, dict[int, int]]:
+    """Every n-gram (n0..n1) of the texts whose next token is known -> its next tokens' counts."""
+    out: dict[tuple, dict[int, int]] = {}
+    for t in texts:
+        for e in range(len(t) - 1):
+            for n in range(n0, min(n1, e + 1) + 1):
+                c = out.setdefault(tuple(t[e - n + 1:e + 1]), {})
+                c[t[e + 1]] = c.get(t[e + 1], 0) + 1
+    return out
+
+
+def test_the_trie_counts_exactly_the_kept_generations_and_frees_what_it_drops():
+    """Over generations of random rows (history 1), with a synthetic timing call's re-written positions in between,
+    the index holds exactly the kept rows' n-gram counts: every n-gram a brute-force count has, and no other context
+    matches; dropping every generation leaves an empty trie (un-counted nodes are pruned)."""
+    g = torch.Generator().manual_seed(0)
+    d = SuffixDrafter(6, max_ngram=4, min_ngram=2, history=1)
+    kept = []
+    for gen in range(4):
+        rows = [torch.randint(0, 6, (int(torch.randint(2, 30, (1,), generator=g)),), generator=g).tolist()
+                for _ in range(5)]
+        st = d.new_state(5, 64, torch.tensor([[r[0]] for r in rows]))
+        feed(d, st, rows)
+        if gen == 1:  # a timing call re-writes row 0 from position 1: it must un-count what it overwrites
+            d.propose(st, torch.tensor([[3, 4]] * 5), None, torch.tensor([2] * 5), torch.zeros(5, dtype=torch.long),
+                      2, PARAMS, True)
+        kept = (kept + [[list(t) for t in st.rows]])[-2:]
+        want = brute_counts([t for gen_rows in kept for t in gen_rows], 2, 4)
+        for n in range(1, 6):
+            for ctx in {tuple(t[i:i + n]) for gen_rows in kept for t in gen_rows for i in range(len(t) - n + 1)}:
+                assert d.counts(ctx) == want.get(ctx), (gen, ctx)
+    d.history = 0
+    d.start_generation([])
+    d.start_generation([])
+    assert d.root == ({}, {})
 
 
 def test_sampled_drafts_come_with_the_continuation_frequencies():
