@@ -1,17 +1,20 @@
 """The drafter chooser (drafter.kind=auto): per decode step, which of several loaded drafters drafts, or none.
 
-Arms are the member kinds and "ar" (no drafting). Per power-of-two active-batch bucket, Thompson sampling over each
-arm's measured reward: a Gaussian posterior of its mean (exponentially forgetting, so a hot-swap or the policy's drift
-moves it), each arm tried min_tries times first; in a bucket where an arm has not run yet, it starts from the
-nearest bucket's estimate at the weight of one observation. The reward of a step is its measured speed-up over the
+Arms are the member kinds, and "ar" (no drafting) where engine.toggle is off (with it on, the chosen member's toggle
+decides SD on or off, as for a single kind). Per power-of-two active-batch bucket, each arm's measured reward has a
+Gaussian posterior of its mean (exponentially forgetting, so a hot-swap or the policy's drift moves it), each arm
+tried min_tries times first; in a bucket where an arm has not run yet, it starts from the nearest bucket's estimate
+at the weight of one observation. The reward of a step is its measured speed-up over the
 modelled AR step at that batch, tokens / B * T(B, 1) / step time: comparable across the batches a bucket spans
 (raw tokens/s grows with B, and which arm ran while the batch was larger would decide). Every step counts, a
 member's catch-up on the positions since it last drafted included: switching has that cost.
 
-Per generation (begin), plan() sets the members it serves: those that win some bucket's Thompson draw (every one
-until each has been tried), so a member no bucket favours costs nothing that generation (AutoDrafter.plan); a member
-set aside sees its evidence fade generation by generation, so that a drafter that got better (a hot-swap) comes
-back to be measured. Per step the draw is among the planned members and "ar".
+Thompson sampling, once per generation (begin: plan()): each bucket that holds a real share of the decode time gets
+the arm that wins its draw, and the generation serves those arms only (every one until each has been tried), so a
+member no bucket favours costs nothing that generation (AutoDrafter.plan); a member set aside sees its evidence
+fade generation by generation, so that a drafter that got better (a hot-swap) comes back to be measured. Per step
+(pick) a bucket takes its planned arm, a tail bucket the planned arm of best mean: no member switch but where the
+plan changes arm.
 
 ChooserController sits on top of the per-kind schedule: the chosen member's own SpecController (engine.k: fixed, auto
 or ladder; engine.toggle) sets k, and may still decide on an AR step. It has SpecController's engine-facing
@@ -31,10 +34,11 @@ AR = "ar"
 
 class Chooser:
     def __init__(self, arms: list[str], seed: int = 0, decay: float = 0.95, min_tries: int = 2,
-                 noise_floor: float = 0.05, plan_share: float = 0.1):
+                 noise_floor: float = 0.05, plan_share: float = 0.1, switch_margin: float = 0.05):
         self.arms, self.decay, self.min_tries, self.floor = list(arms), decay, min_tries, noise_floor
-        self.plan_share = plan_share
+        self.plan_share, self.switch_margin = plan_share, switch_margin
         self.ms: dict[int, float] = {}  # bucket -> decode time measured there (its share of a generation: plan)
+        self.assigned: dict[int, str] = {}  # bucket -> its arm in this generation (plan)
         self.stats: dict[tuple[int, str], list[float]] = {}  # (bucket, arm) -> [n_eff, mean, var]
         self.tries: dict[str, int] = dict.fromkeys(self.arms, 0)  # steps each arm was rewarded for, any bucket
         self.gen = torch.Generator().manual_seed(seed)
@@ -53,27 +57,41 @@ class Chooser:
         return mean + math.sqrt(max(var, self.floor ** 2) / n) * float(torch.randn((), generator=self.gen))
 
     def pick(self, batch: int, arms: list[str] | None = None) -> str:
-        """One arm for a step at `batch`, among `arms` (default: all)."""
+        """One arm for a step at `batch`, among `arms` (default: all): every arm min_tries times first, then the plan's
+        arm for the bucket, else the best posterior mean. No draw per step: with close arms, per-step draws switched
+        member every few steps, and each switch pays the new member's catch-up on every position since it drafted."""
         arms = self.arms if arms is None else arms
         b = _bucket(batch)
         for arm in arms:  # every arm a few times first (wherever the batch is then), in order
             if self.tries[arm] < self.min_tries:
                 return arm
-        draws = {arm: self._draw(b, arm) for arm in arms}
-        return max(draws, key=draws.get)
+        if self.assigned.get(b) in arms:
+            return self.assigned[b]
+        return max(arms, key=lambda a: self._posterior(b, a)[1])
 
     def plan(self, keep: str = AR) -> list[str]:
-        """The arms the next generation serves: the Thompson winner of each bucket that takes at least plan_share of
-        the measured decode time (an arm not yet tried min_tries times: all). The tail's few-row buckets take little
-        time and are measured seldom and noisily: planning for them kept a third member ready all generation for a
-        few steps at its end. An arm set aside loses a share (1 - decay) of its evidence in every bucket, down to a
+        """The arms the next generation serves, and the arm of each bucket that takes at least plan_share of the
+        measured decode time: its Thompson draw's winner (the exploration; an arm not yet tried min_tries times: all
+        arms, none assigned); a smaller bucket keeps the larger one's arm unless its winner draws switch_margin more.
+        The tail's few-row buckets take little time and are measured seldom and noisily:
+        planning for them kept a third member ready all generation for a few steps at its end; they take the best
+        planned arm (pick). An arm set aside loses a share (1 - decay) of its evidence in every bucket, down to a
         floor, so that its draws widen until one wins again and it is measured afresh."""
+        self.assigned = {}
         if any(self.tries[a] < self.min_tries for a in self.arms):
             return list(self.arms)
         total = sum(self.ms.values())
         buckets = sorted(b for b, ms in self.ms.items() if ms >= self.plan_share * total)
-        won = {max(self.arms, key=lambda a, b=b: self._draw(b, a)) for b in buckets}
-        won.add(keep)
+        prev = None
+        for b in reversed(buckets):  # as a generation runs: from the full batch down
+            draws = {a: self._draw(b, a) for a in self.arms}
+            best = max(draws, key=draws.get)
+            if prev is not None and draws[best] <= (1 + self.switch_margin) * draws[prev]:
+                best = prev  # a switch pays the new member's catch-up: only for a clear gain
+            self.assigned[b] = prev = best
+        won = set(self.assigned.values())
+        if keep in self.arms:
+            won.add(keep)
         for (b, arm), st in self.stats.items():
             if arm not in won:
                 st[0] = max(self.decay * st[0], 0.01)
@@ -109,11 +127,15 @@ class ChooserController:
         self.ctls: dict[str, SpecController] = {k: make_ctl() for k in kinds}
         self.k_max = max(c.k_max for c in self.ctls.values())
         self.mode = "auto"  # the engine calibrates a chooser's cost model always
-        self.chooser = Chooser([*kinds, AR], seed=seed)
+        # "none" is an arm only without the toggle: with it, the chosen member's own toggle decides SD on or off (a
+        # second, chooser-level AR arm trapped the long tail in AR: a member's first step back after AR steps pays
+        # its catch-up, scores low, and AR kept winning the few-row buckets, 14 AR steps where SD paid ~2x)
+        self.ar_arm = not any(c.toggle for c in self.ctls.values())
+        self.chooser = Chooser([*kinds, *([AR] if self.ar_arm else [])], seed=seed)
         self.trace: list[dict] = []
         self.step = 0
         self._arm = AR
-        self.planned = [*kinds, AR]  # the arms this generation serves (begin)
+        self.planned = list(self.chooser.arms)  # the arms this generation serves (begin)
         self._pending: tuple[int, str, float] | None = None  # (batch, arm, ms) of the step whose tokens come next
 
     @property
@@ -139,14 +161,14 @@ class ChooserController:
             ctl.cost.set_draft(_draft_ms(engine, ctl.cost.draft_ms, self.k_max))
 
     def begin(self) -> None:
-        """A generation starts: the members it serves (Chooser.plan; "ar" is always an arm)."""
+        """A generation starts: the members it serves (Chooser.plan; "ar" stays an arm where it is one)."""
         for c in self.ctls.values():
             c.begin()
         self._pending = None
         self.planned = self.chooser.plan()
         members = [a for a in self.planned if a != AR] or [max(self.ctls, key=lambda k: self.chooser.tries[k])]
         self.serving().plan(members)
-        self.planned = [*members, AR]
+        self.planned = [*members, *([AR] if self.ar_arm else [])]
 
     def decide(self, batch: int) -> int:
         arm = self.chooser.pick(batch, self.planned)
@@ -170,10 +192,10 @@ class ChooserController:
         self._pending = None
 
     def observe_step(self, batch: int, k: int, ms: float, typical: bool = True) -> None:
-        if self._arm != AR:
+        if k > 0:
             self.ctls[self._arm].observe_step(batch, k, ms, typical)
-        elif typical:
-            for c in self.ctls.values():  # an AR step informs every member's AR timing
+        elif typical:  # an AR step (the AR arm, or a member's toggle off) informs every member's AR timing
+            for c in self.ctls.values():
                 c.observe_step(batch, 0, ms)
         self._pending = (batch, self._arm, ms)
 

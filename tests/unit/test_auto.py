@@ -107,6 +107,41 @@ def test_plan_serves_the_winners_of_the_buckets_that_take_the_time_and_brings_ba
     assert any("eagle3" in p for p in later) and any("suffix" in p for p in later)
 
 
+def test_with_the_toggle_the_members_toggle_decides_ar_and_a_generation_does_not_switch_back_and_forth():
+    """engine.toggle on: no chooser-level AR arm (it trapped the long tail in AR: a member's first step after AR
+    steps pays its catch-up and scores low); a member's AR step informs every member's AR timing. Within a
+    generation a bucket keeps its planned arm: no switch per step between close members."""
+    cost = CostModel({b: {m: 10.0 for m in range(1, 10)} for b in (1, 64)}, {1: 1.0, 64: 1.0})
+
+    def make():
+        c = SpecController(3, 8, True)
+        c.cost = cost
+        return c
+
+    serving = _Serving()
+    ctl = ChooserController(["eagle3", "mtp"], lambda: serving, make, seed=0)
+    assert ctl.chooser.arms == ["eagle3", "mtp"]
+    ctl.ctls["mtp"].on = False  # mtp's own toggle is off: its step is an AR step
+    ctl._arm = "mtp"
+    ctl.observe_step(64, 0, 12.0)
+    assert all(c.factor[("ar", 64)] == pytest.approx(1.2) for c in ctl.ctls.values())
+    for arm in ("eagle3", "mtp"):  # two members of equal measured speed at batch 64 and 32, both buckets busy
+        ctl.chooser.tries[arm] = 5
+        ctl.chooser.stats[(64, arm)] = [5.0, 3.0, 0.25]
+        ctl.chooser.stats[(32, arm)] = [5.0, 3.0, 0.25]
+    ctl.chooser.ms.update({64: 100.0, 32: 100.0})
+    served = []
+    for _ in range(16):
+        ctl.begin()
+        for b in (64,) * 6 + (32,) * 6:
+            ctl.decide(b)
+        for b in (64, 32):
+            arms = {t["kind"] for t in ctl.trace[-12:] if t["batch"] == b}
+            assert len(arms) == 1, ctl.trace[-12:]  # a bucket keeps one member all generation
+            served += arms
+    assert set(served) == {"eagle3", "mtp"}  # the exploring is per generation: both get generations
+
+
 def test_a_generation_serves_and_reads_only_the_planned_members(make_engine, policy):
     """With one member planned, the policy's forward returns only what it reads (no EAGLE-3 aux layers), the
     generation has its state only, and the output is the AR output; a member not served is refused in one line."""
@@ -163,6 +198,42 @@ def test_every_member_drafts_and_catches_up(make_engine, policy):
     assert sd.tokens == ar.tokens
     kinds = {t["kind"] for t in eng.controller().trace}
     assert kinds == {"eagle3", "mtp", "suffix", AR}, kinds
+
+
+# ---- online training: the trainable members together -----------------------------------------------------------
+
+def test_members_learn_on_a_drifted_policy(make_engine, policy):
+    """The members that train (MTP, draft model) learn together; the suffix drafter rides along (no weights)."""
+    d = auto(policy, ("suffix", "draft_model", "mtp"))
+    assert d.trains and d.scored == "draft_model"  # the first trainable member is scored
+    before = {k: v.clone() for k, v in d.state_dict().items()}
+    C.learns_on_drifted_policy(make_engine, policy, d)
+    moved = {k.split(".")[0] for k, v in d.state_dict().items() if not torch.equal(v, before[k])}
+    assert moved == {"mtp", "draft_model"}, moved
+
+
+def test_the_loss_is_the_sum_of_the_members_and_scoring_reads_the_scored_ones_columns(policy):
+    """Each member's loss on its own columns of the captured union; ttt_logits are the scored member's."""
+    from drafttrain.tracking.capture import teacher_forced_features
+
+    d = auto(policy, ("eagle3", "mtp", "suffix"))
+    assert d.reads.aux_layers and d.reads.final_hidden
+    prompts, resp = [[1, 2, 3, 4]] * 2, [[5, 6, 7, 8, 9, 10]] * 2
+    f = teacher_forced_features(policy, prompts, resp, d.reads, 3)
+    args = (f["next_ids"], f["target_probs"], f["valid"], 3, 0.8)
+    total, _ = d.ttt_loss(f["aux"], *args, first_ids=f["first_ids"])
+    e3, mt = d.members["eagle3"], d.members["mtp"]
+    H = policy.config.hidden_size
+    A = len(e3.reads.aux_layers)
+    want = (e3.ttt_loss(f["aux"][..., :A * H], *args)[0] + mt.ttt_loss(f["aux"][..., A * H:], *args)[0])
+    assert torch.allclose(total, want)
+    got = d.ttt_logits(f["aux"], f["next_ids"], 3)
+    assert all(torch.equal(a, b) for a, b in zip(got, e3.ttt_logits(f["aux"][..., :A * H], f["next_ids"], 3)))
+    assert torch.equal(d.draft_ids(), e3.draft_ids())
+    served = auto(policy, ("suffix",))
+    assert not served.trains
+    with pytest.raises(ValueError, match="no member trains"):
+        served.draft_ids()
 
 
 @pytest.mark.parametrize("override,key", [(["drafter.auto.paths=[null]"], "drafter.auto.paths"),
