@@ -11,9 +11,13 @@ call, as a drafter does after AR steps. What they read from the policy's forward
 layer inputs in ascending order, then the final hidden state); each gets its own columns. `reads` is every
 member's union: what the policy must be able to give (check_compatible).
 
-Members are served as loaded (drafter.auto.kinds, each from drafter.auto.paths: a checkpoint, or null for a fresh
-one): the tracker does not train them in this mode yet. Weights are the members' own, under "<kind>." prefixes, so
-a hot-swap with that layout loads every member, each validated by its own load_state_dict.
+Members start as loaded (drafter.auto.kinds, each from drafter.auto.paths: a checkpoint, or null for a fresh one).
+The tracker trains the trainable ones together, as one drafter: the loss of a training step is the sum of theirs
+(each member's own loss, on its own columns of the captured union), one optimizer steps them all, and an update
+publishes them all. The publish gate, the canary's teacher-forced acceptance and the report's live/frozen MAL score
+one member, `scored`: the first trainable member in drafter.auto.kinds (ttt_logits / draft_ids are its). Weights are
+the members' own, under "<kind>." prefixes, so a hot-swap with that layout loads every member, each validated by its
+own load_state_dict.
 """
 from __future__ import annotations
 
@@ -39,7 +43,6 @@ def union_reads(members) -> tuple[Reads, dict[str, torch.Tensor | None]]:
 class AutoDrafter(nn.Module):
     kind = "auto"
     follows_policy = False
-    trains = False  # members are served as loaded: the tracker does not train them in this mode
 
     def __init__(self, members: dict[str, nn.Module], runtime_copy):
         super().__init__()
@@ -47,8 +50,11 @@ class AutoDrafter(nn.Module):
             raise ValueError("drafter.auto.kinds: give at least one drafter kind")
         self.members = nn.ModuleDict(members)
         self._runtime_copy = runtime_copy  # drafters/base.py's (handed in: the registry imports this module)
-        self._reads = union_reads(members)[0]
+        self._reads, self._train_blocks = union_reads(members)  # features are captured for the full union
         self.planned = list(members)  # the members the next generation serves (plan())
+        trainable = [k for k, m in members.items() if getattr(m, "trains", False)]
+        self.trains = bool(trainable)  # the tracker trains the trainable members (none: served as loaded)
+        self.scored = trainable[0] if trainable else None  # the member the gate and the report score
         self.current = next(iter(members))  # the member the next propose drafts with (the chooser sets it)
 
     @property
@@ -94,6 +100,39 @@ class AutoDrafter(nn.Module):
         for m in self.members.values():
             if hasattr(m, "bind_policy"):
                 m.bind_policy(policy)
+
+    # ---- training: the trainable members together, scored on one --------------------------------------------------
+    def _train_aux(self, kind: str, aux):
+        """The member's columns of captured features (the full union's)."""
+        b = self._train_blocks[kind]
+        if b is None:
+            return aux[..., :0]
+        H = aux.shape[-1] // (len(self._reads.aux_layers) + self._reads.final_hidden)
+        return aux[..., (b.view(-1, 1) * H + torch.arange(H).view(1, -1)).flatten()]
+
+    def ttt_loss(self, aux, next_ids, target_probs, valid, steps: int, decay: float, query_frac: float = 1.0,
+                 generator=None, first_ids=None):
+        """The sum of the trainable members' losses; the per-step accuracy is the scored member's."""
+        total, accs = 0.0, []
+        for kind, m in self.members.items():
+            if getattr(m, "trains", False):
+                loss, a = m.ttt_loss(self._train_aux(kind, aux), next_ids, target_probs, valid, steps, decay,
+                                     query_frac, generator, first_ids=first_ids)
+                total = total + loss
+                accs = a if kind == self.scored else accs
+        return total, accs
+
+    def _scored(self):
+        if self.scored is None:
+            raise ValueError(f"auto drafter: no member trains (members {self.kinds}): nothing to score")
+        return self.members[self.scored]
+
+    def ttt_logits(self, aux, next_ids, steps: int, queries=None, first_ids=None) -> list:
+        return self._scored().ttt_logits(self._train_aux(self.scored, aux), next_ids, steps, queries,
+                                         first_ids=first_ids)
+
+    def draft_ids(self):
+        return self._scored().draft_ids()
 
     # ---- the engine's calls -------------------------------------------------------------------------------------
     def new_state(self, batch: int, max_len: int, prompts: torch.Tensor | None = None) -> "AutoState":
