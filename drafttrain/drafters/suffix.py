@@ -48,7 +48,7 @@ class SuffixDrafter(nn.Module):
                              f"got {min_ngram}")
         self.vocab_size, self.max_ngram, self.min_ngram, self.history = vocab_size, max_ngram, min_ngram, history
         self.texts: deque[list[list[int]]] = deque()  # per generation (oldest first): its rows' texts
-        self.root: tuple[dict, dict] = ({}, {})  # trie node: (children by the token one further back, next-token counts)
+        self.root: tuple[dict, dict] = ({}, {})  # trie node: (children by the token one further back, next counts)
 
     # ---- no weights ---------------------------------------------------------------------------------------------
     def state_dict(self, *args, **kwargs) -> dict:
