@@ -13,7 +13,8 @@ Per kind (eagle3, mtp and draft_model from their shipped checkpoints in checkpoi
 Long tail: the GRPO batch's wall time with SD + toggle + auto k for each kind and for drafter.kind=auto over every
 member kind, and AR's, interleaved over `repeats` sampling seeds (bench_longtail's method) after `warmup` batches
 each (a running job's engine has seen the earlier steps' batches: the schedule and the chooser have learnt);
-auto_over_best = auto's mean wall time over the best single kind's; suffix_speedup_over_ar = AR's over the suffix
+auto_over_best = auto's mean wall time over the best single kind's (wall_s_sd: each one's spread over the seeds; a batch
+is ~0.2 s and varies ~10% from seed to seed, so 20 seeds); suffix_speedup_over_ar = AR's over the suffix
 drafter's.
 Tracking (tracking=true): the main job's default run for each trainable kind (its recipe, `track_steps` RL steps;
 null = the recipe's; track_overrides: more recipe keys), and live over frozen teacher-forced MAL over the run's last
@@ -45,7 +46,7 @@ from drafttrain.spec import SamplingParams
 from drafttrain.tracking import DrafterTrainer, FeatureBuffer, teacher_forced_features
 
 DEFAULTS = dict(recipe="eagle3_track", kinds=["eagle3", "mtp", "draft_model", "selfquant", "suffix"], prompts=8,
-                group=8, max_new_tokens=256, repeats=5, warmup=3, batches=[1, 8, 64], seed=4321, tracking=True,
+                group=8, max_new_tokens=256, repeats=20, warmup=3, batches=[1, 8, 64], seed=4321, tracking=True,
                 track_steps=None, track_overrides=[], out="bench/drafters.json", threads=2)
 TRAINABLE = ("eagle3", "mtp", "draft_model")
 
@@ -123,9 +124,10 @@ def long_tail(cfg, rc, policy, prompts, params) -> dict:
         engines[kind] = (eng, True)
     runs = interleaved(engines, prompts, lambda rep: replace(params, seed=cfg.seed + 1000 * rep), cfg.repeats)
     wall = {key: statistics.fmean(r.wall_s for r in rs) for key, rs in runs.items()}
+    sd = {key: statistics.stdev(r.wall_s for r in rs) if len(rs) > 1 else 0.0 for key, rs in runs.items()}
     best = min((k for k in kinds if k != "auto"), key=wall.get)
     trace = runs["auto"][-1].timeline.schedule
-    return {"wall_s": wall, "wall_s_runs": {key: [r.wall_s for r in rs] for key, rs in runs.items()},
+    return {"wall_s": wall, "wall_s_sd": sd, "wall_s_runs": {key: [r.wall_s for r in rs] for key, rs in runs.items()},
             "best_single": best, "auto_over_best": wall["auto"] / wall[best],
             "auto_kinds_steps": {k: sum(t.get("kind") == k for t in trace) for k in [*kinds, "ar"]},
             "auto_trace": trace}
@@ -153,7 +155,8 @@ def tracking(cfg, kind: str) -> dict:
             "run": str(out)}
 
 
-def main(cfg) -> dict:
+def setup(cfg):
+    """(recipe, policy, tokenizer, the GRPO batch's problems and prompt ids, its sampling params)."""
     torch.set_num_threads(cfg.threads)
     rc = load_recipe(cfg.recipe)
     policy, tok = load_policy(str(resolve_path(rc.policy.path)))
@@ -161,6 +164,11 @@ def main(cfg) -> dict:
     prompts = [encode_prompt(tok, p.prompt) for p in probs for _ in range(cfg.group)]
     params = SamplingParams(temperature=rc.sampling.temperature, max_new_tokens=cfg.max_new_tokens,
                             stop_token_ids=(tok.eos_token_id,), seed=cfg.seed)
+    return rc, policy, tok, probs, prompts, params
+
+
+def main(cfg) -> dict:
+    rc, policy, tok, probs, prompts, params = setup(cfg)
     rows = [per_kind(cfg, rc, policy, kind, prompts, params, probs, tok) for kind in cfg.kinds]
     lt = long_tail(cfg, rc, policy, prompts, params)
     result = {"kinds": rows, "long_tail": lt, "auto_over_best": lt["auto_over_best"],

@@ -8,24 +8,14 @@ import statistics
 import sys
 from pathlib import Path
 
-import torch
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
-from bench_drafters import DEFAULTS, long_tail  # noqa: E402
+from bench_drafters import DEFAULTS, long_tail, setup  # noqa: E402
 
-from drafttrain.config import load_recipe, resolve_path, script_config  # noqa: E402
-from drafttrain.policy import encode_prompt, load_policy, make_prompts  # noqa: E402
-from drafttrain.spec import SamplingParams  # noqa: E402
+from drafttrain.config import script_config  # noqa: E402
 
 
 def main(cfg):
-    torch.set_num_threads(cfg.threads)
-    rc = load_recipe(cfg.recipe)
-    policy, tok = load_policy(str(resolve_path(rc.policy.path)))
-    probs = make_prompts(cfg.prompts, seed=cfg.seed)
-    prompts = [encode_prompt(tok, p.prompt) for p in probs for _ in range(cfg.group)]
-    params = SamplingParams(temperature=rc.sampling.temperature, max_new_tokens=cfg.max_new_tokens,
-                            stop_token_ids=(tok.eos_token_id,), seed=cfg.seed)
+    rc, policy, _, _, prompts, params = setup(cfg)
     lt = long_tail(cfg, rc, policy, prompts, params)
     runs = lt["wall_s_runs"]
     med = {k: statistics.median(v) for k, v in runs.items()}
