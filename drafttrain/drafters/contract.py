@@ -41,6 +41,13 @@ class Reads:
         return bool(self.aux_layers) or self.final_hidden
 
 
+def generation_reads(drafter) -> Reads:
+    """What the policy's forward must return for the drafter's next generation (and so what its new_state expects):
+    its reads, or, for a drafter that plans which members a generation serves (drafter.kind=auto), theirs."""
+    plan = getattr(drafter, "generation_reads", None)
+    return plan() if plan is not None else drafter.reads
+
+
 class Drafter(Protocol):
     kind: str
     follows_policy: bool

@@ -200,6 +200,18 @@ def test_every_member_drafts_and_catches_up(make_engine, policy):
     assert kinds == {"eagle3", "mtp", "suffix", AR}, kinds
 
 
+def test_timing_an_engine_whose_generation_serves_some_members(make_engine, policy):
+    """measure_costs (a benchmark's, a swap's recalibration) on an auto engine after a narrowed plan: it hands
+    new_state's members the columns they read (it built the full union's and mtp's fc got 4 blocks: a shape error)."""
+    from drafttrain.engines.schedule import measure_costs
+
+    d = auto(policy, ("eagle3", "mtp"))
+    eng = make_engine(policy, d, k=2, drafter_int8=False)
+    eng.drafter.plan(["mtp"])
+    eng.drafter.use("mtp")
+    assert measure_costs(eng, 2, [], 2, repeats=1)["draft_ms_per_token"] > 0
+
+
 # ---- online training: the trainable members together -----------------------------------------------------------
 
 def test_members_learn_on_a_drifted_policy(make_engine, policy):
