@@ -4,10 +4,10 @@ Arms are the member kinds, and "ar" (no drafting) where engine.toggle is off (wi
 decides SD on or off, as for a single kind). Per power-of-two active-batch bucket, each arm's measured reward has a
 Gaussian posterior of its mean (exponentially forgetting, so a hot-swap or the policy's drift moves it), each arm
 tried min_tries times first; in a bucket where an arm has not run yet, it starts from the nearest bucket's estimate
-at the weight of one observation. The reward of a step is its measured speed-up over the
-modelled AR step at that batch, tokens / B * T(B, 1) / step time: comparable across the batches a bucket spans
-(raw tokens/s grows with B, and which arm ran while the batch was larger would decide). Every step counts, a
-member's catch-up on the positions since it last drafted included: switching has that cost.
+at the weight of one observation. The reward of a step is its measured speed-up over the modelled AR step at that
+batch, tokens / B * T(B, 1) / step time: comparable across the batches a bucket spans (raw tokens/s grows with B,
+and which arm ran while the batch was larger would decide). Every step counts, a member's catch-up on the positions
+since it last drafted included: switching has that cost.
 
 Thompson sampling, once per generation (begin: plan()): each bucket that holds a real share of the decode time gets
 the arm that wins its draw, and the generation serves those arms only (every one until each has been tried), so a
@@ -73,10 +73,10 @@ class Chooser:
         """The arms the next generation serves, and the arm of each bucket that takes at least plan_share of the
         measured decode time: its Thompson draw's winner (the exploration; an arm not yet tried min_tries times: all
         arms, none assigned); a smaller bucket keeps the larger one's arm unless its winner draws switch_margin more.
-        The tail's few-row buckets take little time and are measured seldom and noisily:
-        planning for them kept a third member ready all generation for a few steps at its end; they take the best
-        planned arm (pick). An arm set aside loses a share (1 - decay) of its evidence in every bucket, down to a
-        floor, so that its draws widen until one wins again and it is measured afresh."""
+        The tail's few-row buckets take little time and are measured seldom and noisily: planning for them kept a
+        third member ready all generation for a few steps at its end; they take the best planned arm (pick). An arm
+        set aside loses a share (1 - decay) of its evidence in every bucket, down to a floor, so that its draws widen
+        until one wins again and it is measured afresh."""
         self.assigned = {}
         if any(self.tries[a] < self.min_tries for a in self.arms):
             return list(self.arms)
