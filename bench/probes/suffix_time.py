@@ -2,22 +2,13 @@
 draft; wrapped timers over 10 batches after 3 warm-up ones), and its wall time beside AR's."""
 import sys, time, statistics
 from dataclasses import replace
-import torch
 sys.path.insert(0, "scripts")
-from bench_drafters import DEFAULTS, drafter_cfg, engine
-from drafttrain.config import load_recipe, resolve_path, script_config
+from bench_drafters import DEFAULTS, drafter_cfg, engine, setup
+from drafttrain.config import script_config
 from drafttrain.drafters import build_drafter
 from drafttrain.drafters import suffix as S
-from drafttrain.policy import encode_prompt, load_policy, make_prompts
-from drafttrain.spec import SamplingParams
-torch.set_num_threads(2)
 cfg = script_config({**DEFAULTS})
-rc = load_recipe(cfg.recipe)
-policy, tok = load_policy(str(resolve_path(rc.policy.path)))
-probs = make_prompts(cfg.prompts, seed=cfg.seed)
-prompts = [encode_prompt(tok, p.prompt) for p in probs for _ in range(cfg.group)]
-params = SamplingParams(temperature=rc.sampling.temperature, max_new_tokens=cfg.max_new_tokens,
-                        stop_token_ids=(tok.eos_token_id,), seed=cfg.seed)
+rc, policy, _, _, prompts, params = setup(cfg)
 T = {"new_state": 0.0, "propose": 0.0, "extend": 0.0, "draft": 0.0}
 def wrap(name, cls):
     f = getattr(cls, name)
