@@ -40,6 +40,15 @@ def union_reads(members) -> tuple[Reads, dict[str, torch.Tensor | None]]:
     return Reads(aux_layers=tuple(layers), final_hidden=final), cols
 
 
+def member_columns(blocks: torch.Tensor, per: int, H: int) -> slice | torch.Tensor | None:
+    """A member's columns of a union's features [..., per * H], from its block indices in the union (union_reads):
+    None where it reads them all, a slice where its blocks are adjacent (a view), else an index."""
+    b = blocks.tolist()
+    if b == list(range(b[0], b[0] + len(b))):
+        return None if len(b) == per else slice(b[0] * H, (b[-1] + 1) * H)
+    return (blocks.view(-1, 1) * H + torch.arange(H).view(1, -1)).flatten()
+
+
 class AutoDrafter(nn.Module):
     kind = "auto"
     follows_policy = False
@@ -107,8 +116,9 @@ class AutoDrafter(nn.Module):
         b = self._train_blocks[kind]
         if b is None:
             return aux[..., :0]
-        H = aux.shape[-1] // (len(self._reads.aux_layers) + self._reads.final_hidden)
-        return aux[..., (b.view(-1, 1) * H + torch.arange(H).view(1, -1)).flatten()]
+        per = len(self._reads.aux_layers) + self._reads.final_hidden
+        cols = member_columns(b, per, aux.shape[-1] // per)
+        return aux if cols is None else aux[..., cols]
 
     def ttt_loss(self, aux, next_ids, target_probs, valid, steps: int, decay: float, query_frac: float = 1.0,
                  generator=None, first_ids=None):
@@ -171,18 +181,12 @@ class AutoState:
         self._cols: dict[str, slice | torch.Tensor | None] = {}  # member -> its aux columns (None: all of them)
 
     def aux_of(self, kind: str, aux):
-        """The member's columns of the engine's aux: a slice where its blocks are adjacent (a view), else an index."""
+        """The member's columns of the engine's aux (member_columns)."""
         b = self._blocks[kind]
         if b is None or aux is None:
             return None
         if kind not in self._cols:  # once per member and generation: propose runs at every decode step
-            H = aux.shape[-1] // self._per
-            blocks = b.tolist()
-            if blocks == list(range(blocks[0], blocks[0] + len(blocks))):
-                cols = None if len(blocks) == self._per else slice(blocks[0] * H, (blocks[-1] + 1) * H)
-            else:
-                cols = (b.view(-1, 1) * H + torch.arange(H).view(1, -1)).flatten()
-            self._cols[kind] = cols
+            self._cols[kind] = member_columns(b, self._per, aux.shape[-1] // self._per)
         cols = self._cols[kind]
         return aux if cols is None else aux[..., cols]
 
