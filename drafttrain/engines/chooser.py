@@ -69,7 +69,7 @@ class Chooser:
             return self.assigned[b]
         return max(arms, key=lambda a: self._posterior(b, a)[1])
 
-    def plan(self, keep: str = AR) -> list[str]:
+    def plan(self) -> list[str]:
         """The arms the next generation serves, and the arm of each bucket that takes at least plan_share of the
         measured decode time: its Thompson draw's winner (the exploration; an arm not yet tried min_tries times: all
         arms, none assigned); a smaller bucket keeps the larger one's arm unless its winner draws switch_margin more.
@@ -89,9 +89,7 @@ class Chooser:
             if prev is not None and draws[best] <= (1 + self.switch_margin) * draws[prev]:
                 best = prev  # a switch pays the new member's catch-up: only for a clear gain
             self.assigned[b] = prev = best
-        won = set(self.assigned.values())
-        if keep in self.arms:
-            won.add(keep)
+        won = {*self.assigned.values(), *([AR] if AR in self.arms else [])}  # "ar", where an arm, stays one
         for (b, arm), st in self.stats.items():
             if arm not in won:
                 st[0] = max(self.decay * st[0], 0.01)
@@ -165,8 +163,7 @@ class ChooserController:
         for c in self.ctls.values():
             c.begin()
         self._pending = None
-        self.planned = self.chooser.plan()
-        members = [a for a in self.planned if a != AR] or [max(self.ctls, key=lambda k: self.chooser.tries[k])]
+        members = [a for a in self.chooser.plan() if a != AR] or [max(self.ctls, key=lambda k: self.chooser.tries[k])]
         self.serving().plan(members)
         self.planned = [*members, *([AR] if self.ar_arm else [])]
 
