@@ -16,13 +16,14 @@ accepted more where the siblings took different turns (mean accepted length on t
 The index is a suffix trie over contexts read backwards: the root's children are keyed by a context's last token,
 theirs by the one before, and a node at depth n >= min_ngram counts the tokens that followed its n-gram. Counting a
 position walks one path (max_ngram dict steps); the longest match of a context is the deepest node with counts on
-its path. (A dict of n-gram tuples did the same with max_ngram - min_ngram + 1 tuples built and hashed per position
-and lookup: ~2x the time, bench/NOTES.md.)
+its path. Against a dict of n-gram tuples, lookups cost more (a walk, where the dict mostly matched the longest
+n-gram at once) and a generation's start less; about even per batch at history 2 (bench/NOTES.md). What the trie
+buys is the history: un-counting one generation costs the same however many are kept.
 
 A generation's rows are texts (prompt + committed response tokens) from its new_state on; every position of a kept
 row whose next token is known is counted once. The texts of the last drafter.suffix.history generations stay: when a
 generation starts (once per RL step), the oldest one past the history is un-counted (its emptied nodes pruned),
-rather than the index rebuilt from every kept text (~11 ms of a 0.25 s long-tail batch). Pure Python over dicts:
+rather than the index rebuilt from every kept text (~9 ms of a 0.25 s long-tail batch at history 2). Pure Python:
 microseconds per position, far below a verify step.
 """
 from __future__ import annotations
