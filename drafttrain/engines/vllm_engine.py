@@ -160,9 +160,9 @@ class VllmEngine:
         if kind not in DRAFTERS:
             raise ValueError(f"drafter: the vLLM engine serves registered drafter kinds ({', '.join(DRAFTERS)}), got "
                              f"{kind or type(drafter).__name__!r}")
-        check_compatible(drafter, SimpleNamespace(config=SimpleNamespace(**self.target)))  # as the embedded engine
         self._form = DRAFTERS[kind].vllm_form(kind)  # the kind's vLLM form (engines/vllm_forms.py)
         out = self._form.write(drafter, policy_dir, self._tmp / "drafter", int(self.cfg.k), self.target)
+        check_compatible(drafter, SimpleNamespace(config=SimpleNamespace(**self.target)))  # as the embedded engine
         self._template, self._method = self._form.template(drafter), self._form.method
         return out
 
