@@ -5,25 +5,13 @@ import time
 
 from torch.profiler import ProfilerActivity, profile
 
-from drafttrain.config import load_recipe, resolve_path, sampling_params
-from drafttrain.data import Prompts, stop_ids
+from drafter_step_cost import setup  # run from anywhere: python puts this script's folder on the path
+
 from drafttrain.drafters import build_drafter
-from drafttrain.engines import build_engine
-from drafttrain.policy import load_policy
-from drafttrain.tracking import DrafterTrainer, FeatureBuffer, teacher_forced_features
+from drafttrain.tracking import DrafterTrainer
 from drafttrain.tracking.buffer import collate
 
-cfg = load_recipe("eagle3_track")
-policy, tok = load_policy(str(resolve_path(cfg.policy.path)))
-src = Prompts(cfg, tok, stop_ids(policy, tok))
-prompts = [src.encode(r) for r in src.rows(128, seed=5)]
-resp = build_engine(cfg.engine, policy).generate(prompts, sampling_params(cfg, stop_token_ids=src.stop_ids, seed=5),
-                                                 speculative=False).tokens
-drafter = build_drafter(cfg.drafter, policy)
-buf = FeatureBuffer(256 << 20, seed=0)
-for i in range(0, 128, 16):
-    buf.add(teacher_forced_features(policy, prompts[i:i + 16], resp[i:i + 16], drafter.aux_layer_ids,
-                                    cfg.drafter.ttt_steps))
+cfg, policy, buf = setup()
 tr = DrafterTrainer(build_drafter(cfg.drafter, policy), cfg.train, cfg.drafter)
 batches = [collate(g, buf.steps) for g in buf.sample_groups(cfg.train.batch_size, 12)]
 for b in batches[:3]:  # warm-up
