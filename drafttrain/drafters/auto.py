@@ -13,13 +13,16 @@ member's union: what the policy must be able to give (check_compatible).
 
 Members start as loaded (drafter.auto.kinds, each from drafter.auto.paths: a checkpoint, or null for a fresh one).
 The tracker trains the trainable ones together, as one drafter: the loss of a training step is the sum of theirs
-(each member's own loss, on its own columns of the captured union), one optimizer steps them all, and an update
-publishes them all. The publish gate, the canary's teacher-forced acceptance and the report's live/frozen MAL score
-one member, `scored`: the first trainable member in drafter.auto.kinds (ttt_logits / draft_ids are its). Weights are
-the members' own, under "<kind>." prefixes, so a hot-swap with that layout loads every member, each validated by its
-own load_state_dict.
+(each member's own loss, on its own columns of the captured union) and one optimizer steps them all. With several
+trainable members, each is gated and canaried on its own (tracking/members.py): an update publishes the members
+that beat their serving weights, and a member that fails its canary is rolled back alone. ttt_logits / draft_ids
+are the `scored` member's: the first trainable one in drafter.auto.kinds (the report's live/frozen MAL), or the one
+scoring() names. Weights are the members' own, under "<kind>." prefixes, so a hot-swap with that layout loads every
+member, each validated by its own load_state_dict.
 """
 from __future__ import annotations
+
+import contextlib
 
 import torch
 import torch.nn as nn
@@ -63,6 +66,7 @@ class AutoDrafter(nn.Module):
         self.planned = list(members)  # the members the next generation serves (plan())
         trainable = [k for k, m in members.items() if getattr(m, "trains", False)]
         self.trains = bool(trainable)  # the tracker trains the trainable members (none: served as loaded)
+        self.trainable = trainable  # in member order
         self.scored = trainable[0] if trainable else None  # the member the gate and the report score
         self.current = next(iter(members))  # the member the next propose drafts with (the chooser sets it)
 
@@ -131,6 +135,17 @@ class AutoDrafter(nn.Module):
                 total = total + loss
                 accs = a if kind == self.scored else accs
         return total, accs
+
+    @contextlib.contextmanager
+    def scoring(self, kind: str):
+        """ttt_logits / draft_ids are member `kind`'s inside the block (per-member gates and canaries)."""
+        if kind not in self.trainable:
+            raise ValueError(f"auto drafter: {kind!r} is not a trainable member (trainable: {self.trainable})")
+        before, self.scored = self.scored, kind
+        try:
+            yield self
+        finally:
+            self.scored = before
 
     def _scored(self):
         if self.scored is None:

@@ -23,6 +23,10 @@ Several processes (pool: a sum over processes): each sees its own rollouts, and 
 would roll back its engines only (versions and, through the publish gate's reset, drafter weights diverge). There
 observe() and fail() only record, and settle(), which every process calls at the same point (the tracker: at each
 policy update), judges on the MAL pooled over all of them; the probe canary pools its probes too.
+Per member (publish(members=...): drafter.kind=auto with several trainable members, tracking/members.py): each new
+member is judged on the steps it drafted, against its own estimate, and one that fails is rolled back alone (the
+engines get the served weights with that member's last good ones, under a new version). A member that drafted no
+step stays on probation until a batch of the served version has it draft; a probe is that batch's first chance.
 """
 from __future__ import annotations
 
@@ -31,6 +35,8 @@ import threading
 import time
 
 import torch
+
+from drafttrain.tracking.members import batch_mal, merged
 
 
 def first_nonfinite(weights: dict[str, torch.Tensor]) -> str | None:
@@ -45,6 +51,7 @@ class Publisher:
         self.engines, self.cfg, self.log = list(engines), cfg_online, log
         self.pool = pool  # several processes: list[float] -> its elementwise sum over them (a collective)
         self._seen = [0.0, 0.0, 0.0]  # pooled mode, since the last settle(): MAL x verify rows, verify rows, failures
+        self._seen_m: dict[str, list[float]] = {}  # the same per member on probation (MAL x rows, rows)
         self.version = max([e.drafter_version for e in self.engines] + [0])
         # version -> the caller's tag of the weights it serves (the tracker: the policy version they were published
         # at); a rollback's new version carries the tag of the weights it restores
@@ -66,13 +73,17 @@ class Publisher:
         return worst
 
     def publish(self, weights: dict, expected_mal: float | None = None, probe_prompts=None, params=None,
-                tag=None) -> dict:
+                tag=None, members: dict | None = None) -> dict:
+        """members: {member: its estimate} of the members whose weights are new, each canaried on its own (None:
+        the whole drafter, against expected_mal)."""
         with self._lock:
+            if members is not None:
+                return self._publish_members(weights, members, probe_prompts, params, tag)
             return self._publish(weights, expected_mal, probe_prompts, params, tag)
 
-    def _publish(self, weights: dict, expected_mal, probe_prompts, params, tag=None) -> dict:
+    def _publish(self, weights: dict, expected_mal, probe_prompts, params, tag=None, estimates=None) -> dict:
         bad = first_nonfinite(weights)
-        if bad is None and expected_mal is not None and not math.isfinite(expected_mal):
+        if bad is None and any(e is not None and not math.isfinite(e) for e in [expected_mal, *(estimates or [])]):
             bad = "outputs (the trainer's acceptance estimate)"
         if bad is not None:
             self.log(f"[drafttrain] NOT PUBLISHED: drafter {bad} has NaN/inf; engines keep v{self.version}")
@@ -84,7 +95,10 @@ class Publisher:
         rec = {"published": True, "version": v, "swap_s": swap_s, "rolled_back": False, "canary_mal": None,
                "expected_mal": expected_mal}
         self.pending = None
-        self._seen = [0.0, 0.0, 0.0]
+        self._seen, self._seen_m = [0.0, 0.0, 0.0], {}
+        if estimates is not None:  # per member: _publish_members judges
+            rec["weights"] = weights
+            return rec
         judged = self.engines and expected_mal is not None
         if judged and self.cfg.canary == "inline":
             self.pending = {"version": v, "weights": weights, "expected": expected_mal}
@@ -105,6 +119,31 @@ class Publisher:
         self.good_weights, self.good_version = weights, v
         return rec
 
+    def _publish_members(self, weights: dict, members: dict, probe_prompts, params, tag) -> dict:
+        """Publish with each new member on probation (and the members of the last publish still on it: their weights
+        are unchanged); a probe (canary=probe) is the first batch that judges them."""
+        prev = self.pending
+        rec = self._publish(weights, None, None, None, tag, estimates=list(members.values()))
+        weights = rec.pop("weights", None)
+        if not rec["published"]:
+            return rec
+        left = prev["members"] if prev is not None and "members" in prev else {}
+        on = {**left, **{m: e for m, e in members.items() if e is not None}}  # no estimate: nothing to judge by
+        if not self.engines or not on:
+            self.good_weights, self.good_version = weights, rec["version"]
+            return rec
+        self.pending = {"version": rec["version"], "weights": weights, "members": on}
+        if probe_prompts and params is not None:
+            for e in self.engines:
+                try:
+                    verdict = self.observe(e.generate(probe_prompts, params, speculative=True))
+                except (RuntimeError, ValueError) as err:
+                    verdict = self.fail(err)
+                rec.update({k: v for k, v in verdict.items() if k != "deferred"})
+                if self.pending is None:
+                    break
+        return rec
+
     def observe(self, batch) -> dict:
         """Inline canary: judge the pending swap on a rollout batch (RolloutBatch) if the pending version generated
         all of it; {} while the check stays pending (or nothing is pending)."""
@@ -113,6 +152,8 @@ class Publisher:
             p = self.pending
             if p is None or any(x != p["version"] for x in versions) or batch.stats.drafted == 0:
                 return {}
+            if "members" in p:
+                return self._observe_members(p, batch)
             if self.pool is not None:  # recorded; settle() judges with every process
                 rows = batch.stats.verify_rows
                 self._seen[0] += batch.stats.mean_accepted_length * rows
@@ -132,6 +173,9 @@ class Publisher:
             if self.pool is not None:
                 self._seen[2] += 1
                 return {"deferred": True}
+            if "members" in self.pending:  # which member broke it is not known: every one on probation goes back
+                return self._judge_members(self.pending, dict.fromkeys(self.pending["members"], math.nan),
+                                           str(error).splitlines()[0])
             p, self.pending = self.pending, None
             return self._judge(p["version"], p["weights"], p["expected"], float("nan"), str(error).splitlines()[0])
 
@@ -143,6 +187,15 @@ class Publisher:
             p = self.pending
             if self.pool is None or p is None:
                 return {}
+            if "members" in p:
+                names = list(p["members"])
+                x = self.pool([self._seen[2]] + [v for m in names for v in self._seen_m.get(m, [0.0, 0.0])])
+                self._seen, self._seen_m = [0.0, 0.0, 0.0], {}
+                if x[0]:
+                    return self._judge_members(p, dict.fromkeys(names, math.nan),
+                                               f"the engines of {int(x[0])} batch(es) failed with it")
+                seen = {m: w / n for m, w, n in zip(names, x[1::2], x[2::2]) if n > 0}
+                return self._judge_members(p, seen) if seen else {}
             total, rows, failed = self.pool(self._seen)
             self._seen = [0.0, 0.0, 0.0]
             if not failed and rows == 0:
@@ -152,6 +205,47 @@ class Publisher:
                 return self._judge(p["version"], p["weights"], p["expected"], float("nan"),
                                    f"the engines of {int(failed)} batch(es) failed with it")
             return self._judge(p["version"], p["weights"], p["expected"], total / rows)
+
+    def _observe_members(self, p: dict, batch) -> dict:
+        """Per-member inline canary: the members on probation that drafted in `batch` are judged (several processes:
+        recorded for settle())."""
+        seen = {m: batch_mal(batch, m) for m in p["members"]}
+        seen = {m: s for m, s in seen.items() if s[1] > 0}
+        if self.pool is not None:
+            for m, (mal, rows) in seen.items():
+                acc = self._seen_m.setdefault(m, [0.0, 0.0])
+                acc[0], acc[1] = acc[0] + mal * rows, acc[1] + rows
+            return {}
+        return self._judge_members(p, {m: mal for m, (mal, _) in seen.items()}) if seen else {}
+
+    def _judge_members(self, p: dict, mals: dict, error: str | None = None) -> dict:
+        """Each member of `mals` (engine MAL on the steps it drafted; NaN: the engine failed) keeps its new weights,
+        which join the last good ones, or is rolled back alone; done once no member is left on probation."""
+        rec, failed = {"canary_mal": min(mals.values()), "rolled_back": False, "member_canary": {}}, []
+        for m, mal in mals.items():
+            expected = p["members"].pop(m)
+            floor = 1.0 + self.cfg.canary_min_ratio * (expected - 1.0)
+            rec["member_canary"][m] = {"canary_mal": mal, "expected_mal": expected, "rolled_back": not mal >= floor}
+            if mal >= floor:
+                self.good_weights = merged(self.good_weights, p["weights"], [m])
+            else:
+                failed.append(m)
+                why = (f"the engine failed with it: {error}" if error else
+                       f"engine MAL on its steps {mal:.2f} < {floor:.2f}")
+                self.log(f"[drafttrain] ROLLBACK: drafter v{p['version']} member {m} failed its canary ({why}, trainer "
+                         f"estimate {expected:.2f}); its last good weights go back")
+        if failed:
+            self.rollbacks += 1
+            back = self.version + 1
+            p["weights"] = merged(p["weights"], self.good_weights, failed)
+            self._load_all(p["weights"], back)
+            self.tags[back] = self.tags.get(p["version"])
+            self.log(f"[drafttrain] engines now serve v{p['version']} with {', '.join(failed)} rolled back, as v{back}")
+            p["version"] = back
+            rec.update(rolled_back=True, version=back)
+        if not p["members"]:
+            self.pending, self.good_version = None, p["version"]
+        return rec
 
     def _judge(self, v: int, weights: dict, expected_mal: float, mal: float, error: str | None = None) -> dict:
         """Keep v as the last good version, or roll every engine back to the last good weights."""

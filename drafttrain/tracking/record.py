@@ -21,15 +21,23 @@ class UpdateRecord:
     gate_rows: int | None = None  # rows paired by the gate (None where it did not decide)
     gate_mean_diff: float | None = None  # mean per-row MAL difference, update - serving
     gate_lower: float | None = None  # its lower confidence bound
+    # drafter.kind=auto with several trainable members (tracking/members.py): per member, its gate's decision and
+    # its estimate; the gate_* fields above are then the first member's
+    member_gates: dict | None = None
     rolled_back: bool = False
     published: bool = False
     budget_bank_s: float | None = None  # the time bank after the update (None: no bank)
 
-    def set_gate(self, gate: dict | None) -> None:
+    def set_gate(self, gate: dict | None, members: dict | None = None, expected: dict | None = None) -> None:
         if gate is not None:
             self.gate_rows = gate["n"]
             self.gate_mean_diff = gate["mean"] if gate["n"] else None
             self.gate_lower = gate["lower"] if gate["lower"] > -float("inf") else None  # JSON has no -inf
+        if members is not None:
+            self.member_gates = {m: {"passed": g["publish"], "worse": g["worse"], "rows": g["n"],
+                                     "mean_diff": g["mean"] if g["n"] else None, "expected_mal": expected.get(m),
+                                     "lower": g["lower"] if g["lower"] > -float("inf") else None}
+                                 for m, g in members.items()}
 
     def as_dict(self) -> dict:
         return dataclasses.asdict(self)

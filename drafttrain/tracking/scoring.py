@@ -15,6 +15,7 @@ from drafttrain.drafters.base import runtime_copy
 from drafttrain.spec import SpecStats
 from drafttrain.tracking.acceptance import teacher_forced_acceptance
 from drafttrain.tracking.buffer import collate
+from drafttrain.tracking.members import ALL, score
 
 
 class Scorer:
@@ -53,15 +54,19 @@ class Scorer:
         """`form` is now what the engines serve at `version` (a publish): the gate's next reference."""
         self._serving_rt = (version, form)
 
-    def estimate(self, drafter, rows: dict) -> tuple[dict, object]:
-        """teacher_forced_acceptance of the trained drafter on the estimate's rows, and its runtime form."""
+    def estimate(self, drafter, rows: dict, members=(ALL,)) -> tuple[dict, object]:
+        """teacher_forced_acceptance of each member (tracking/members.py) of the trained drafter on the estimate's
+        rows ({member: result}), and the drafter's runtime form."""
         form = self.runtime_form(drafter)
-        return teacher_forced_acceptance(form, rows, self.k), form
+        return {m: score(form, rows, self.k, m, teacher_forced_acceptance) for m in members}, form
 
-    def serving_scores(self, rows: dict) -> dict:
-        """teacher_forced_acceptance of the serving drafter on the estimate's rows. A held-out row is scored once per
-        serving version (kept with the row: rows stay for a few steps, the serving drafter changes only at a publish
-        or a rollback), by measure() when it ran, so the gate pays for at most the new rows', not every row's."""
+    def serving_scores(self, rows: dict, member: str = ALL) -> dict:
+        """teacher_forced_acceptance of (a member of) the serving drafter on the estimate's rows. A held-out row is
+        scored once per serving version (kept with the row: rows stay for a few steps, the serving drafter changes
+        only at a publish or a rollback), by measure() when it ran, so the gate pays for at most the new rows', not
+        every row's. The cache is the reported member's (measure's): another member is scored afresh."""
+        if member != ALL and member != self.frozen.scored:
+            return score(self.serving_form(), rows, self.k, member, teacher_forced_acceptance)
         if not self.heldout:  # the latest step's rows: no cache
             return teacher_forced_acceptance(self.serving_form(), rows, self.k)
         todo = [r for r in self.heldout if r.get("served", (None,))[0] != self.version]

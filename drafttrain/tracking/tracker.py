@@ -8,7 +8,7 @@
     tracker.start_capture(policy, grad_only=True) ... tracker.stop_capture()   # the same, for callback APIs (TRL)
 
 Orchestration only: capture (capture.py), the time bank (bank.py), scoring (scoring.py), the publish gate (gate.py),
-publishing with a canary (hotswap.py), agreement across processes (collective.py).
+publishing with a canary (hotswap.py), per auto member (members.py), agreement across processes (collective.py).
 online.mode=sync trains between RL steps within the time bank; online.mode=async trains and publishes in a
 background thread (wait() returns its record and raises what it raised; the next on_policy_update waits by itself).
 online.track=false keeps the drafter frozen but still captures for measurement. An update whose every step was
@@ -30,8 +30,8 @@ from drafttrain.tracking.bank import TimeBank
 from drafttrain.tracking.buffer import FeatureBuffer, collate
 from drafttrain.tracking.capture import PolicyCapture, choose_rows
 from drafttrain.tracking.collective import Collective
-from drafttrain.tracking.gate import gate_decision, paired_sums
 from drafttrain.tracking.hotswap import Publisher
+from drafttrain.tracking.members import ALL, gate_members, members_of, merged
 from drafttrain.tracking.record import UpdateRecord
 from drafttrain.tracking.scoring import Scorer
 from drafttrain.tracking.trainer import DrafterTrainer
@@ -270,42 +270,42 @@ class DraftTracker:
         losses, skipped = trained
         t_fixed = self._now()
         gating = oc.publish_gate and skipped < len(losses)
+        members = members_of(self.drafter)  # gated and canaried each on its own (tracking/members.py)
         with self._lock:
             weights = {k: v.detach().clone() for k, v in self.drafter.state_dict().items()}
-            est = serving = new_rt = None  # scored here, then the MAL pooled over the processes
+            ests = servs = new_rt = None  # scored here, then the MAL pooled over the processes
             rows = self.scorer.estimate_rows(self.latest)
             if rows is not None:
-                est, new_rt = self.scorer.estimate(self.drafter, rows)
-                if gating:
-                    serving = self.scorer.serving_scores(rows)
-        # every process gates (and publishes or resets) alike: a decision on its own rows alone would leave the
-        # processes' drafters different
-        gate = None
-        if gating:  # agreed by every process: the sums are a collective
-            sums = paired_sums(est["row_mal"], serving["row_mal"]) if serving is not None else [0.0, 0.0, 0.0]
-            gate = gate_decision(*self.collective.sum(sums), oc.gate_confidence, oc.gate_margin, oc.gate_min_rows)
-        est, serving = self.collective.pooled_mal(est, serving)
+                ests, new_rt = self.scorer.estimate(self.drafter, rows, members)
+                servs = {m: self.scorer.serving_scores(rows, m) for m in members} if gating else None
+        # every process decides alike (the sums are a collective): its own rows alone would part the drafters
+        gates = gate_members(self.collective.sum, ests, servs, members, oc) if gating else None
+        pooled = self.collective.pooled_mal(*[None if ests is None else ests[m] for m in members],
+                                            None if servs is None else servs[members[0]])
+        expected, est, serving = dict(zip(members, pooled)), pooled[0], pooled[-1]
         rec = UpdateRecord(self.version, self._capture_last, drafter_train_s=self._now() - t0,
                            drafter_loss=sum(losses) / len(losses), drafter_steps=len(losses),
                            drafter_skipped_nonfinite=skipped, expected_mal=est, serving_mal=serving)
-        rec.set_gate(gate)
+        rec.set_gate(gates and gates[members[0]], gates if members != [ALL] else None, expected)
         t1 = self._now()
+        passed = [m for m in members if gates is None or gates[m]["publish"]]
+        worse = [m for m in members if gates is not None and gates[m]["worse"]]
         # not shown better on the rows (a NaN estimate goes on to the publisher's check)
-        rec.gated = gate is not None and not gate["publish"] and est == est
+        rec.gated = not passed and all(e == e for e in expected.values())
+        pub = {"published": False}
         if skipped == len(losses):  # every step was skipped: the weights did not change, nothing new to publish
             self.log(f"[drafttrain] NOT PUBLISHED: all {skipped} drafter steps had a NaN/inf loss or gradient; "
                      f"engines keep v{self.version}")
-            pub = {"published": False}
-        elif rec.gated:  # shown worse: train on from the serving weights; undecided: from these
-            if gate["worse"]:
-                with self._lock:
-                    self.trainer.set_weights(self.scorer.serving_weights())
-            pub = {"published": False}
-        else:
+        elif worse:  # shown worse: train on from the serving weights; undecided: from these
+            with self._lock:
+                self.trainer.set_weights(merged(weights, self.scorer.serving_weights(), worse))
+        if skipped < len(losses) and not rec.gated:
             params = sampling_params(self.cfg, max_new_tokens=oc.canary_max_new_tokens)
             probe = self.probe_prompts if oc.canary == "probe" else None
-            pub = self.publisher.publish(weights, est, probe, params, tag=self.policy_version)
-            if new_rt is not None and pub["published"] and not pub.get("rolled_back"):
+            out = weights if passed == members else merged(self.scorer.serving_weights(), weights, passed)
+            pub = self.publisher.publish(out, est, probe, params, tag=self.policy_version,
+                                         members=None if members == [ALL] else {m: expected[m] for m in passed})
+            if new_rt is not None and pub["published"] and not pub.get("rolled_back") and passed == members:
                 self.scorer.served(pub["version"], new_rt)  # the gate's next reference: these very weights
         if pub.get("reason", "").startswith("nonfinite"):  # diverged: train on from the last good weights
             with self._lock:

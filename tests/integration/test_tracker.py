@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from drafttrain.tracking import scoring
-from drafttrain.tracking import tracker as tracker_mod
+from drafttrain.tracking import members as members_mod
 from tests.integration.conftest import banked_tracker, engine_for, fake_clock, tracker_with_features
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -109,7 +109,7 @@ def test_publish_gate_scores_each_held_out_row_once_per_serving_version(trained,
         return real(drafter, batch, k)
 
     monkeypatch.setattr(scoring, "teacher_forced_acceptance", spy)
-    monkeypatch.setattr(tracker_mod, "gate_decision", lambda n, *a: {"n": int(n), "mean": 0.0, "lower": 0.0,
+    monkeypatch.setattr(members_mod, "gate_decision", lambda n, *a: {"n": int(n), "mean": 0.0, "lower": 0.0,
                                                                 "publish": next(decide), "worse": False})
     versions = []
     for step in range(3):
@@ -237,3 +237,65 @@ def test_captured_features_carry_the_policy_version(trained):
         trained["policy"](input_ids=ids)
     assert [r["version"] for r in tracker.buffer.records] == [0] * n0 + [5] * (len(tracker.buffer) - n0)
     assert len(tracker.buffer) > n0
+
+
+def test_auto_members_are_gated_each_on_its_own(trained, monkeypatch):
+    """drafter.kind=auto with two trainable members: each member's update is paired with its own serving weights on
+    the same rows. One that gains is published alone (the other's serving weights stay in the engines), one shown
+    worse goes back to its serving weights in the trainer, and an undecided one trains on; the record says which."""
+    from drafttrain.config import load_recipe
+    from drafttrain.drafters import build_drafter
+    from drafttrain.tracking.tracker import DraftTracker
+    from tests.unit.test_members import FakeEngine
+
+    cfg = load_recipe("auto_track", ["drafter.auto.kinds=[mtp,draft_model]", "drafter.auto.paths=[null,null]",
+                                     "engine.drafter_int8=false", "train.batch_size=4", "online.steps_per_update=2",
+                                     "online.budget_frac=0", "online.gate_min_rows=4", "online.holdout_frac=0"])
+    policy, engine = trained["policy"], FakeEngine()
+    torch.manual_seed(0)
+    tracker = DraftTracker(cfg, policy, [engine], build_drafter(cfg.drafter, policy), log=lambda m: None)
+    seqs = [p + [5, 6, 7, 8, 9, 10] for p in trained["prompts"][:4]]
+    ids = torch.tensor([s[:min(map(len, seqs))] for s in seqs])
+    with tracker.capture(policy, response_start=ids.shape[1] - 6):
+        policy(input_ids=ids)
+    feats = list(tracker.pending)
+    base = torch.tensor([2.0, 3.0, 4.0, 5.0])
+    gain = {}  # member -> per-row offsets of its new weights over its serving ones
+
+    def scripted(drafter, batch, k):
+        serving = drafter is tracker.scorer.serving_form()
+        rows = base if serving else base + gain[drafter.scored]
+        return {"mal": float(rows.mean()), "acceptance_per_position": [], "stats": None, "row_mal": rows}
+
+    monkeypatch.setattr(scoring, "teacher_forced_acceptance", scripted)
+    part = lambda sd, m: {k: v.clone() for k, v in sd.items() if k.startswith(m + ".")}  # noqa: E731
+    served = {m: part(tracker.drafter.state_dict(), m) for m in ("mtp", "draft_model")}
+    same = lambda a, b: all(torch.equal(v, b[k]) for k, v in a.items())  # noqa: E731
+    # mtp gains on every row, draft_model loses on every row
+    gain.update(mtp=torch.full((4,), 0.05), draft_model=torch.full((4,), -0.05))
+    tracker.pending = list(feats)
+    out = tracker.on_policy_update(policy, 0)
+    assert out["published"] and not out["gated"] and engine.drafter_version == 1
+    assert {m: (g["passed"], g["worse"]) for m, g in out["member_gates"].items()} == {
+        "mtp": (True, False), "draft_model": (False, True)}
+    trained_mtp = part(tracker.drafter.state_dict(), "mtp")
+    assert not same(trained_mtp, served["mtp"])  # the update moved mtp ...
+    assert same(part(engine.served, "mtp"), trained_mtp)  # ... and published it
+    assert same(part(engine.served, "draft_model"), served["draft_model"])  # draft_model stays served as it was
+    assert same(part(tracker.drafter.state_dict(), "draft_model"), served["draft_model"])  # and trains on from it
+    assert tracker.publisher.pending["members"] == {"mtp": pytest.approx(3.55)}  # on probation: mtp alone
+    # mtp undecided, draft_model gains: draft_model alone is published; mtp trains on from its update
+    gain.update(mtp=torch.tensor([0.6, -0.4, 0.6, -0.4]), draft_model=torch.full((4,), 0.05))
+    tracker.pending = list(feats)
+    out = tracker.on_policy_update(policy, 1)
+    assert out["published"] and engine.drafter_version == 2
+    assert {m: (g["passed"], g["worse"]) for m, g in out["member_gates"].items()} == {
+        "mtp": (False, False), "draft_model": (True, False)}
+    assert same(part(engine.served, "mtp"), trained_mtp)  # the served mtp is the first update's
+    assert not same(part(tracker.drafter.state_dict(), "mtp"), trained_mtp)  # the trainer's went on
+    assert same(part(engine.served, "draft_model"), part(tracker.drafter.state_dict(), "draft_model"))
+    # neither shown better: nothing published
+    gain.update(mtp=torch.full((4,), -0.05), draft_model=torch.tensor([0.6, -0.4, 0.6, -0.4]))
+    tracker.pending = list(feats)
+    out = tracker.on_policy_update(policy, 2)
+    assert out["gated"] and not out["published"] and engine.drafter_version == 2

@@ -1,0 +1,141 @@
+"""Per-member publishing (drafter.kind=auto with several trainable members, tracking/members.py): a member's weights
+are merged in alone, a batch's MAL is split by the member that drafted each step, and the canary judges and rolls
+back each member on its own, alone or pooled over processes."""
+from __future__ import annotations
+
+import math
+
+import torch
+from omegaconf import OmegaConf
+
+from drafttrain.config import Config
+from drafttrain.engines.base import RolloutBatch, Timeline
+from drafttrain.spec import SamplingParams, SpecStats
+from drafttrain.tracking.hotswap import Publisher
+from drafttrain.tracking.members import ALL, batch_mal, members_of, merged
+from tests import contract as C
+
+
+def test_members_of_and_merged(policy):
+    two = C.fresh_drafter(policy, kind="auto", kinds=["suffix", "mtp", "draft_model"], paths=[None] * 3)
+    one = C.fresh_drafter(policy, kind="auto", kinds=["eagle3", "suffix"], paths=[None] * 2)
+    assert members_of(two) == ["mtp", "draft_model"]
+    assert members_of(one) == [ALL] and members_of(C.fresh_drafter(policy)) == [ALL]
+    base, new = {"mtp.a": 0, "mtp_x.b": 0, "draft_model.c": 0}, {"mtp.a": 1, "mtp_x.b": 1, "draft_model.c": 1}
+    assert merged(base, new, ["mtp"]) == {"mtp.a": 1, "mtp_x.b": 0, "draft_model.c": 0}  # the prefix, not a name
+    assert merged(base, new, [ALL]) == new and merged(base, new, []) == base
+
+
+def test_batch_mal_splits_a_real_generation_by_member(make_engine, policy):
+    """On the embedded engine's own batch, the members' steps plus the AR steps add up to the batch's stats."""
+    d = C.fresh_drafter(policy, kind="auto", kinds=["mtp", "draft_model"], paths=[None] * 2)
+    eng = make_engine(policy, d, k=3, drafter_int8=False)
+    b = eng.generate(C.RAGGED_PROMPTS * 3, SamplingParams(temperature=0, max_new_tokens=30))
+    tl = b.timeline
+    ar = [i for i, s in enumerate(tl.schedule) if not s["on"]]
+    split = {m: batch_mal(b, m) for m in ("mtp", "draft_model")}
+    assert all(rows > 0 for _, rows in split.values()), split  # both members drafted (the chooser tries each)
+    rows = sum(r for _, r in split.values()) + sum(tl.batch[i] for i in ar)
+    emitted = sum(mal * r for mal, r in split.values()) + sum(tl.tokens[i] for i in ar)
+    assert rows == b.stats.verify_rows and math.isclose(emitted, b.stats.emitted)
+    assert batch_mal(b, ALL) == (b.stats.mean_accepted_length, b.stats.verify_rows)
+
+
+class FakeEngine:
+    """Records what it serves; its batches are scripted (batch())."""
+
+    def __init__(self):
+        self.drafter_version, self.served = 0, None
+        self.probe: dict[str, float] = {}  # the members that draft in generate(), and their MAL
+
+    def generate(self, prompts, params, speculative=True):
+        if any(math.isnan(v) for v in self.probe.values()):
+            raise RuntimeError("NaN draft probabilities")
+        return self.batch(self.probe)
+
+    def load_drafter(self, weights, version):
+        self.served, self.drafter_version = {k: v.clone() for k, v in weights.items()}, version
+
+    def batch(self, mals: dict[str, float], rows: int = 4) -> RolloutBatch:
+        """A batch of the served version in which each member of `mals` drafted one step at that MAL."""
+        kinds = list(mals)
+        tl = Timeline(schedule=[{"kind": m, "on": True} for m in kinds], batch=[rows] * len(kinds),
+                      tokens=[round(mals[m] * rows) for m in kinds])
+        st = SpecStats(drafted=8.0, verify_rows=float(rows * len(kinds)), emitted=float(sum(tl.tokens)))
+        return RolloutBatch([[1]], [[0.0]], st, self.drafter_version, drafter_versions=[self.drafter_version],
+                            timeline=tl)
+
+
+def weights(mtp: float, dm: float) -> dict:
+    return {"mtp.w": torch.full((2,), mtp), "draft_model.w": torch.full((2,), dm)}
+
+
+def publisher(pool=None, canary="inline"):
+    cfg = OmegaConf.structured(Config).online  # canary_min_ratio 0.5: floor 2.5 at an estimate of 4
+    cfg.canary = canary
+    eng, logs = FakeEngine(), []
+    return Publisher([eng], weights(0, 0), cfg, log=logs.append, pool=pool), eng, logs
+
+
+def test_each_member_is_judged_on_its_own_steps_and_rolled_back_alone():
+    pub, eng, logs = publisher()
+    rec = pub.publish(weights(1, 1), members={"mtp": 4.0, "draft_model": 4.0})
+    assert rec["published"] and rec["canary_mal"] is None and eng.drafter_version == 1
+    assert pub.observe(eng.batch({"mtp": 4.0}))["member_canary"]["mtp"]["rolled_back"] is False
+    assert pub.pending["members"] == {"draft_model": 4.0}  # it drafted no step yet: still on probation
+    assert torch.equal(pub.good_weights["mtp.w"], torch.ones(2))  # mtp's new weights are good now
+    assert torch.equal(pub.good_weights["draft_model.w"], torch.zeros(2))
+    rec = pub.observe(eng.batch({"draft_model": 1.0}))
+    assert rec["rolled_back"] and rec["member_canary"]["draft_model"]["canary_mal"] == 1.0
+    assert eng.drafter_version == 2 == pub.good_version and pub.pending is None
+    assert torch.equal(eng.served["mtp.w"], torch.ones(2)) and torch.equal(eng.served["draft_model.w"], torch.zeros(2))
+    assert any("ROLLBACK" in m and "draft_model" in m for m in logs), logs
+    # the next publish brings one new member; an engine failure on probation takes back every member on it
+    pub.publish(weights(1, 2), members={"draft_model": 4.0})
+    assert pub.fail(RuntimeError("NaN draft probabilities"))["rolled_back"]
+    assert torch.equal(eng.served["draft_model.w"], torch.zeros(2)) and torch.equal(eng.served["mtp.w"], torch.ones(2))
+
+
+def test_a_member_left_on_probation_stays_on_it_through_the_next_publish():
+    pub, eng, _ = publisher()
+    pub.publish(weights(1, 1), members={"mtp": 4.0, "draft_model": 4.0})
+    pub.observe(eng.batch({"mtp": 4.0}))  # mtp judged good; draft_model not yet
+    pub.publish(weights(2, 1), members={"mtp": 4.0})  # only mtp is new; draft_model's weights are still unjudged
+    assert pub.pending["members"] == {"mtp": 4.0, "draft_model": 4.0}
+    rec = pub.observe(eng.batch({"mtp": 4.0, "draft_model": 1.0}))
+    assert rec["rolled_back"] and not rec["member_canary"]["mtp"]["rolled_back"]
+    assert torch.equal(eng.served["mtp.w"], torch.full((2,), 2.0)) and torch.equal(eng.served["draft_model.w"],
+                                                                                 torch.zeros(2))
+
+
+def test_pooled_member_canary_judges_on_every_process():
+    """A second process (simulated: what it adds to the sums) saw draft_model draft badly; this one saw only mtp."""
+    other = {"draft_model": (1.0, 4.0)}
+
+    def pool(xs):  # layout: [failures] + (MAL x rows, rows) per member on probation, in order
+        add = [0.0] + [v for m in pub.pending["members"] for v in
+                       ((other[m][0] * other[m][1], other[m][1]) if m in other else (0.0, 0.0))]
+        return [x + y for x, y in zip(xs, add)]
+
+    pub, eng, _ = publisher(pool)
+    pub.publish(weights(1, 1), members={"mtp": 4.0, "draft_model": 4.0})
+    assert pub.observe(eng.batch({"mtp": 4.0})) == {}  # recorded, judged at settle
+    rec = pub.settle()
+    assert rec["rolled_back"] and set(rec["member_canary"]) == {"mtp", "draft_model"}
+    assert torch.equal(eng.served["mtp.w"], torch.ones(2)) and torch.equal(eng.served["draft_model.w"], torch.zeros(2))
+
+
+def test_a_probe_judges_the_members_it_drafted_with():
+    """canary=probe: the probe right after the swap judges the members that drafted in it; the others stay on
+    probation for the rollouts; an engine failure in the probe takes back every new member."""
+    pub, eng, _ = publisher(canary="probe")
+    eng.probe = {"draft_model": 1.0}
+    rec = pub.publish(weights(1, 1), members={"mtp": 4.0, "draft_model": 4.0}, probe_prompts=[[1, 2]],
+                      params=SamplingParams())
+    assert rec["rolled_back"] and set(rec["member_canary"]) == {"draft_model"} and eng.drafter_version == 2
+    assert pub.pending["members"] == {"mtp": 4.0}
+    assert torch.equal(eng.served["mtp.w"], torch.ones(2)) and torch.equal(eng.served["draft_model.w"], torch.zeros(2))
+    eng.probe = {"mtp": math.nan}
+    rec = pub.publish(weights(1, 2), members={"draft_model": 4.0}, probe_prompts=[[1, 2]], params=SamplingParams())
+    assert rec["rolled_back"] and pub.pending is None
+    assert torch.equal(eng.served["mtp.w"], torch.zeros(2)) and torch.equal(eng.served["draft_model.w"], torch.zeros(2))
