@@ -23,9 +23,9 @@ Several processes (pool: a sum over processes): each sees its own rollouts, and 
 would roll back its engines only (versions and, through the publish gate's reset, drafter weights diverge). There
 observe() and fail() only record, and settle(), which every process calls at the same point (the tracker: at each
 policy update), judges on the MAL pooled over all of them; the probe canary pools its probes too.
-Per member (publish(members=...): drafter.kind=auto with several trainable members, tracking/members.py): each new
-member is judged on the steps it drafted, against its own estimate, and one that fails is rolled back alone (the
-engines get the served weights with that member's last good ones, under a new version). A member that drafted no
+Per member (publish(members=...): drafter.kind=auto, tracking/members.py): each new member is judged on the steps
+it drafted, against its own estimate at those steps' k, and one that fails is rolled back alone (the engines get
+the served weights with that member's last good ones, under a new version). A member that drafted no
 step stays on probation until a batch of the served version has it draft; a probe is that batch's first chance.
 """
 from __future__ import annotations
@@ -37,6 +37,11 @@ import time
 import torch
 
 from drafttrain.tracking.members import batch_mal, merged
+
+# a member is judged once it drafted this many verify rows of the version on probation (summed over batches and
+# processes): a few rows' MAL is noise (a long-tail step holds 1-3 rows; the main job rolled a good draft model
+# back on such a handful)
+CANARY_ROWS = 32
 
 
 def first_nonfinite(weights: dict[str, torch.Tensor]) -> str | None:
@@ -51,7 +56,7 @@ class Publisher:
         self.engines, self.cfg, self.log = list(engines), cfg_online, log
         self.pool = pool  # several processes: list[float] -> its elementwise sum over them (a collective)
         self._seen = [0.0, 0.0, 0.0]  # pooled mode, since the last settle(): MAL x verify rows, verify rows, failures
-        self._seen_m: dict[str, list[float]] = {}  # the same per member on probation (MAL x rows, rows)
+        self._seen_m: dict[str, list[float]] = {}  # per member on probation: tokens, rows, expected MAL x rows
         self.version = max([e.drafter_version for e in self.engines] + [0])
         # version -> the caller's tag of the weights it serves (the tracker: the policy version they were published
         # at); a rollback's new version carries the tag of the weights it restores
@@ -74,7 +79,8 @@ class Publisher:
 
     def publish(self, weights: dict, expected_mal: float | None = None, probe_prompts=None, params=None,
                 tag=None, members: dict | None = None) -> dict:
-        """members: {member: its estimate} of the members whose weights are new, each canaried on its own (None:
+        """members: {member: {"mal": its estimate, "curve": its acceptance per position}} of the members whose
+        weights are new, each canaried on its own (None:
         the whole drafter, against expected_mal)."""
         with self._lock:
             if members is not None:
@@ -123,12 +129,12 @@ class Publisher:
         """Publish with each new member on probation (and the members of the last publish still on it: their weights
         are unchanged); a probe (canary=probe) is the first batch that judges them."""
         prev = self.pending
-        rec = self._publish(weights, None, None, None, tag, estimates=list(members.values()))
+        rec = self._publish(weights, None, None, None, tag, estimates=[e["mal"] for e in members.values()])
         weights = rec.pop("weights", None)
         if not rec["published"]:
             return rec
         left = prev["members"] if prev is not None and "members" in prev else {}
-        on = {**left, **{m: e for m, e in members.items() if e is not None}}  # no estimate: nothing to judge by
+        on = {**left, **{m: e for m, e in members.items() if e["mal"] is not None}}  # no estimate: nothing to judge by
         if not self.engines or not on:
             self.good_weights, self.good_version = weights, rec["version"]
             return rec
@@ -174,7 +180,7 @@ class Publisher:
                 self._seen[2] += 1
                 return {"deferred": True}
             if "members" in self.pending:  # which member broke it is not known: every one on probation goes back
-                return self._judge_members(self.pending, dict.fromkeys(self.pending["members"], math.nan),
+                return self._judge_members(self.pending, dict.fromkeys(self.pending["members"], (math.nan, None)),
                                            str(error).splitlines()[0])
             p, self.pending = self.pending, None
             return self._judge(p["version"], p["weights"], p["expected"], float("nan"), str(error).splitlines()[0])
@@ -189,13 +195,12 @@ class Publisher:
                 return {}
             if "members" in p:
                 names = list(p["members"])
-                x = self.pool([self._seen[2]] + [v for m in names for v in self._seen_m.get(m, [0.0, 0.0])])
-                self._seen, self._seen_m = [0.0, 0.0, 0.0], {}
+                x = self.pool([self._seen[2]] + [v for m in names for v in self._seen_m.get(m, [0.0] * 3)])
+                self._seen[2] = 0.0
                 if x[0]:
-                    return self._judge_members(p, dict.fromkeys(names, math.nan),
+                    return self._judge_members(p, dict.fromkeys(names, (math.nan, None)),
                                                f"the engines of {int(x[0])} batch(es) failed with it")
-                seen = {m: w / n for m, w, n in zip(names, x[1::2], x[2::2]) if n > 0}
-                return self._judge_members(p, seen) if seen else {}
+                return self._judge_ready(p, dict(zip(names, zip(x[1::3], x[2::3], x[3::3]))))
             total, rows, failed = self.pool(self._seen)
             self._seen = [0.0, 0.0, 0.0]
             if not failed and rows == 0:
@@ -207,23 +212,32 @@ class Publisher:
             return self._judge(p["version"], p["weights"], p["expected"], total / rows)
 
     def _observe_members(self, p: dict, batch) -> dict:
-        """Per-member inline canary: the members on probation that drafted in `batch` are judged (several processes:
-        recorded for settle())."""
-        seen = {m: batch_mal(batch, m) for m in p["members"]}
-        seen = {m: s for m, s in seen.items() if s[1] > 0}
-        if self.pool is not None:
-            for m, (mal, rows) in seen.items():
-                acc = self._seen_m.setdefault(m, [0.0, 0.0])
-                acc[0], acc[1] = acc[0] + mal * rows, acc[1] + rows
-            return {}
-        return self._judge_members(p, {m: mal for m, (mal, _) in seen.items()}) if seen else {}
+        """Per-member inline canary: what the members on probation drafted in `batch` adds to their running totals
+        (tokens, verify rows, expected MAL x rows), and those with CANARY_ROWS rows are judged (several processes:
+        settle() judges on the totals pooled)."""
+        for m, e in p["members"].items():
+            mal, rows, at_k = batch_mal(batch, m, e["curve"])
+            acc = self._seen_m.setdefault(m, [0.0, 0.0, 0.0])
+            at_k = e["mal"] if at_k is None else at_k
+            acc[0], acc[1], acc[2] = acc[0] + mal * rows, acc[1] + rows, acc[2] + at_k * rows
+        return {} if self.pool is not None else self._judge_ready(p, self._seen_m)
 
-    def _judge_members(self, p: dict, mals: dict, error: str | None = None) -> dict:
-        """Each member of `mals` (engine MAL on the steps it drafted; NaN: the engine failed) keeps its new weights,
-        which join the last good ones, or is rolled back alone; done once no member is left on probation."""
-        rec, failed = {"canary_mal": min(mals.values()), "rolled_back": False, "member_canary": {}}, []
-        for m, mal in mals.items():
-            expected = p["members"].pop(m)
+    def _judge_ready(self, p: dict, totals: dict) -> dict:
+        """Judge the members whose totals ({member: (tokens, rows, expected MAL x rows)}) hold CANARY_ROWS verify
+        rows; the others stay on probation, their totals kept."""
+        ready = {m: (t / n, e / n) for m, (t, n, e) in totals.items() if m in p["members"] and n >= CANARY_ROWS}
+        return self._judge_members(p, ready) if ready else {}
+
+    def _judge_members(self, p: dict, seen: dict, error: str | None = None) -> dict:
+        """Each member of `seen` ({member: (engine MAL on the steps it drafted, NaN: the engine failed; its estimate
+        at those steps' k, None: its estimate)}) keeps its new weights, which join the last good ones, or is rolled
+        back alone; done once no member is left on probation."""
+        rec = {"canary_mal": min(mal for mal, _ in seen.values()), "rolled_back": False, "member_canary": {}}
+        failed = []
+        for m, (mal, at_k) in seen.items():
+            est = p["members"].pop(m)
+            self._seen_m.pop(m, None)
+            expected = est["mal"] if at_k is None else at_k
             floor = 1.0 + self.cfg.canary_min_ratio * (expected - 1.0)
             rec["member_canary"][m] = {"canary_mal": mal, "expected_mal": expected, "rolled_back": not mal >= floor}
             if mal >= floor:
@@ -233,7 +247,7 @@ class Publisher:
                 why = (f"the engine failed with it: {error}" if error else
                        f"engine MAL on its steps {mal:.2f} < {floor:.2f}")
                 self.log(f"[drafttrain] ROLLBACK: drafter v{p['version']} member {m} failed its canary ({why}, trainer "
-                         f"estimate {expected:.2f}); its last good weights go back")
+                         f"estimate at their k {expected:.2f}); its last good weights go back")
         if failed:
             self.rollbacks += 1
             back = self.version + 1

@@ -1,16 +1,18 @@
-"""Per-member publishing: with drafter.kind=auto and two or more trainable members, each member is its own drafter
-to the publish gate and to the canary, so one member's gain never carries another's noise into the engines, and one
-member's failure never takes back another's gain.
+"""Per-member publishing: with drafter.kind=auto, each trainable member is its own drafter to the publish gate and
+to the canary, so one member's gain never carries another's noise into the engines, one member's failure never
+takes back another's gain, and a member is judged only on the decode steps it drafted.
 
 - Gate: every trainable member's new weights and its serving weights are scored on the same held-out rows (the
   paired bound of tracking/gate.py, one decision per member; several processes pool every member's sums in one
   collective). The update publishes the serving weights with the members that passed swapped in; the members
   shown worse go back to their serving weights in the trainer; the undecided ones train on.
 - Canary: each newly published member is judged on the decode steps it drafted (the chooser's trace says which
-  member drafted each step), against its own estimate. A member that fails is rolled back alone; a member that
-  drafted no step of a batch stays on probation until one does.
+  member drafted each step, and at which k), against its own estimate at those steps' k (from the estimate's
+  per-position acceptance: the engine's auto k and toggle draft shorter than the k_max the estimate scores, and AR
+  steps emit one token; a whole-batch MAL against the estimate at k_max rolled good drafters back). A member that
+  fails is rolled back alone; one that drafted no step of a batch stays on probation until one does.
 
-Any other drafter (and auto with one trainable member) is one member, ALL: every weight, the plain gate and canary.
+Any other drafter is one member, ALL: every weight, the plain gate and canary.
 """
 from __future__ import annotations
 
@@ -20,9 +22,9 @@ ALL = ""  # the member that is every weight: a drafter gated and canaried as one
 
 
 def members_of(drafter) -> list[str]:
-    """The members gated and canaried on their own: an auto drafter's trainable ones (two or more), else [ALL]."""
+    """The members gated and canaried on their own: an auto drafter's trainable ones, else [ALL]."""
     trainable = list(getattr(drafter, "trainable", None) or [])
-    return trainable if getattr(drafter, "kind", None) == "auto" and len(trainable) > 1 else [ALL]
+    return trainable if getattr(drafter, "kind", None) == "auto" and trainable else [ALL]
 
 
 def owns(name: str, member: str) -> bool:
@@ -37,10 +39,14 @@ def merged(base: dict, new: dict, members) -> dict:
 
 def gate_members(pool_sum, ests: dict | None, servs: dict | None, members: list[str], oc) -> dict:
     """{member: gate_decision} on its paired rows (tracking/gate.py), every member's sums pooled over the processes
-    in one collective (pool_sum); no rows scored here: zero sums."""
+    in one collective (pool_sum); no rows scored here: zero sums. Each member's bound is at confidence
+    1 - (1 - online.gate_confidence) / members (Bonferroni), so that when no member is better, an update publishes
+    some member in at most 1 - gate_confidence of the decisions, as one drafter's gate does (n members at the plain
+    level would publish noise up to n times as often)."""
     sums = pool_sum([x for m in members for x in (paired_sums(ests[m]["row_mal"], servs[m]["row_mal"])
                                                    if servs is not None else [0.0, 0.0, 0.0])])
-    return {m: gate_decision(*sums[3 * i:3 * i + 3], oc.gate_confidence, oc.gate_margin, oc.gate_min_rows)
+    c = 1 - (1 - oc.gate_confidence) / len(members)
+    return {m: gate_decision(*sums[3 * i:3 * i + 3], c, oc.gate_margin, oc.gate_min_rows)
             for i, m in enumerate(members)}
 
 
@@ -52,13 +58,43 @@ def score(form, rows: dict, k: int, member: str, tfa) -> dict:
         return tfa(form, rows, k)
 
 
-def batch_mal(batch, member: str) -> tuple[float, float]:
-    """(mean accepted length, verify rows) of the decode steps `member` drafted in a rollout batch (ALL: every
-    step, the batch's own stats); rows 0: it drafted none. From the batch's timeline: per step, the chooser's
-    choice (schedule), the active rows and the tokens they emitted."""
+def probation(pool_sum, ests: dict | None, expected: dict, members: list[str], k: int) -> dict:
+    """What the canary judges each of `members` by: {member: {"mal": its pooled estimate, "curve": its estimated
+    acceptance per draft position (rate over steps that reached it)}}, the curves' counts pooled over the processes
+    in one collective (zeros where no process scored it)."""
+    x = []
+    for m in members:
+        st = (ests or {}).get(m, {}).get("stats")
+        x += [float(v) for c in ("accepted_per_position", "reached_per_position")
+              for v in (list(getattr(st, c, [])) + [0.0] * k)[:k]]
+    x = pool_sum(x)
+    out = {}
+    for i, m in enumerate(members):
+        acc, reach = x[2 * i * k:(2 * i + 1) * k], x[(2 * i + 1) * k:(2 * i + 2) * k]
+        out[m] = {"mal": expected[m], "curve": [a / r if r else 0.0 for a, r in zip(acc, reach)]}
+    return out
+
+
+def mal_at(curve: list[float], k: int) -> float:
+    """Expected tokens per verify step at k drafts: 1 + sum over i < k of P(drafts 0..i accepted)."""
+    out, p = 1.0, 1.0
+    for a in curve[:k]:
+        p *= a
+        out += p
+    return out
+
+
+def batch_mal(batch, member: str, curve: list[float] | None = None) -> tuple[float, float, float | None]:
+    """(mean accepted length, verify rows, expected MAL) over the decode steps `member` drafted in a rollout batch
+    (ALL: every step, the batch's own stats); rows 0: it drafted none. From the batch's timeline: per step, the
+    chooser's choice and k (schedule), the active rows and the tokens they emitted. Expected: mal_at(curve, k) of
+    each step, weighted by its rows (None without a curve)."""
     if member == ALL:
-        return batch.stats.mean_accepted_length, batch.stats.verify_rows
+        return batch.stats.mean_accepted_length, batch.stats.verify_rows, None
     tl = batch.timeline
     steps = [i for i, s in enumerate(tl.schedule[:len(tl.tokens)]) if s.get("kind") == member and s.get("on")]
     rows = float(sum(tl.batch[i] for i in steps))
-    return (sum(tl.tokens[i] for i in steps) / rows if rows else 1.0), rows
+    if not rows:
+        return 1.0, 0.0, None
+    expected = None if curve is None else sum(tl.batch[i] * mal_at(curve, tl.schedule[i]["k"]) for i in steps) / rows
+    return sum(tl.tokens[i] for i in steps) / rows, rows, expected

@@ -31,7 +31,7 @@ from drafttrain.tracking.buffer import FeatureBuffer, collate
 from drafttrain.tracking.capture import PolicyCapture, choose_rows
 from drafttrain.tracking.collective import Collective
 from drafttrain.tracking.hotswap import Publisher
-from drafttrain.tracking.members import ALL, gate_members, members_of, merged
+from drafttrain.tracking.members import ALL, gate_members, members_of, merged, probation
 from drafttrain.tracking.record import UpdateRecord
 from drafttrain.tracking.scoring import Scorer
 from drafttrain.tracking.trainer import DrafterTrainer
@@ -303,8 +303,8 @@ class DraftTracker:
             params = sampling_params(self.cfg, max_new_tokens=oc.canary_max_new_tokens)
             probe = self.probe_prompts if oc.canary == "probe" else None
             out = weights if passed == members else merged(self.scorer.serving_weights(), weights, passed)
-            pub = self.publisher.publish(out, est, probe, params, tag=self.policy_version,
-                                         members=None if members == [ALL] else {m: expected[m] for m in passed})
+            per = None if members == [ALL] else probation(self.collective.sum, ests, expected, passed, self.scorer.k)
+            pub = self.publisher.publish(out, est, probe, params, tag=self.policy_version, members=per)
             if new_rt is not None and pub["published"] and not pub.get("rolled_back") and passed == members:
                 self.scorer.served(pub["version"], new_rt)  # the gate's next reference: these very weights
         if pub.get("reason", "").startswith("nonfinite"):  # diverged: train on from the last good weights

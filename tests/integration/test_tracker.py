@@ -283,7 +283,8 @@ def test_auto_members_are_gated_each_on_its_own(trained, monkeypatch):
     assert same(part(engine.served, "mtp"), trained_mtp)  # ... and published it
     assert same(part(engine.served, "draft_model"), served["draft_model"])  # draft_model stays served as it was
     assert same(part(tracker.drafter.state_dict(), "draft_model"), served["draft_model"])  # and trains on from it
-    assert tracker.publisher.pending["members"] == {"mtp": pytest.approx(3.55)}  # on probation: mtp alone
+    assert list(tracker.publisher.pending["members"]) == ["mtp"]  # on probation: mtp alone
+    assert tracker.publisher.pending["members"]["mtp"]["mal"] == pytest.approx(3.55)
     # mtp undecided, draft_model gains: draft_model alone is published; mtp trains on from its update
     gain.update(mtp=torch.tensor([0.6, -0.4, 0.6, -0.4]), draft_model=torch.full((4,), 0.05))
     tracker.pending = list(feats)

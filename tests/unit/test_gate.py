@@ -111,3 +111,25 @@ def test_the_first_decision_imports_nothing():
             "gate_decision(8, 1.0, 3.0, 0.9); print(sorted(set(sys.modules) - before))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]", out
+
+
+def test_several_members_publish_noise_no_more_often_than_one_drafter():
+    """drafter.kind=auto, each trainable member gated on its own (tracking/members.py): with three members, none of
+    them better, an update publishes some member in at most 1 - confidence of the decisions (at the plain level per
+    member it was 0.29); a member with a real gain still passes."""
+    from types import SimpleNamespace
+
+    from drafttrain.tracking.members import gate_members
+
+    oc = SimpleNamespace(gate_confidence=0.9, gate_margin=0.0, gate_min_rows=2)
+    gen, trials, alpha, members = torch.Generator().manual_seed(7), 2000, 0.1, ["a", "b", "c"]
+
+    def decide(gains: dict) -> dict:
+        rows = {m: stream(32, gains[m], gen) for m in members}
+        return gate_members(list, {m: {"row_mal": r[0]} for m, r in rows.items()},
+                            {m: {"row_mal": r[1]} for m, r in rows.items()}, members, oc)
+
+    noise = sum(any(g["publish"] for g in decide(dict.fromkeys(members, 0.0)).values()) for _ in range(trials))
+    assert noise / trials <= alpha + 3 * math.sqrt(alpha * (1 - alpha) / trials), noise / trials
+    real = [decide({"a": 0.3, "b": 0.0, "c": 0.0})["a"]["publish"] for _ in range(200)]
+    assert sum(real) / 200 >= 0.9

@@ -5,14 +5,15 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 from omegaconf import OmegaConf
 
 from drafttrain.config import Config
 from drafttrain.engines.base import RolloutBatch, Timeline
 from drafttrain.spec import SamplingParams, SpecStats
-from drafttrain.tracking.hotswap import Publisher
-from drafttrain.tracking.members import ALL, batch_mal, members_of, merged
+from drafttrain.tracking.hotswap import CANARY_ROWS, Publisher
+from drafttrain.tracking.members import ALL, batch_mal, mal_at, members_of, merged
 from tests import contract as C
 
 
@@ -20,7 +21,7 @@ def test_members_of_and_merged(policy):
     two = C.fresh_drafter(policy, kind="auto", kinds=["suffix", "mtp", "draft_model"], paths=[None] * 3)
     one = C.fresh_drafter(policy, kind="auto", kinds=["eagle3", "suffix"], paths=[None] * 2)
     assert members_of(two) == ["mtp", "draft_model"]
-    assert members_of(one) == [ALL] and members_of(C.fresh_drafter(policy)) == [ALL]
+    assert members_of(one) == ["eagle3"] and members_of(C.fresh_drafter(policy)) == [ALL]
     base, new = {"mtp.a": 0, "mtp_x.b": 0, "draft_model.c": 0}, {"mtp.a": 1, "mtp_x.b": 1, "draft_model.c": 1}
     assert merged(base, new, ["mtp"]) == {"mtp.a": 1, "mtp_x.b": 0, "draft_model.c": 0}  # the prefix, not a name
     assert merged(base, new, [ALL]) == new and merged(base, new, []) == base
@@ -33,12 +34,12 @@ def test_batch_mal_splits_a_real_generation_by_member(make_engine, policy):
     b = eng.generate(C.RAGGED_PROMPTS * 3, SamplingParams(temperature=0, max_new_tokens=30))
     tl = b.timeline
     ar = [i for i, s in enumerate(tl.schedule) if not s["on"]]
-    split = {m: batch_mal(b, m) for m in ("mtp", "draft_model")}
+    split = {m: batch_mal(b, m)[:2] for m in ("mtp", "draft_model")}
     assert all(rows > 0 for _, rows in split.values()), split  # both members drafted (the chooser tries each)
     rows = sum(r for _, r in split.values()) + sum(tl.batch[i] for i in ar)
     emitted = sum(mal * r for mal, r in split.values()) + sum(tl.tokens[i] for i in ar)
     assert rows == b.stats.verify_rows and math.isclose(emitted, b.stats.emitted)
-    assert batch_mal(b, ALL) == (b.stats.mean_accepted_length, b.stats.verify_rows)
+    assert batch_mal(b, ALL) == (b.stats.mean_accepted_length, b.stats.verify_rows, None)
 
 
 class FakeEngine:
@@ -56,14 +57,18 @@ class FakeEngine:
     def load_drafter(self, weights, version):
         self.served, self.drafter_version = {k: v.clone() for k, v in weights.items()}, version
 
-    def batch(self, mals: dict[str, float], rows: int = 4) -> RolloutBatch:
-        """A batch of the served version in which each member of `mals` drafted one step at that MAL."""
+    def batch(self, mals: dict[str, float], rows: int = CANARY_ROWS, k: int = 4) -> RolloutBatch:
+        """A batch of the served version in which each member of `mals` drafted one step (k drafts) at that MAL."""
         kinds = list(mals)
-        tl = Timeline(schedule=[{"kind": m, "on": True} for m in kinds], batch=[rows] * len(kinds),
+        tl = Timeline(schedule=[{"kind": m, "on": True, "k": k} for m in kinds], batch=[rows] * len(kinds),
                       tokens=[round(mals[m] * rows) for m in kinds])
         st = SpecStats(drafted=8.0, verify_rows=float(rows * len(kinds)), emitted=float(sum(tl.tokens)))
         return RolloutBatch([[1]], [[0.0]], st, self.drafter_version, drafter_versions=[self.drafter_version],
                             timeline=tl)
+
+
+def est(*members: str, mal: float = 4.0, curve=None) -> dict:
+    return {m: {"mal": mal, "curve": curve} for m in members}
 
 
 def weights(mtp: float, dm: float) -> dict:
@@ -79,10 +84,10 @@ def publisher(pool=None, canary="inline"):
 
 def test_each_member_is_judged_on_its_own_steps_and_rolled_back_alone():
     pub, eng, logs = publisher()
-    rec = pub.publish(weights(1, 1), members={"mtp": 4.0, "draft_model": 4.0})
+    rec = pub.publish(weights(1, 1), members=est("mtp", "draft_model"))
     assert rec["published"] and rec["canary_mal"] is None and eng.drafter_version == 1
     assert pub.observe(eng.batch({"mtp": 4.0}))["member_canary"]["mtp"]["rolled_back"] is False
-    assert pub.pending["members"] == {"draft_model": 4.0}  # it drafted no step yet: still on probation
+    assert list(pub.pending["members"]) == ["draft_model"]  # it drafted no step yet: still on probation
     assert torch.equal(pub.good_weights["mtp.w"], torch.ones(2))  # mtp's new weights are good now
     assert torch.equal(pub.good_weights["draft_model.w"], torch.zeros(2))
     rec = pub.observe(eng.batch({"draft_model": 1.0}))
@@ -91,17 +96,29 @@ def test_each_member_is_judged_on_its_own_steps_and_rolled_back_alone():
     assert torch.equal(eng.served["mtp.w"], torch.ones(2)) and torch.equal(eng.served["draft_model.w"], torch.zeros(2))
     assert any("ROLLBACK" in m and "draft_model" in m for m in logs), logs
     # the next publish brings one new member; an engine failure on probation takes back every member on it
-    pub.publish(weights(1, 2), members={"draft_model": 4.0})
+    pub.publish(weights(1, 2), members=est("draft_model"))
     assert pub.fail(RuntimeError("NaN draft probabilities"))["rolled_back"]
     assert torch.equal(eng.served["draft_model.w"], torch.zeros(2)) and torch.equal(eng.served["mtp.w"], torch.ones(2))
 
 
+def test_a_member_is_judged_once_it_drafted_enough_rows():
+    """A long-tail step holds a few rows: their MAL is noise. A member is judged on its rows summed over the batches
+    of the version, once they reach CANARY_ROWS."""
+    pub, eng, _ = publisher()
+    pub.publish(weights(1, 1), members=est("mtp", "draft_model"))
+    few = CANARY_ROWS // 2
+    assert pub.observe(eng.batch({"mtp": 1.5, "draft_model": 4.0}, rows=few)) == {}  # neither has enough rows
+    rec = pub.observe(eng.batch({"mtp": 4.0}, rows=few))  # mtp: (1.5 + 4.0) / 2 = 2.75 over CANARY_ROWS rows
+    assert rec["member_canary"]["mtp"]["canary_mal"] == pytest.approx(2.75) and not rec["rolled_back"]
+    assert list(pub.pending["members"]) == ["draft_model"]
+
+
 def test_a_member_left_on_probation_stays_on_it_through_the_next_publish():
     pub, eng, _ = publisher()
-    pub.publish(weights(1, 1), members={"mtp": 4.0, "draft_model": 4.0})
+    pub.publish(weights(1, 1), members=est("mtp", "draft_model"))
     pub.observe(eng.batch({"mtp": 4.0}))  # mtp judged good; draft_model not yet
-    pub.publish(weights(2, 1), members={"mtp": 4.0})  # only mtp is new; draft_model's weights are still unjudged
-    assert pub.pending["members"] == {"mtp": 4.0, "draft_model": 4.0}
+    pub.publish(weights(2, 1), members=est("mtp"))  # only mtp is new; draft_model's weights are still unjudged
+    assert set(pub.pending["members"]) == {"mtp", "draft_model"}
     rec = pub.observe(eng.batch({"mtp": 4.0, "draft_model": 1.0}))
     assert rec["rolled_back"] and not rec["member_canary"]["mtp"]["rolled_back"]
     assert torch.equal(eng.served["mtp.w"], torch.full((2,), 2.0)) and torch.equal(eng.served["draft_model.w"],
@@ -110,15 +127,15 @@ def test_a_member_left_on_probation_stays_on_it_through_the_next_publish():
 
 def test_pooled_member_canary_judges_on_every_process():
     """A second process (simulated: what it adds to the sums) saw draft_model draft badly; this one saw only mtp."""
-    other = {"draft_model": (1.0, 4.0)}
+    other = {"draft_model": (1.0, float(CANARY_ROWS))}
 
-    def pool(xs):  # layout: [failures] + (MAL x rows, rows) per member on probation, in order
+    def pool(xs):  # layout: [failures] + (MAL x rows, rows, expected MAL x rows) per member on probation, in order
         add = [0.0] + [v for m in pub.pending["members"] for v in
-                       ((other[m][0] * other[m][1], other[m][1]) if m in other else (0.0, 0.0))]
+                       ((other[m][0] * other[m][1], other[m][1], 4.0 * other[m][1]) if m in other else (0.0,) * 3)]
         return [x + y for x, y in zip(xs, add)]
 
     pub, eng, _ = publisher(pool)
-    pub.publish(weights(1, 1), members={"mtp": 4.0, "draft_model": 4.0})
+    pub.publish(weights(1, 1), members=est("mtp", "draft_model"))
     assert pub.observe(eng.batch({"mtp": 4.0})) == {}  # recorded, judged at settle
     rec = pub.settle()
     assert rec["rolled_back"] and set(rec["member_canary"]) == {"mtp", "draft_model"}
@@ -130,12 +147,28 @@ def test_a_probe_judges_the_members_it_drafted_with():
     probation for the rollouts; an engine failure in the probe takes back every new member."""
     pub, eng, _ = publisher(canary="probe")
     eng.probe = {"draft_model": 1.0}
-    rec = pub.publish(weights(1, 1), members={"mtp": 4.0, "draft_model": 4.0}, probe_prompts=[[1, 2]],
+    rec = pub.publish(weights(1, 1), members=est("mtp", "draft_model"), probe_prompts=[[1, 2]],
                       params=SamplingParams())
     assert rec["rolled_back"] and set(rec["member_canary"]) == {"draft_model"} and eng.drafter_version == 2
-    assert pub.pending["members"] == {"mtp": 4.0}
+    assert list(pub.pending["members"]) == ["mtp"]
     assert torch.equal(eng.served["mtp.w"], torch.ones(2)) and torch.equal(eng.served["draft_model.w"], torch.zeros(2))
     eng.probe = {"mtp": math.nan}
-    rec = pub.publish(weights(1, 2), members={"draft_model": 4.0}, probe_prompts=[[1, 2]], params=SamplingParams())
+    rec = pub.publish(weights(1, 2), members=est("draft_model"), probe_prompts=[[1, 2]], params=SamplingParams())
     assert rec["rolled_back"] and pub.pending is None
     assert torch.equal(eng.served["mtp.w"], torch.zeros(2)) and torch.equal(eng.served["draft_model.w"], torch.zeros(2))
+
+
+def test_a_member_is_judged_against_its_estimate_at_the_k_it_drafted_with():
+    """The estimate scores k_max drafts; the engine's auto k drafted 2 at this step. Against the estimate at k_max
+    (5.7 here: floor 3.35) a good member's 2.5 was rolled back (the main job rolled back a good draft model this way);
+    at k=2 it expects 1 + 0.9 + 0.81 = 2.71 (floor 1.86): kept. A broken one (1.2) still goes back."""
+    curve = [0.9] * 8
+    assert mal_at(curve, 2) == pytest.approx(2.71) and mal_at(curve, 8) == pytest.approx(1 + sum(0.9 ** i for i in
+                                                                                                  range(1, 9)))
+    pub, eng, _ = publisher()
+    pub.publish(weights(1, 1), members=est("mtp", "draft_model", mal=5.7, curve=curve))
+    rec = pub.observe(eng.batch({"mtp": 2.5, "draft_model": 1.2}, k=2))
+    c = rec["member_canary"]
+    assert not c["mtp"]["rolled_back"] and c["mtp"]["expected_mal"] == pytest.approx(2.71)
+    assert c["draft_model"]["rolled_back"]
+    assert torch.equal(eng.served["mtp.w"], torch.ones(2)) and torch.equal(eng.served["draft_model.w"], torch.zeros(2))
