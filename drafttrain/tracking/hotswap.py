@@ -140,9 +140,10 @@ class Publisher:
             return rec
         self.pending = {"version": rec["version"], "weights": weights, "members": on}
         if probe_prompts and params is not None:
-            for e in self.engines:
+            for e in self.engines:  # the probe is this canary's evidence: a member that drafted in it is judged
                 try:
-                    verdict = self.observe(e.generate(probe_prompts, params, speculative=True))
+                    batch = e.generate(probe_prompts, params, speculative=True)
+                    verdict = self._observe_members(self.pending, batch, min_rows=1) if batch.stats.drafted else {}
                 except (RuntimeError, ValueError) as err:
                     verdict = self.fail(err)
                 rec.update({k: v for k, v in verdict.items() if k != "deferred"})
@@ -211,7 +212,7 @@ class Publisher:
                                    f"the engines of {int(failed)} batch(es) failed with it")
             return self._judge(p["version"], p["weights"], p["expected"], total / rows)
 
-    def _observe_members(self, p: dict, batch) -> dict:
+    def _observe_members(self, p: dict, batch, min_rows: int = CANARY_ROWS) -> dict:
         """Per-member inline canary: what the members on probation drafted in `batch` adds to their running totals
         (tokens, verify rows, expected MAL x rows), and those with CANARY_ROWS rows are judged (several processes:
         settle() judges on the totals pooled)."""
@@ -220,12 +221,12 @@ class Publisher:
             acc = self._seen_m.setdefault(m, [0.0, 0.0, 0.0])
             at_k = e["mal"] if at_k is None else at_k
             acc[0], acc[1], acc[2] = acc[0] + mal * rows, acc[1] + rows, acc[2] + at_k * rows
-        return {} if self.pool is not None else self._judge_ready(p, self._seen_m)
+        return {} if self.pool is not None else self._judge_ready(p, self._seen_m, min_rows)
 
-    def _judge_ready(self, p: dict, totals: dict) -> dict:
-        """Judge the members whose totals ({member: (tokens, rows, expected MAL x rows)}) hold CANARY_ROWS verify
-        rows; the others stay on probation, their totals kept."""
-        ready = {m: (t / n, e / n) for m, (t, n, e) in totals.items() if m in p["members"] and n >= CANARY_ROWS}
+    def _judge_ready(self, p: dict, totals: dict, min_rows: int = CANARY_ROWS) -> dict:
+        """Judge the members whose totals ({member: (tokens, rows, expected MAL x rows)}) hold min_rows verify rows;
+        the others stay on probation, their totals kept."""
+        ready = {m: (t / n, e / n) for m, (t, n, e) in totals.items() if m in p["members"] and n >= max(min_rows, 1)}
         return self._judge_members(p, ready) if ready else {}
 
     def _judge_members(self, p: dict, seen: dict, error: str | None = None) -> dict:

@@ -47,12 +47,12 @@ class FakeEngine:
 
     def __init__(self):
         self.drafter_version, self.served = 0, None
-        self.probe: dict[str, float] = {}  # the members that draft in generate(), and their MAL
+        self.probe: dict[str, float] = {}  # the members that draft in generate(), and their MAL (2 rows each)
 
     def generate(self, prompts, params, speculative=True):
         if any(math.isnan(v) for v in self.probe.values()):
             raise RuntimeError("NaN draft probabilities")
-        return self.batch(self.probe)
+        return self.batch(self.probe, rows=2)
 
     def load_drafter(self, weights, version):
         self.served, self.drafter_version = {k: v.clone() for k, v in weights.items()}, version
@@ -143,8 +143,9 @@ def test_pooled_member_canary_judges_on_every_process():
 
 
 def test_a_probe_judges_the_members_it_drafted_with():
-    """canary=probe: the probe right after the swap judges the members that drafted in it; the others stay on
-    probation for the rollouts; an engine failure in the probe takes back every new member."""
+    """canary=probe: the probe right after the swap judges the members that drafted in it, however few its rows (it
+    is the canary's evidence); the others stay on probation for the rollouts; an engine failure in the probe takes
+    back every new member."""
     pub, eng, _ = publisher(canary="probe")
     eng.probe = {"draft_model": 1.0}
     rec = pub.publish(weights(1, 1), members=est("mtp", "draft_model"), probe_prompts=[[1, 2]],
