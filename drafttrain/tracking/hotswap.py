@@ -6,8 +6,8 @@
 
 Order of checks: non-finite weights, or a non-finite trainer estimate (a diverged drafter whose outputs are NaN),
 are never published (the engine would refuse NaN weights too); each engine's load_drafter is atomic and
-versioned; then the canary compares the engine's mean accepted length with the trainer's own teacher-forced
-estimate. Silently dropped or corrupted weights (acceptance pinned at 0, or 2.7 -> 1.0) fall far below it, and a
+versioned; then the canary compares the engine's mean accepted length (over the decode steps that drafted: an
+AR step of engine.toggle emits one token whatever the drafter) with the trainer's own teacher-forced estimate. Silently dropped or corrupted weights (acceptance pinned at 0, or 2.7 -> 1.0) fall far below it, and a
 drafter that makes the engine fail counts as failing: the engine is rolled back to the last good weights under a
 new version number, and the event is logged loudly.
 
@@ -36,7 +36,7 @@ import time
 
 import torch
 
-from drafttrain.tracking.members import batch_mal, merged
+from drafttrain.tracking.members import ALL, batch_mal, merged
 
 # a member is judged once it drafted this many verify rows of the version on probation (summed over batches and
 # processes): a few rows' MAL is noise (a long-tail step holds 1-3 rows; the main job rolled a good draft model
@@ -162,12 +162,12 @@ class Publisher:
             if "members" in p:
                 return self._observe_members(p, batch)
             if self.pool is not None:  # recorded; settle() judges with every process
-                rows = batch.stats.verify_rows
-                self._seen[0] += batch.stats.mean_accepted_length * rows
+                mal, rows, _ = batch_mal(batch, ALL)
+                self._seen[0] += mal * rows
                 self._seen[1] += rows
                 return {}
             self.pending = None
-            return self._judge(p["version"], p["weights"], p["expected"], batch.stats.mean_accepted_length)
+            return self._judge(p["version"], p["weights"], p["expected"], batch_mal(batch, ALL)[0])
 
     def fail(self, error: BaseException) -> dict:
         """Inline canary: the engine failed while the pending version served (e.g. NaN draft probabilities): roll

@@ -86,13 +86,15 @@ def mal_at(curve: list[float], k: int) -> float:
 
 def batch_mal(batch, member: str, curve: list[float] | None = None) -> tuple[float, float, float | None]:
     """(mean accepted length, verify rows, expected MAL) over the decode steps `member` drafted in a rollout batch
-    (ALL: every step, the batch's own stats); rows 0: it drafted none. From the batch's timeline: per step, the
-    chooser's choice and k (schedule), the active rows and the tokens they emitted. Expected: mal_at(curve, k) of
-    each step, weighted by its rows (None without a curve)."""
-    if member == ALL:
-        return batch.stats.mean_accepted_length, batch.stats.verify_rows, None
+    (ALL: every step that drafted; an AR step of the toggle emits one token whatever the drafter); rows 0: it drafted
+    none. From the batch's timeline: per step, the schedule's choice and k, the active rows and the tokens they
+    emitted; an engine that keeps no schedule (vLLM): the batch's own stats. Expected: mal_at(curve, k) of each
+    step, weighted by its rows (None without a curve)."""
     tl = batch.timeline
-    steps = [i for i, s in enumerate(tl.schedule[:len(tl.tokens)]) if s.get("kind") == member and s.get("on")]
+    if not tl.tokens or len(tl.schedule) < len(tl.tokens):
+        return (batch.stats.mean_accepted_length, batch.stats.verify_rows, None) if member == ALL else (1.0, 0.0, None)
+    steps = [i for i, s in enumerate(tl.schedule[:len(tl.tokens)])
+             if s.get("on") and (member == ALL or s.get("kind") == member)]
     rows = float(sum(tl.batch[i] for i in steps))
     if not rows:
         return 1.0, 0.0, None

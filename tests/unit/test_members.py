@@ -39,7 +39,12 @@ def test_batch_mal_splits_a_real_generation_by_member(make_engine, policy):
     rows = sum(r for _, r in split.values()) + sum(tl.batch[i] for i in ar)
     emitted = sum(mal * r for mal, r in split.values()) + sum(tl.tokens[i] for i in ar)
     assert rows == b.stats.verify_rows and math.isclose(emitted, b.stats.emitted)
+    # the whole drafter: every step that drafted, not the AR steps (whose one token says nothing of the drafter)
+    assert ar and batch_mal(b, ALL)[1] == sum(r for _, r in split.values())
+    assert batch_mal(b, ALL)[0] == pytest.approx(sum(mal * r for mal, r in split.values()) / batch_mal(b, ALL)[1])
+    b.timeline = Timeline()  # an engine that keeps no schedule (vLLM): the batch's stats
     assert batch_mal(b, ALL) == (b.stats.mean_accepted_length, b.stats.verify_rows, None)
+    assert batch_mal(b, "mtp") == (1.0, 0.0, None)
 
 
 class FakeEngine:
@@ -173,3 +178,15 @@ def test_a_member_is_judged_against_its_estimate_at_the_k_it_drafted_with():
     assert not c["mtp"]["rolled_back"] and c["mtp"]["expected_mal"] == pytest.approx(2.71)
     assert c["draft_model"]["rolled_back"]
     assert torch.equal(eng.served["mtp.w"], torch.ones(2)) and torch.equal(eng.served["draft_model.w"], torch.zeros(2))
+
+
+def test_the_whole_drafter_canary_skips_the_toggles_ar_steps():
+    """engine.toggle: a batch of 32 rows drafted at MAL 4 and 96 AR rows (one token each) reads 1.75 in the batch's
+    stats, under the floor (2.5 at an estimate of 4): a good drafter was rolled back. On its SD steps: kept."""
+    pub, eng, _ = publisher()
+    assert pub.publish(weights(1, 1), 4.0)["published"]
+    tl = Timeline(schedule=[{"on": True, "k": 4}, {"on": False, "k": 0}], batch=[32, 96], tokens=[128, 96])
+    st = SpecStats(drafted=128.0, verify_rows=128.0, emitted=224.0)
+    assert st.mean_accepted_length == 1.75
+    rec = pub.observe(RolloutBatch([[1]], [[0.0]], st, 1, drafter_versions=[1, 1], timeline=tl))
+    assert rec["canary_mal"] == 4.0 and not rec["rolled_back"] and eng.drafter_version == 1
