@@ -7,7 +7,8 @@
 Order of checks: non-finite weights, or a non-finite trainer estimate (a diverged drafter whose outputs are NaN),
 are never published (the engine would refuse NaN weights too); each engine's load_drafter is atomic and
 versioned; then the canary compares the engine's mean accepted length (over the decode steps that drafted: an
-AR step of engine.toggle emits one token whatever the drafter) with the trainer's own teacher-forced estimate. Silently dropped or corrupted weights (acceptance pinned at 0, or 2.7 -> 1.0) fall far below it, and a
+AR step of engine.toggle emits one token whatever the drafter) with the trainer's own teacher-forced estimate.
+Silently dropped or corrupted weights (acceptance pinned at 0, or 2.7 -> 1.0) fall far below it, and a
 drafter that makes the engine fail counts as failing: the engine is rolled back to the last good weights under a
 new version number, and the event is logged loudly.
 

@@ -16,6 +16,7 @@ Any other drafter is one member, ALL: every weight, the plain gate and canary.
 """
 from __future__ import annotations
 
+from drafttrain.simulate import expected_tokens  # 1 + sum over i < k of P(drafts 0..i accepted)
 from drafttrain.tracking.gate import gate_decision, paired_sums
 
 ALL = ""  # the member that is every weight: a drafter gated and canaried as one
@@ -75,21 +76,12 @@ def probation(pool_sum, ests: dict | None, expected: dict, members: list[str], k
     return out
 
 
-def mal_at(curve: list[float], k: int) -> float:
-    """Expected tokens per verify step at k drafts: 1 + sum over i < k of P(drafts 0..i accepted)."""
-    out, p = 1.0, 1.0
-    for a in curve[:k]:
-        p *= a
-        out += p
-    return out
-
-
 def batch_mal(batch, member: str, curve: list[float] | None = None) -> tuple[float, float, float | None]:
     """(mean accepted length, verify rows, expected MAL) over the decode steps `member` drafted in a rollout batch
     (ALL: every step that drafted; an AR step of the toggle emits one token whatever the drafter); rows 0: it drafted
     none. From the batch's timeline: per step, the schedule's choice and k, the active rows and the tokens they
-    emitted; an engine that keeps no schedule (vLLM): the batch's own stats. Expected: mal_at(curve, k) of each
-    step, weighted by its rows (None without a curve)."""
+    emitted; an engine that keeps no schedule (vLLM): the batch's own stats. Expected: expected_tokens(curve, k) of
+    each step, weighted by its rows (None without a curve)."""
     tl = batch.timeline
     if not tl.tokens or len(tl.schedule) < len(tl.tokens):
         return (batch.stats.mean_accepted_length, batch.stats.verify_rows, None) if member == ALL else (1.0, 0.0, None)
@@ -98,5 +90,5 @@ def batch_mal(batch, member: str, curve: list[float] | None = None) -> tuple[flo
     rows = float(sum(tl.batch[i] for i in steps))
     if not rows:
         return 1.0, 0.0, None
-    expected = None if curve is None else sum(tl.batch[i] * mal_at(curve, tl.schedule[i]["k"]) for i in steps) / rows
-    return sum(tl.tokens[i] for i in steps) / rows, rows, expected
+    at_k = None if curve is None else sum(tl.batch[i] * expected_tokens(curve, tl.schedule[i]["k"]) for i in steps)
+    return sum(tl.tokens[i] for i in steps) / rows, rows, None if at_k is None else at_k / rows

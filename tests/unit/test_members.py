@@ -13,7 +13,8 @@ from drafttrain.config import Config
 from drafttrain.engines.base import RolloutBatch, Timeline
 from drafttrain.spec import SamplingParams, SpecStats
 from drafttrain.tracking.hotswap import CANARY_ROWS, Publisher
-from drafttrain.tracking.members import ALL, batch_mal, mal_at, members_of, merged
+from drafttrain.simulate import expected_tokens
+from drafttrain.tracking.members import ALL, batch_mal, members_of, merged
 from tests import contract as C
 
 
@@ -169,8 +170,8 @@ def test_a_member_is_judged_against_its_estimate_at_the_k_it_drafted_with():
     (5.7 here: floor 3.35) a good member's 2.5 was rolled back (the main job rolled back a good draft model this way);
     at k=2 it expects 1 + 0.9 + 0.81 = 2.71 (floor 1.86): kept. A broken one (1.2) still goes back."""
     curve = [0.9] * 8
-    assert mal_at(curve, 2) == pytest.approx(2.71) and mal_at(curve, 8) == pytest.approx(1 + sum(0.9 ** i for i in
-                                                                                                  range(1, 9)))
+    assert expected_tokens(curve, 2) == pytest.approx(2.71)
+    assert expected_tokens(curve, 8) == pytest.approx(1 + sum(0.9 ** i for i in range(1, 9)))
     pub, eng, _ = publisher()
     pub.publish(weights(1, 1), members=est("mtp", "draft_model", mal=5.7, curve=curve))
     rec = pub.observe(eng.batch({"mtp": 2.5, "draft_model": 1.2}, k=2))
