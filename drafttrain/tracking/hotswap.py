@@ -81,8 +81,7 @@ class Publisher:
     def publish(self, weights: dict, expected_mal: float | None = None, probe_prompts=None, params=None,
                 tag=None, members: dict | None = None) -> dict:
         """members: {member: {"mal": its estimate, "curve": its acceptance per position}} of the members whose
-        weights are new, each canaried on its own (None:
-        the whole drafter, against expected_mal)."""
+        weights are new, each canaried on its own (None: the whole drafter, against expected_mal)."""
         with self._lock:
             if members is not None:
                 return self._publish_members(weights, members, probe_prompts, params, tag)
