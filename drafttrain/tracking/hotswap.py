@@ -56,7 +56,8 @@ class Publisher:
     def __init__(self, engines, initial_weights: dict, cfg_online, log=print, tag=0, pool=None):
         self.engines, self.cfg, self.log = list(engines), cfg_online, log
         self.pool = pool  # several processes: list[float] -> its elementwise sum over them (a collective)
-        self._seen = [0.0, 0.0, 0.0]  # pooled mode, since the last settle(): MAL x verify rows, verify rows, failures
+        # pooled mode, since the last settle(): MAL x verify rows, verify rows, failures, expected MAL x verify rows
+        self._seen = [0.0, 0.0, 0.0, 0.0]
         self._seen_m: dict[str, list[float]] = {}  # per member on probation: tokens, rows, expected MAL x rows
         self.version = max([e.drafter_version for e in self.engines] + [0])
         # version -> the caller's tag of the weights it serves (the tracker: the policy version they were published
@@ -80,14 +81,19 @@ class Publisher:
 
     def publish(self, weights: dict, expected_mal: float | None = None, probe_prompts=None, params=None,
                 tag=None, members: dict | None = None) -> dict:
-        """members: {member: {"mal": its estimate, "curve": its acceptance per position}} of the members whose
-        weights are new, each canaried on its own (None: the whole drafter, against expected_mal)."""
+        """members: {member: {"mal": its estimate, "curve": its acceptance per position or None}} of the members
+        whose weights are new, each canaried on its own (tracking/members.py); {ALL: ...} or None: the whole drafter,
+        against expected_mal (then at the k of each step, from the curve)."""
+        curve = None
+        if members is not None and list(members) == [ALL]:
+            expected_mal, curve, members = members[ALL]["mal"], members[ALL]["curve"], None
         with self._lock:
             if members is not None:
                 return self._publish_members(weights, members, probe_prompts, params, tag)
-            return self._publish(weights, expected_mal, probe_prompts, params, tag)
+            return self._publish(weights, expected_mal, probe_prompts, params, tag, curve=curve)
 
-    def _publish(self, weights: dict, expected_mal, probe_prompts, params, tag=None, estimates=None) -> dict:
+    def _publish(self, weights: dict, expected_mal, probe_prompts, params, tag=None, estimates=None,
+                 curve=None) -> dict:
         bad = first_nonfinite(weights)
         if bad is None and any(e is not None and not math.isfinite(e) for e in [expected_mal, *(estimates or [])]):
             bad = "outputs (the trainer's acceptance estimate)"
@@ -101,26 +107,29 @@ class Publisher:
         rec = {"published": True, "version": v, "swap_s": swap_s, "rolled_back": False, "canary_mal": None,
                "expected_mal": expected_mal}
         self.pending = None
-        self._seen, self._seen_m = [0.0, 0.0, 0.0], {}
+        self._seen, self._seen_m = [0.0, 0.0, 0.0, 0.0], {}
         if estimates is not None:  # per member: _publish_members judges
             rec["weights"] = weights
             return rec
         judged = self.engines and expected_mal is not None
         if judged and self.cfg.canary == "inline":
-            self.pending = {"version": v, "weights": weights, "expected": expected_mal}
+            self.pending = {"version": v, "weights": weights, "expected": expected_mal, "curve": curve}
             return rec
         if judged and probe_prompts and params is not None:
-            error = None
+            error, at_k = None, expected_mal
             try:
-                mal = min(e.generate(probe_prompts, params, speculative=True).stats.mean_accepted_length
-                          for e in self.engines)
+                probes = [batch_mal(e.generate(probe_prompts, params, speculative=True), ALL, curve, expected_mal)
+                          for e in self.engines]
+                # the engine whose probe falls furthest below what it should read at its k
+                mal, _, x = min(probes, key=lambda t: (t[0] - 1) / max((t[2] or expected_mal) - 1, 1e-9))
+                at_k = expected_mal if x is None else x
             except (RuntimeError, ValueError) as err:  # e.g. NaN draft probabilities from broken weights
                 mal, error = float("nan"), str(err).splitlines()[0]
             if self.pool is not None:  # every process judges the mean of all processes' probes
-                total, n, failed = self.pool([0.0 if error else mal, 0.0 if error else 1.0, float(bool(error))])
-                mal = float("nan") if failed else total / n
+                total, n, failed, x = self.pool([0.0, 0.0, 1.0, 0.0] if error else [mal, 1.0, 0.0, at_k])
+                mal, at_k = (float("nan"), expected_mal) if failed else (total / n, x / n)
                 error = error or ("an engine failed with it in another process" if failed else None)
-            rec.update(self._judge(v, weights, expected_mal, mal, error))
+            rec.update(self._judge(v, weights, at_k, mal, error, expected_mal))
             return rec
         self.good_weights, self.good_version = weights, v
         return rec
@@ -161,13 +170,15 @@ class Publisher:
                 return {}
             if "members" in p:
                 return self._observe_members(p, batch)
+            mal, rows, at_k = batch_mal(batch, ALL, p["curve"], p["expected"])
+            at_k = p["expected"] if at_k is None else at_k
             if self.pool is not None:  # recorded; settle() judges with every process
-                mal, rows, _ = batch_mal(batch, ALL)
                 self._seen[0] += mal * rows
                 self._seen[1] += rows
+                self._seen[3] += at_k * rows
                 return {}
             self.pending = None
-            return self._judge(p["version"], p["weights"], p["expected"], batch_mal(batch, ALL)[0])
+            return self._judge(p["version"], p["weights"], at_k, mal, None, p["expected"])
 
     def fail(self, error: BaseException) -> dict:
         """Inline canary: the engine failed while the pending version served (e.g. NaN draft probabilities): roll
@@ -202,22 +213,22 @@ class Publisher:
                     return self._judge_members(p, dict.fromkeys(names, (math.nan, None)),
                                                f"the engines of {int(x[0])} batch(es) failed with it")
                 return self._judge_ready(p, dict(zip(names, zip(x[1::3], x[2::3], x[3::3]))))
-            total, rows, failed = self.pool(self._seen)
-            self._seen = [0.0, 0.0, 0.0]
+            total, rows, failed, at_k = self.pool(self._seen)
+            self._seen = [0.0, 0.0, 0.0, 0.0]
             if not failed and rows == 0:
                 return {}
             self.pending = None
             if failed:
                 return self._judge(p["version"], p["weights"], p["expected"], float("nan"),
                                    f"the engines of {int(failed)} batch(es) failed with it")
-            return self._judge(p["version"], p["weights"], p["expected"], total / rows)
+            return self._judge(p["version"], p["weights"], at_k / rows, total / rows, None, p["expected"])
 
     def _observe_members(self, p: dict, batch, min_rows: int = CANARY_ROWS) -> dict:
         """Per-member inline canary: what the members on probation drafted in `batch` adds to their running totals
         (tokens, verify rows, expected MAL x rows), and those with CANARY_ROWS rows are judged (several processes:
         settle() judges on the totals pooled)."""
         for m, e in p["members"].items():
-            mal, rows, at_k = batch_mal(batch, m, e["curve"])
+            mal, rows, at_k = batch_mal(batch, m, e["curve"], e["mal"])
             acc = self._seen_m.setdefault(m, [0.0, 0.0, 0.0])
             at_k = e["mal"] if at_k is None else at_k
             acc[0], acc[1], acc[2] = acc[0] + mal * rows, acc[1] + rows, acc[2] + at_k * rows
@@ -262,8 +273,10 @@ class Publisher:
             self.pending, self.good_version = None, p["version"]
         return rec
 
-    def _judge(self, v: int, weights: dict, expected_mal: float, mal: float, error: str | None = None) -> dict:
-        """Keep v as the last good version, or roll every engine back to the last good weights."""
+    def _judge(self, v: int, weights: dict, expected_mal: float, mal: float, error: str | None = None,
+               estimate: float | None = None) -> dict:
+        """Keep v as the last good version, or roll every engine back to the last good weights. expected_mal: the
+        estimate at the k the engine drafted with (estimate: at k_max, for the log)."""
         floor = 1.0 + self.cfg.canary_min_ratio * (expected_mal - 1.0)
         rec = {"canary_mal": mal, "rolled_back": False}
         if mal >= floor:
@@ -275,7 +288,8 @@ class Publisher:
         back = self.version + 1
         self._load_all(self.good_weights, back)
         self.tags[back] = self.tags.get(self.good_version)
-        self.log(f"[drafttrain] ROLLBACK: drafter v{v} failed its canary ({why}, trainer estimate "
-                 f"{expected_mal:.2f}); engines now serve the weights of v{self.good_version} as v{back}")
+        at = "" if estimate is None or estimate == expected_mal else f" ({estimate:.2f} at k_max)"
+        self.log(f"[drafttrain] ROLLBACK: drafter v{v} failed its canary ({why}, trainer estimate at its k "
+                 f"{expected_mal:.2f}{at}); engines now serve the weights of v{self.good_version} as v{back}")
         rec.update(rolled_back=True, version=back)
         return rec

@@ -62,7 +62,7 @@ def score(form, rows: dict, k: int, member: str, tfa) -> dict:
 def probation(pool_sum, ests: dict | None, expected: dict, members: list[str], k: int) -> dict:
     """What the canary judges each of `members` by: {member: {"mal": its pooled estimate, "curve": its estimated
     acceptance per draft position (rate over steps that reached it)}}, the curves' counts pooled over the processes
-    in one collective (zeros where no process scored it)."""
+    in one collective (None where no process scored it: the canary then expects the estimate at k_max)."""
     x = []
     for m in members:
         st = (ests or {}).get(m, {}).get("stats")
@@ -72,16 +72,20 @@ def probation(pool_sum, ests: dict | None, expected: dict, members: list[str], k
     out = {}
     for i, m in enumerate(members):
         acc, reach = x[2 * i * k:(2 * i + 1) * k], x[(2 * i + 1) * k:(2 * i + 2) * k]
-        out[m] = {"mal": expected[m], "curve": [a / r if r else 0.0 for a, r in zip(acc, reach)]}
+        curve = [a / r if r else 0.0 for a, r in zip(acc, reach)] if any(reach) else None
+        out[m] = {"mal": expected[m], "curve": curve}
     return out
 
 
-def batch_mal(batch, member: str, curve: list[float] | None = None) -> tuple[float, float, float | None]:
+def batch_mal(batch, member: str, curve: list[float] | None = None, mal: float | None = None
+              ) -> tuple[float, float, float | None]:
     """(mean accepted length, verify rows, expected MAL) over the decode steps `member` drafted in a rollout batch
     (ALL: every step that drafted; an AR step of the toggle emits one token whatever the drafter); rows 0: it drafted
     none. From the batch's timeline: per step, the schedule's choice and k, the active rows and the tokens they
     emitted; an engine that keeps no schedule (vLLM): the batch's own stats. Expected: expected_tokens(curve, k) of
-    each step, weighted by its rows (None without a curve)."""
+    each step, weighted by its rows (None without a curve), times mal / expected_tokens(curve, len(curve)) where the
+    estimate's own MAL is given: it counts the last step of a row cut at its end, which the curve does not (exact at
+    the estimate's k, a little low below it)."""
     tl = batch.timeline
     if not tl.tokens or len(tl.schedule) < len(tl.tokens):
         return (batch.stats.mean_accepted_length, batch.stats.verify_rows, None) if member == ALL else (1.0, 0.0, None)
@@ -90,5 +94,8 @@ def batch_mal(batch, member: str, curve: list[float] | None = None) -> tuple[flo
     rows = float(sum(tl.batch[i] for i in steps))
     if not rows:
         return 1.0, 0.0, None
-    at_k = None if curve is None else sum(tl.batch[i] * expected_tokens(curve, tl.schedule[i]["k"]) for i in steps)
-    return sum(tl.tokens[i] for i in steps) / rows, rows, None if at_k is None else at_k / rows
+    if curve is None:
+        return sum(tl.tokens[i] for i in steps) / rows, rows, None
+    scale = 1.0 if mal is None else mal / expected_tokens(curve, len(curve))
+    at_k = sum(tl.batch[i] * expected_tokens(curve, tl.schedule[i]["k"]) for i in steps) * scale / rows
+    return sum(tl.tokens[i] for i in steps) / rows, rows, at_k

@@ -303,7 +303,7 @@ class DraftTracker:
             params = sampling_params(self.cfg, max_new_tokens=oc.canary_max_new_tokens)
             probe = self.probe_prompts if oc.canary == "probe" else None
             out = weights if passed == members else merged(self.scorer.serving_weights(), weights, passed)
-            per = None if members == [ALL] else probation(self.collective.sum, ests, expected, passed, self.scorer.k)
+            per = probation(self.collective.sum, ests, expected, passed, self.scorer.k)  # what each canary expects
             pub = self.publisher.publish(out, est, probe, params, tag=self.policy_version, members=per)
             if new_rt is not None and pub["published"] and not pub.get("rolled_back") and passed == members:
                 self.scorer.served(pub["version"], new_rt)  # the gate's next reference: these very weights

@@ -168,15 +168,17 @@ def test_a_probe_judges_the_members_it_drafted_with():
 def test_a_member_is_judged_against_its_estimate_at_the_k_it_drafted_with():
     """The estimate scores k_max drafts; the engine's auto k drafted 2 at this step. Against the estimate at k_max
     (5.7 here: floor 3.35) a good member's 2.5 was rolled back (the main job rolled back a good draft model this way);
-    at k=2 it expects 1 + 0.9 + 0.81 = 2.71 (floor 1.86): kept. A broken one (1.2) still goes back."""
+    at k=2 the curve gives 1 + 0.9 + 0.81 = 2.71, times the estimate's cut at the end of rows (5.7 / 6.13 from the
+    curve at k=8): 2.52 (floor 1.76): kept. A broken one (1.2) still goes back."""
     curve = [0.9] * 8
     assert expected_tokens(curve, 2) == pytest.approx(2.71)
-    assert expected_tokens(curve, 8) == pytest.approx(1 + sum(0.9 ** i for i in range(1, 9)))
+    full = expected_tokens(curve, 8)
+    assert full == pytest.approx(1 + sum(0.9 ** i for i in range(1, 9)))
     pub, eng, _ = publisher()
     pub.publish(weights(1, 1), members=est("mtp", "draft_model", mal=5.7, curve=curve))
     rec = pub.observe(eng.batch({"mtp": 2.5, "draft_model": 1.2}, k=2))
     c = rec["member_canary"]
-    assert not c["mtp"]["rolled_back"] and c["mtp"]["expected_mal"] == pytest.approx(2.71)
+    assert not c["mtp"]["rolled_back"] and c["mtp"]["expected_mal"] == pytest.approx(2.71 * 5.7 / full)
     assert c["draft_model"]["rolled_back"]
     assert torch.equal(eng.served["mtp.w"], torch.ones(2)) and torch.equal(eng.served["draft_model.w"], torch.zeros(2))
 
@@ -191,3 +193,22 @@ def test_the_whole_drafter_canary_skips_the_toggles_ar_steps():
     assert st.mean_accepted_length == 1.75
     rec = pub.observe(RolloutBatch([[1]], [[0.0]], st, 1, drafter_versions=[1, 1], timeline=tl))
     assert rec["canary_mal"] == 4.0 and not rec["rolled_back"] and eng.drafter_version == 1
+
+
+def test_the_whole_drafter_is_judged_at_the_k_each_step_drafted_with():
+    """engine.k=auto with one drafter (eagle3_track engine.k=auto engine.toggle=true rolled back 2 of 5 good
+    publishes: engine 2.1-2.4 at auto k against estimates of 4.4-4.5 at k_max 8). At k_max the expectation is the
+    estimate itself; at k=2, the curve's 2.71 scaled by the estimate's cut."""
+    curve, estimate = [0.9] * 8, 5.7
+    pub, eng, logs = publisher()
+    pub.publish(weights(1, 1), members={ALL: {"mal": estimate, "curve": curve}})
+    assert pub.pending["curve"] == curve and pub.pending["expected"] == estimate  # the whole drafter's canary
+    tl = Timeline(schedule=[{"on": True, "k": 2}], batch=[32], tokens=[80])  # MAL 2.5 at k=2
+    rec = pub.observe(RolloutBatch([[1]], [[0.0]], SpecStats(drafted=64.0, verify_rows=32.0, emitted=80.0), 1,
+                                   drafter_versions=[1], timeline=tl))
+    assert rec == {"canary_mal": 2.5, "rolled_back": False} and pub.good_version == 1
+    pub.publish(weights(2, 2), members={ALL: {"mal": estimate, "curve": curve}})
+    tl = Timeline(schedule=[{"on": True, "k": 8}], batch=[32], tokens=[96])  # MAL 3.0 at k_max: floor 3.35
+    rec = pub.observe(RolloutBatch([[1]], [[0.0]], SpecStats(drafted=256.0, verify_rows=32.0, emitted=96.0), 2,
+                                   drafter_versions=[2], timeline=tl))
+    assert rec["rolled_back"] and any("5.70 at k_max" not in m and "estimate at its k 5.70" in m for m in logs), logs
