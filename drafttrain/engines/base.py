@@ -23,6 +23,9 @@ class Timeline:
     # of the batch's wall_s, the prompt processing before the first decode step: set-up, prefill and the first token
     # of each row (embedded engine; 0 where unknown)
     prefill_s: float = 0.0
+    # drafts verified at each decode step (0: an AR step; embedded engine): the schedule's k where the end of the
+    # context did not cut it
+    k: list[int] = field(default_factory=list)
 
 
 @dataclass

@@ -203,7 +203,7 @@ class TorchEngine:
         reasons = ["length"] * B
         row_ids = order  # original index of each active row
         lens_l = [len(p) for p in prompts]  # by original index
-        stats, versions, ends, step_batch, step_tokens = SpecStats(), [], [], [], []
+        stats, versions, ends, step_batch, step_tokens, step_k = SpecStats(), [], [], [], [], []
         last = out[:, 0]
         k = 0
         t_prev = time.perf_counter()
@@ -251,6 +251,7 @@ class TorchEngine:
             Bn = len(row_ids)
             step_batch.append(Bn)
             k = max(0, min(ctl.decide(Bn), L - 1 - int(pos.max()))) if ctl is not None else 0
+            step_k.append(k)
             catch_up = pend.width() if k > 0 else 0  # pending positions the drafter extends its cache by
             if k > 0:
                 with self._in_use[id(drafter)]:
@@ -273,7 +274,8 @@ class TorchEngine:
                 ctl.observe_step(Bn, k, (ends[-1] - t_prev) * 1e3, typical=catch_up <= k_max + 1 and not done)
             t_prev = ends[-1]
 
-        timeline = Timeline(ends, ctl.trace[trace0:] if ctl is not None else [], step_batch, step_tokens, prefill_s)
+        timeline = Timeline(ends, ctl.trace[trace0:] if ctl is not None else [], step_batch, step_tokens, prefill_s,
+                            step_k)
         return RolloutBatch(resp, lps, stats, self.drafter_version if not versions else versions[0], reasons,
                             time.perf_counter() - t_start, versions, timeline)
 

@@ -81,21 +81,21 @@ def batch_mal(batch, member: str, curve: list[float] | None = None, mal: float |
               ) -> tuple[float, float, float | None]:
     """(mean accepted length, verify rows, expected MAL) over the decode steps `member` drafted in a rollout batch
     (ALL: every step that drafted; an AR step of the toggle emits one token whatever the drafter); rows 0: it drafted
-    none. From the batch's timeline: per step, the schedule's choice and k, the active rows and the tokens they
-    emitted; an engine that keeps no schedule (vLLM): the batch's own stats. Expected: expected_tokens(curve, k) of
-    each step, weighted by its rows (None without a curve), times mal / expected_tokens(curve, len(curve)) where the
-    estimate's own MAL is given: it counts the last step of a row cut at its end, which the curve does not (exact at
-    the estimate's k, a little low below it)."""
+    none. From the batch's timeline: per step, the drafts verified, the chooser's choice (schedule), the active rows
+    and the tokens they emitted; an engine that keeps no per-step k (vLLM): the batch's own stats. Expected:
+    expected_tokens(curve, k) of each step, weighted by its rows (None without a curve), times
+    mal / expected_tokens(curve, len(curve)) where the estimate's own MAL is given: it counts the last step of a row
+    cut at its end, which the curve does not (exact at the estimate's k, a little low below it)."""
     tl = batch.timeline
-    if not tl.tokens or len(tl.schedule) < len(tl.tokens):
+    n = len(tl.tokens)
+    if not n or len(tl.k) != n or (member != ALL and len(tl.schedule) < n):
         return (batch.stats.mean_accepted_length, batch.stats.verify_rows, None) if member == ALL else (1.0, 0.0, None)
-    steps = [i for i, s in enumerate(tl.schedule[:len(tl.tokens)])
-             if s.get("on") and (member == ALL or s.get("kind") == member)]
+    steps = [i for i in range(n) if tl.k[i] > 0 and (member == ALL or tl.schedule[i].get("kind") == member)]
     rows = float(sum(tl.batch[i] for i in steps))
     if not rows:
         return 1.0, 0.0, None
     if curve is None:
         return sum(tl.tokens[i] for i in steps) / rows, rows, None
     scale = 1.0 if mal is None else mal / expected_tokens(curve, len(curve))
-    at_k = sum(tl.batch[i] * expected_tokens(curve, tl.schedule[i]["k"]) for i in steps) * scale / rows
+    at_k = sum(tl.batch[i] * expected_tokens(curve, tl.k[i]) for i in steps) * scale / rows
     return sum(tl.tokens[i] for i in steps) / rows, rows, at_k

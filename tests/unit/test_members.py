@@ -34,7 +34,9 @@ def test_batch_mal_splits_a_real_generation_by_member(make_engine, policy):
     eng = make_engine(policy, d, k=3, drafter_int8=False)
     b = eng.generate(C.RAGGED_PROMPTS * 3, SamplingParams(temperature=0, max_new_tokens=30))
     tl = b.timeline
-    ar = [i for i, s in enumerate(tl.schedule) if not s["on"]]
+    assert len(tl.k) == len(tl.tokens) == len(tl.schedule)
+    ar = [i for i, k in enumerate(tl.k) if k == 0]
+    assert [s["k"] if s["on"] else 0 for s in tl.schedule] == tl.k  # no step reached the end of the context
     split = {m: batch_mal(b, m)[:2] for m in ("mtp", "draft_model")}
     assert all(rows > 0 for _, rows in split.values()), split  # both members drafted (the chooser tries each)
     rows = sum(r for _, r in split.values()) + sum(tl.batch[i] for i in ar)
@@ -67,7 +69,7 @@ class FakeEngine:
         """A batch of the served version in which each member of `mals` drafted one step (k drafts) at that MAL."""
         kinds = list(mals)
         tl = Timeline(schedule=[{"kind": m, "on": True, "k": k} for m in kinds], batch=[rows] * len(kinds),
-                      tokens=[round(mals[m] * rows) for m in kinds])
+                      tokens=[round(mals[m] * rows) for m in kinds], k=[k] * len(kinds))
         st = SpecStats(drafted=8.0, verify_rows=float(rows * len(kinds)), emitted=float(sum(tl.tokens)))
         return RolloutBatch([[1]], [[0.0]], st, self.drafter_version, drafter_versions=[self.drafter_version],
                             timeline=tl)
@@ -188,7 +190,7 @@ def test_the_whole_drafter_canary_skips_the_toggles_ar_steps():
     stats, under the floor (2.5 at an estimate of 4): a good drafter was rolled back. On its SD steps: kept."""
     pub, eng, _ = publisher()
     assert pub.publish(weights(1, 1), 4.0)["published"]
-    tl = Timeline(schedule=[{"on": True, "k": 4}, {"on": False, "k": 0}], batch=[32, 96], tokens=[128, 96])
+    tl = Timeline(schedule=[{"on": True, "k": 4}, {"on": False, "k": 0}], batch=[32, 96], tokens=[128, 96], k=[4, 0])
     st = SpecStats(drafted=128.0, verify_rows=128.0, emitted=224.0)
     assert st.mean_accepted_length == 1.75
     rec = pub.observe(RolloutBatch([[1]], [[0.0]], st, 1, drafter_versions=[1, 1], timeline=tl))
@@ -203,12 +205,27 @@ def test_the_whole_drafter_is_judged_at_the_k_each_step_drafted_with():
     pub, eng, logs = publisher()
     pub.publish(weights(1, 1), members={ALL: {"mal": estimate, "curve": curve}})
     assert pub.pending["curve"] == curve and pub.pending["expected"] == estimate  # the whole drafter's canary
-    tl = Timeline(schedule=[{"on": True, "k": 2}], batch=[32], tokens=[80])  # MAL 2.5 at k=2
+    tl = Timeline(batch=[32], tokens=[80], k=[2])  # MAL 2.5 at k=2
     rec = pub.observe(RolloutBatch([[1]], [[0.0]], SpecStats(drafted=64.0, verify_rows=32.0, emitted=80.0), 1,
                                    drafter_versions=[1], timeline=tl))
     assert rec == {"canary_mal": 2.5, "rolled_back": False} and pub.good_version == 1
     pub.publish(weights(2, 2), members={ALL: {"mal": estimate, "curve": curve}})
-    tl = Timeline(schedule=[{"on": True, "k": 8}], batch=[32], tokens=[96])  # MAL 3.0 at k_max: floor 3.35
+    tl = Timeline(batch=[32], tokens=[96], k=[8])  # MAL 3.0 at k_max: floor 3.35
     rec = pub.observe(RolloutBatch([[1]], [[0.0]], SpecStats(drafted=256.0, verify_rows=32.0, emitted=96.0), 2,
                                    drafter_versions=[2], timeline=tl))
     assert rec["rolled_back"] and any("5.70 at k_max" not in m and "estimate at its k 5.70" in m for m in logs), logs
+
+
+def test_a_step_the_end_of_the_context_cut_to_ar_is_not_a_drafted_step(make_engine, policy):
+    """Near engine.max_len the engine cuts the schedule's k (a long-tail row at the end of its context): the step
+    runs AR. It counted as a drafted step emitting one token per row (a good drafter read 1.00 and was rolled
+    back); the timeline's k is what the engine verified."""
+    d = C.fresh_drafter(policy)
+    eng = make_engine(policy, d, k=4, max_len=24, drafter_int8=False)
+    b = eng.generate([[1, 2, 3, 4]], SamplingParams(temperature=0, max_new_tokens=40))
+    tl = b.timeline
+    cut = [i for i, (s, k) in enumerate(zip(tl.schedule, tl.k)) if s["on"] and k < s["k"]]
+    assert cut, (tl.schedule, tl.k)  # the last steps were cut
+    drafted = [i for i, k in enumerate(tl.k) if k > 0]
+    mal, rows, _ = batch_mal(b, ALL)
+    assert rows == sum(tl.batch[i] for i in drafted) and mal == sum(tl.tokens[i] for i in drafted) / rows
