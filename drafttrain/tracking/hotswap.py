@@ -6,28 +6,29 @@
 
 Order of checks: non-finite weights, or a non-finite trainer estimate (a diverged drafter whose outputs are NaN),
 are never published (the engine would refuse NaN weights too); each engine's load_drafter is atomic and
-versioned; then the canary compares the engine's mean accepted length (over the decode steps that drafted: an
-AR step of engine.toggle emits one token whatever the drafter) with the trainer's own teacher-forced estimate.
-Silently dropped or corrupted weights (acceptance pinned at 0, or 2.7 -> 1.0) fall far below it, and a
-drafter that makes the engine fail counts as failing: the engine is rolled back to the last good weights under a
-new version number, and the event is logged loudly.
+versioned; then the canary compares the engine's mean accepted length on the decode steps that drafted (an AR step
+of engine.toggle emits one token whatever the drafter), with the trainer's teacher-forced estimate at those steps' k.
+Silently dropped or corrupted weights (acceptance pinned at 0, or 2.7 -> 1.0) fall far below it, and a drafter
+that makes the engine fail counts as failing: the engine is rolled back to the last good weights under a new
+version number, and the event is logged loudly.
+
+One canary path, per member (tracking/members.py): a drafter is one member, ALL (every weight); with
+drafter.kind=auto (publish(members=...)) each trainable member is its own, judged on the steps it drafted (the
+chooser's trace says which) against its own estimate, and one that fails is rolled back alone (the engines get the
+served weights with its last good ones, under a new version). The whole drafter is judged on a batch of the new
+version; a member once it drafted CANARY_ROWS verify rows (it may draft a step or two of a batch). A publish while
+members are on probation keeps the unchanged ones on it; rollbacks go to the last verified weights.
 
 Two canaries (online.canary):
-- probe: right after the swap, generate a short SD probe on recent prompts (probe_prompts). Costs a little
-  generation per publish.
-- inline: no extra generation. The swap is pending until observe() sees a rollout batch that the new version
-  generated from start to end; its mean accepted length is the canary. A bad drafter thus serves one batch
-  (outputs stay exact: SD is lossless; only slower) before the rollback. Batches of an older version, or of mixed
-  versions, leave the check pending. A publish while a check is pending leaves the pending weights unverified:
-  rollbacks go to the last verified weights.
+- probe: right after the swap, generate a short SD probe on recent prompts (probe_prompts); a member that drafted
+  in it is judged on it. Costs a little generation per publish.
+- inline: no extra generation. observe() reads the rollout batches that the new version generated from start to
+  end (a batch of an older version, or of mixed versions, says nothing). A bad drafter thus serves one batch
+  (outputs stay exact: SD is lossless; only slower) before the rollback.
 Several processes (pool: a sum over processes): each sees its own rollouts, and a verdict one process reached alone
 would roll back its engines only (versions and, through the publish gate's reset, drafter weights diverge). There
 observe() and fail() only record, and settle(), which every process calls at the same point (the tracker: at each
-policy update), judges on the MAL pooled over all of them; the probe canary pools its probes too.
-Per member (publish(members=...): drafter.kind=auto, tracking/members.py): each new member is judged on the steps
-it drafted, against its own estimate at those steps' k, and one that fails is rolled back alone (the engines get
-the served weights with that member's last good ones, under a new version). A member that drafted no
-step stays on probation until a batch of the served version has it draft; a probe is that batch's first chance.
+policy update), judges on the totals pooled over all of them; the probe canary pools its probes too.
 """
 from __future__ import annotations
 
@@ -56,9 +57,10 @@ class Publisher:
     def __init__(self, engines, initial_weights: dict, cfg_online, log=print, tag=0, pool=None):
         self.engines, self.cfg, self.log = list(engines), cfg_online, log
         self.pool = pool  # several processes: list[float] -> its elementwise sum over them (a collective)
-        # pooled mode, since the last settle(): MAL x verify rows, verify rows, failures, expected MAL x verify rows
-        self._seen = [0.0, 0.0, 0.0, 0.0]
-        self._seen_m: dict[str, list[float]] = {}  # per member on probation: tokens, rows, expected MAL x rows
+        # since the last publish: per member on probation, MAL x verify rows, verify rows, expected MAL x verify rows
+        # of the steps it drafted; and (pooled mode, since the last settle()) batches whose engine failed with it
+        self._seen: dict[str, list[float]] = {}
+        self._failures = 0.0
         self.version = max([e.drafter_version for e in self.engines] + [0])
         # version -> the caller's tag of the weights it serves (the tracker: the policy version they were published
         # at); a rollback's new version carries the tag of the weights it restores
@@ -66,7 +68,8 @@ class Publisher:
         self.good_weights = {k: v.detach().clone() for k, v in initial_weights.items()}
         self.good_version = self.version
         self.rollbacks = 0
-        self.pending: dict | None = None  # inline canary: {version, weights, expected} not yet judged
+        # {version, weights, members: {member: {"mal", "curve"}}}: the published version and its members on probation
+        self.pending: dict | None = None
         self._lock = threading.RLock()  # publish (trainer thread) vs observe (a rollout thread, async RL)
 
     def _load_all(self, weights: dict, version: int) -> float:
@@ -82,20 +85,16 @@ class Publisher:
     def publish(self, weights: dict, expected_mal: float | None = None, probe_prompts=None, params=None,
                 tag=None, members: dict | None = None) -> dict:
         """members: {member: {"mal": its estimate, "curve": its acceptance per position or None}} of the members
-        whose weights are new, each canaried on its own (tracking/members.py); {ALL: ...} or None: the whole drafter,
-        against expected_mal (then at the k of each step, from the curve)."""
-        curve = None
-        if members is not None and list(members) == [ALL]:
-            expected_mal, curve, members = members[ALL]["mal"], members[ALL]["curve"], None
+        whose weights are new, each canaried on its own (tracking/members.py); None: the whole drafter (ALL) against
+        expected_mal (None: published unjudged, e.g. a requantized self-drafter)."""
+        if members is None:
+            members = {} if expected_mal is None else {ALL: {"mal": expected_mal, "curve": None}}
         with self._lock:
-            if members is not None:
-                return self._publish_members(weights, members, probe_prompts, params, tag)
-            return self._publish(weights, expected_mal, probe_prompts, params, tag, curve=curve)
+            return self._publish(weights, members, probe_prompts, params, tag)
 
-    def _publish(self, weights: dict, expected_mal, probe_prompts, params, tag=None, estimates=None,
-                 curve=None) -> dict:
+    def _publish(self, weights: dict, members: dict, probe_prompts, params, tag) -> dict:
         bad = first_nonfinite(weights)
-        if bad is None and any(e is not None and not math.isfinite(e) for e in [expected_mal, *(estimates or [])]):
+        if bad is None and any(e["mal"] is not None and not math.isfinite(e["mal"]) for e in members.values()):
             bad = "outputs (the trainer's acceptance estimate)"
         if bad is not None:
             self.log(f"[drafttrain] NOT PUBLISHED: drafter {bad} has NaN/inf; engines keep v{self.version}")
@@ -104,192 +103,144 @@ class Publisher:
         v = self.version + 1
         swap_s = self._load_all(weights, v)
         self.tags[v] = tag
-        rec = {"published": True, "version": v, "swap_s": swap_s, "rolled_back": False, "canary_mal": None,
-               "expected_mal": expected_mal}
-        self.pending = None
-        self._seen, self._seen_m = [0.0, 0.0, 0.0, 0.0], {}
-        if estimates is not None:  # per member: _publish_members judges
-            rec["weights"] = weights
+        rec = {"published": True, "version": v, "swap_s": swap_s, "rolled_back": False, "canary_mal": None}
+        # members of the last publish still on probation stay on it (their weights are unchanged; the whole
+        # drafter's never are); one without an estimate has nothing to be judged by
+        left = {} if self.pending is None or ALL in members else self.pending["members"]
+        on = {**{m: e for m, e in left.items() if m != ALL},
+              **{m: e for m, e in members.items() if e["mal"] is not None}}
+        self._seen, self._failures = {}, 0.0
+        if not self.engines or not on:
+            self.pending, self.good_weights, self.good_version = None, weights, v
             return rec
-        judged = self.engines and expected_mal is not None
-        if judged and self.cfg.canary == "inline":
-            self.pending = {"version": v, "weights": weights, "expected": expected_mal, "curve": curve}
-            return rec
-        if judged and probe_prompts and params is not None:
-            error, at_k = None, expected_mal
-            try:
-                probes = [batch_mal(e.generate(probe_prompts, params, speculative=True), ALL, curve, expected_mal)
-                          for e in self.engines]
-                # the engine whose probe falls furthest below what it should read at its k
-                mal, _, x = min(probes, key=lambda t: (t[0] - 1) / max((t[2] or expected_mal) - 1, 1e-9))
-                at_k = expected_mal if x is None else x
-            except (RuntimeError, ValueError) as err:  # e.g. NaN draft probabilities from broken weights
-                mal, error = float("nan"), str(err).splitlines()[0]
-            if self.pool is not None:  # every process judges the mean of all processes' probes
-                total, n, failed, x = self.pool([0.0, 0.0, 1.0, 0.0] if error else [mal, 1.0, 0.0, at_k])
-                mal, at_k = (float("nan"), expected_mal) if failed else (total / n, x / n)
-                error = error or ("an engine failed with it in another process" if failed else None)
-            rec.update(self._judge(v, weights, at_k, mal, error, expected_mal))
-            return rec
-        self.good_weights, self.good_version = weights, v
+        self.pending = {"version": v, "weights": weights, "members": on}
+        if self.cfg.canary == "probe" and probe_prompts and params is not None:
+            rec.update(self._probe(self.pending, probe_prompts, params))
         return rec
 
-    def _publish_members(self, weights: dict, members: dict, probe_prompts, params, tag) -> dict:
-        """Publish with each new member on probation (and the members of the last publish still on it: their weights
-        are unchanged); a probe (canary=probe) is the first batch that judges them."""
-        prev = self.pending
-        rec = self._publish(weights, None, None, None, tag, estimates=[e["mal"] for e in members.values()])
-        weights = rec.pop("weights", None)
-        if not rec["published"]:
-            return rec
-        left = prev["members"] if prev is not None and "members" in prev else {}
-        on = {**left, **{m: e for m, e in members.items() if e["mal"] is not None}}  # no estimate: nothing to judge by
-        if not self.engines or not on:
-            self.good_weights, self.good_version = weights, rec["version"]
-            return rec
-        self.pending = {"version": rec["version"], "weights": weights, "members": on}
-        if probe_prompts and params is not None:
-            for e in self.engines:  # the probe is this canary's evidence: a member that drafted in it is judged
-                try:
-                    batch = e.generate(probe_prompts, params, speculative=True)
-                    verdict = self._observe_members(self.pending, batch, min_rows=1) if batch.stats.drafted else {}
-                except (RuntimeError, ValueError) as err:
-                    verdict = self.fail(err)
-                rec.update({k: v for k, v in verdict.items() if k != "deferred"})
-                if self.pending is None:
-                    break
-        return rec
+    def _probe(self, p: dict, prompts, params) -> dict:
+        """canary=probe: every engine generates a short SD probe right after the swap; each member that drafted in
+        it is judged, however few its rows (the probe is this canary's evidence), on the engine where it reads
+        furthest below what it should read at its k. An engine failure fails every member on probation. Several
+        processes: judged now on the probes of all (every process publishes, and so probes, at the same point)."""
+        worst, error = {}, None
+        for e in self.engines:
+            try:
+                batch = e.generate(prompts, params, speculative=True)
+            except (RuntimeError, ValueError) as err:  # e.g. NaN draft probabilities from broken weights
+                error = str(err).splitlines()[0]
+                break
+            for m, est in p["members"].items():
+                mal, rows, at_k = batch_mal(batch, m, est["curve"], est["mal"])
+                at_k = est["mal"] if at_k is None else at_k
+                if rows and (m not in worst or (mal - 1) / max(at_k - 1, 1e-9) < worst[m][0]):
+                    worst[m] = ((mal - 1) / max(at_k - 1, 1e-9), mal, at_k)
+        if self.pool is None:
+            if error:
+                return self._judge(p, dict.fromkeys(p["members"], (math.nan, None)), error)
+            return self._judge(p, {m: (mal, at_k) for m, (_, mal, at_k) in worst.items()}) if worst else {}
+        self._failures += error is not None
+        self._seen = {m: [mal, 1.0, at_k] for m, (_, mal, at_k) in worst.items()}
+        return self._settle(p, min_rows=1)
 
     def observe(self, batch) -> dict:
-        """Inline canary: judge the pending swap on a rollout batch (RolloutBatch) if the pending version generated
-        all of it; {} while the check stays pending (or nothing is pending)."""
+        """Inline canary: what each member on probation drafted in a rollout batch (RolloutBatch) of the published
+        version adds to its totals, and those with enough rows are judged; {} while the check stays pending (or
+        nothing is pending). A batch of an older version, or of mixed versions, says nothing."""
         versions = list(getattr(batch, "drafter_versions", None) or [batch.drafter_version])
         with self._lock:
             p = self.pending
             if p is None or any(x != p["version"] for x in versions) or batch.stats.drafted == 0:
                 return {}
-            if "members" in p:
-                return self._observe_members(p, batch)
-            mal, rows, at_k = batch_mal(batch, ALL, p["curve"], p["expected"])
-            at_k = p["expected"] if at_k is None else at_k
-            if self.pool is not None:  # recorded; settle() judges with every process
-                self._seen[0] += mal * rows
-                self._seen[1] += rows
-                self._seen[3] += at_k * rows
-                return {}
-            self.pending = None
-            return self._judge(p["version"], p["weights"], at_k, mal, None, p["expected"])
+            for m, e in p["members"].items():
+                mal, rows, at_k = batch_mal(batch, m, e["curve"], e["mal"])
+                acc = self._seen.setdefault(m, [0.0, 0.0, 0.0])
+                at_k = e["mal"] if at_k is None else at_k
+                acc[0], acc[1], acc[2] = acc[0] + mal * rows, acc[1] + rows, acc[2] + at_k * rows
+            return {} if self.pool is not None else self._judge_ready(p, self._seen)
 
     def fail(self, error: BaseException) -> dict:
-        """Inline canary: the engine failed while the pending version served (e.g. NaN draft probabilities): roll
-        back now. {} if nothing is pending (the failure is not the new drafter's; the caller re-raises). Several
-        processes: recorded for settle(), which rolls every process back; {"deferred": True} (the caller decodes
-        this batch without the drafter)."""
+        """Inline canary: the engine failed while the pending version served (e.g. NaN draft probabilities): every
+        member on probation goes back now (which one broke it is not known). {} if nothing is pending (the failure is
+        not the new drafter's; the caller re-raises). Several processes: recorded for settle(), which rolls every
+        process back; {"deferred": True} (the caller decodes this batch without the drafter)."""
         with self._lock:
-            if self.pending is None:
+            p = self.pending
+            if p is None:
                 return {}
             if self.pool is not None:
-                self._seen[2] += 1
+                self._failures += 1
                 return {"deferred": True}
-            if "members" in self.pending:  # which member broke it is not known: every one on probation goes back
-                return self._judge_members(self.pending, dict.fromkeys(self.pending["members"], (math.nan, None)),
-                                           str(error).splitlines()[0])
-            p, self.pending = self.pending, None
-            return self._judge(p["version"], p["weights"], p["expected"], float("nan"), str(error).splitlines()[0])
+            return self._judge(p, dict.fromkeys(p["members"], (math.nan, None)), str(error).splitlines()[0])
 
     def settle(self) -> dict:
         """Several processes: judge the pending version on what every process's engines recorded since it was
         published (a collective: call it on every process at the same point). {} with one process, with nothing
-        pending (alike everywhere: publishing is decided alike), or with nothing recorded anywhere yet."""
+        pending (alike everywhere: publishing is decided alike), or with too little recorded anywhere yet."""
         with self._lock:
             p = self.pending
-            if self.pool is None or p is None:
-                return {}
-            if "members" in p:
-                names = list(p["members"])
-                x = self.pool([self._seen[2]] + [v for m in names for v in self._seen_m.get(m, [0.0] * 3)])
-                self._seen[2] = 0.0
-                if x[0]:
-                    return self._judge_members(p, dict.fromkeys(names, (math.nan, None)),
-                                               f"the engines of {int(x[0])} batch(es) failed with it")
-                return self._judge_ready(p, dict(zip(names, zip(x[1::3], x[2::3], x[3::3]))))
-            total, rows, failed, at_k = self.pool(self._seen)
-            self._seen = [0.0, 0.0, 0.0, 0.0]
-            if not failed and rows == 0:
-                return {}
-            self.pending = None
-            if failed:
-                return self._judge(p["version"], p["weights"], p["expected"], float("nan"),
-                                   f"the engines of {int(failed)} batch(es) failed with it")
-            return self._judge(p["version"], p["weights"], at_k / rows, total / rows, None, p["expected"])
+            return {} if self.pool is None or p is None else self._settle(p)
 
-    def _observe_members(self, p: dict, batch, min_rows: int = CANARY_ROWS) -> dict:
-        """Per-member inline canary: what the members on probation drafted in `batch` adds to their running totals
-        (tokens, verify rows, expected MAL x rows), and those with CANARY_ROWS rows are judged (several processes:
-        settle() judges on the totals pooled)."""
-        for m, e in p["members"].items():
-            mal, rows, at_k = batch_mal(batch, m, e["curve"], e["mal"])
-            acc = self._seen_m.setdefault(m, [0.0, 0.0, 0.0])
-            at_k = e["mal"] if at_k is None else at_k
-            acc[0], acc[1], acc[2] = acc[0] + mal * rows, acc[1] + rows, acc[2] + at_k * rows
-        return {} if self.pool is not None else self._judge_ready(p, self._seen_m, min_rows)
+    def _settle(self, p: dict, min_rows: int | None = None) -> dict:
+        """The pooled verdict: [failures] + (MAL x rows, rows, expected MAL x rows) per member on probation, summed
+        over the processes in one collective; the totals are kept until judged."""
+        names = list(p["members"])
+        x = self.pool([self._failures] + [v for m in names for v in self._seen.get(m, [0.0] * 3)])
+        self._failures = 0.0
+        if x[0]:
+            return self._judge(p, dict.fromkeys(names, (math.nan, None)),
+                               f"the engines of {int(x[0])} batch(es) failed with it")
+        return self._judge_ready(p, dict(zip(names, zip(x[1::3], x[2::3], x[3::3]))), min_rows)
 
-    def _judge_ready(self, p: dict, totals: dict, min_rows: int = CANARY_ROWS) -> dict:
-        """Judge the members whose totals ({member: (tokens, rows, expected MAL x rows)}) hold min_rows verify rows;
-        the others stay on probation, their totals kept."""
-        ready = {m: (t / n, e / n) for m, (t, n, e) in totals.items() if m in p["members"] and n >= max(min_rows, 1)}
-        return self._judge_members(p, ready) if ready else {}
+    def _judge_ready(self, p: dict, totals: dict, min_rows: int | None = None) -> dict:
+        """Judge the members whose totals ({member: (MAL x rows, rows, expected MAL x rows)}) hold enough verify
+        rows: a member CANARY_ROWS (it may draft a step or two of a batch), the whole drafter a batch (every step of
+        it drafts with it); the others stay on probation, their totals kept."""
+        def need(m):
+            return min_rows if min_rows is not None else 1 if m == ALL else CANARY_ROWS
 
-    def _judge_members(self, p: dict, seen: dict, error: str | None = None) -> dict:
+        ready = {m: (t / n, e / n) for m, (t, n, e) in totals.items() if m in p["members"] and n >= max(need(m), 1)}
+        return self._judge(p, ready) if ready else {}
+
+    def _judge(self, p: dict, seen: dict, error: str | None = None) -> dict:
         """Each member of `seen` ({member: (engine MAL on the steps it drafted, NaN: the engine failed; its estimate
         at those steps' k, None: its estimate)}) keeps its new weights, which join the last good ones, or is rolled
-        back alone; done once no member is left on probation."""
-        rec = {"canary_mal": min(mal for mal, _ in seen.values()), "rolled_back": False, "member_canary": {}}
-        failed = []
+        back alone (the engines get the served weights with its last good ones, under a new version; the whole
+        drafter: the last good version's weights); done once no member is left on probation."""
+        rec = {"canary_mal": min(mal for mal, _ in seen.values()), "rolled_back": False}
+        verdicts, failed = {}, []
         for m, (mal, at_k) in seen.items():
             est = p["members"].pop(m)
-            self._seen_m.pop(m, None)
+            self._seen.pop(m, None)
             expected = est["mal"] if at_k is None else at_k
             floor = 1.0 + self.cfg.canary_min_ratio * (expected - 1.0)
-            rec["member_canary"][m] = {"canary_mal": mal, "expected_mal": expected, "rolled_back": not mal >= floor}
+            verdicts[m] = {"canary_mal": mal, "expected_mal": expected, "rolled_back": not mal >= floor}
             if mal >= floor:
                 self.good_weights = merged(self.good_weights, p["weights"], [m])
-            else:
-                failed.append(m)
-                why = (f"the engine failed with it: {error}" if error else
-                       f"engine MAL on its steps {mal:.2f} < {floor:.2f}")
-                self.log(f"[drafttrain] ROLLBACK: drafter v{p['version']} member {m} failed its canary ({why}, trainer "
-                         f"estimate at their k {expected:.2f}); its last good weights go back")
+                continue
+            failed.append(m)
+            why = (f"the engine failed with it: {error}" if error else
+                   f"engine MAL on the steps it drafted {mal:.2f} < {floor:.2f}")
+            at = "" if abs(expected - est["mal"]) < 5e-3 else f" ({est['mal']:.2f} at k_max)"
+            who = f"drafter v{p['version']}" + (f" member {m}" if m != ALL else "")
+            self.log(f"[drafttrain] ROLLBACK: {who} failed its canary ({why}, trainer estimate at its k "
+                     f"{expected:.2f}{at}); its last good weights go back")
+        if list(seen) != [ALL]:
+            rec["member_canary"] = verdicts
         if failed:
             self.rollbacks += 1
             back = self.version + 1
             p["weights"] = merged(p["weights"], self.good_weights, failed)
             self._load_all(p["weights"], back)
-            self.tags[back] = self.tags.get(p["version"])
-            self.log(f"[drafttrain] engines now serve v{p['version']} with {', '.join(failed)} rolled back, as v{back}")
+            restored = ALL in failed  # every weight is the last good version's
+            self.tags[back] = self.tags.get(self.good_version if restored else p["version"])
+            self.log("[drafttrain] engines now serve " + (f"the weights of v{self.good_version}" if restored else
+                     f"v{p['version']} with {', '.join(failed)} rolled back") + f", as v{back}")
             p["version"] = back
             rec.update(rolled_back=True, version=back)
+            if restored:
+                self.pending = None
+                return rec
         if not p["members"]:
             self.pending, self.good_version = None, p["version"]
-        return rec
-
-    def _judge(self, v: int, weights: dict, expected_mal: float, mal: float, error: str | None = None,
-               estimate: float | None = None) -> dict:
-        """Keep v as the last good version, or roll every engine back to the last good weights. expected_mal: the
-        estimate at the k the engine drafted with (estimate: at k_max, for the log)."""
-        floor = 1.0 + self.cfg.canary_min_ratio * (expected_mal - 1.0)
-        rec = {"canary_mal": mal, "rolled_back": False}
-        if mal >= floor:
-            self.good_weights, self.good_version = weights, v
-            return rec
-        why = (f"the engine failed with it: {error}" if error else
-               f"engine mean accepted length {mal:.2f} < {floor:.2f}")
-        self.rollbacks += 1
-        back = self.version + 1
-        self._load_all(self.good_weights, back)
-        self.tags[back] = self.tags.get(self.good_version)
-        at = "" if estimate is None or estimate == expected_mal else f" ({estimate:.2f} at k_max)"
-        self.log(f"[drafttrain] ROLLBACK: drafter v{v} failed its canary ({why}, trainer estimate at its k "
-                 f"{expected_mal:.2f}{at}); engines now serve the weights of v{self.good_version} as v{back}")
-        rec.update(rolled_back=True, version=back)
         return rec

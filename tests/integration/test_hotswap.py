@@ -146,19 +146,19 @@ def test_pooled_canary_judges_with_every_process(trained):
 
     engine, cfg, probe = engine_for(trained), trained["cfg"], trained["prompts"][:2]
     params = sampling_params(cfg, max_new_tokens=16)
-    other = [0.0] * 4  # the other process's MAL x verify rows, verify rows, failures, expected MAL x verify rows
+    other = [0.0] * 4  # the other process's failures, MAL x verify rows, verify rows, expected MAL x verify rows
     pub = Publisher([engine], engine.drafter.state_dict(), cfg.online, log=lambda m: None,
                     pool=lambda xs: [a + b for a, b in zip(xs, other)])
     assert pub.publish(corrupt(trained["good"], "zeroed"), trained["expected"])["published"]  # v1
     assert pub.observe(engine.generate(probe, params)) == {} and pub.pending is not None  # recorded, not judged
-    other[:] = [6.0 * 1000, 1000.0, 0.0, trained["expected"] * 1000]  # there, v1 accepted everything over 1000 steps
+    other[:] = [0.0, 6.0 * 1000, 1000.0, trained["expected"] * 1000]  # there, v1 accepted everything over 1000 steps
     rec = pub.settle()
     assert rec["canary_mal"] > 5.0 and not rec["rolled_back"] and pub.good_version == 1 == engine.drafter_version
     assert pub.settle() == {}  # nothing pending
     assert pub.publish(trained["good"], trained["expected"])["published"]  # v2
     other[:] = [0.0] * 4
     assert pub.settle() == {} and pub.pending is not None  # nothing recorded anywhere yet: still pending
-    other[:] = [0.0, 0.0, 1.0, 0.0]  # an engine failed with v2 in the other process: this one rolls back too
+    other[:] = [1.0, 0.0, 0.0, 0.0]  # an engine failed with v2 in the other process: this one rolls back too
     rec = pub.settle()
     assert rec["rolled_back"] and engine.drafter_version == 3 and pub.good_version == 1
     assert pub.publish(trained["good"], trained["expected"])["published"]  # v4
@@ -170,7 +170,7 @@ def test_pooled_canary_judges_with_every_process(trained):
     probe_cfg.online.canary = "probe"
     engine2 = engine_for(trained)
     pub2 = Publisher([engine2], trained["good"], probe_cfg.online, log=lambda m: None,
-                     pool=lambda xs: [a + b for a, b in zip(xs, [0.0, 0.0, 1.0, 0.0])])
+                     pool=lambda xs: [a + b for a, b in zip(xs, [1.0, 0.0, 0.0, 0.0])])
     rec = pub2.publish(trained["good"], trained["expected"], probe, params)
     assert rec["rolled_back"] and engine2.drafter_version == 2
 

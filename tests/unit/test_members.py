@@ -167,6 +167,53 @@ def test_a_probe_judges_the_members_it_drafted_with():
     assert torch.equal(eng.served["mtp.w"], torch.zeros(2)) and torch.equal(eng.served["draft_model.w"], torch.zeros(2))
 
 
+def test_a_probe_judges_each_member_on_the_engine_that_reads_worst():
+    """Several engines: each member is judged on the engine where it reads furthest below what it should (one
+    engine that silently dropped a member's weights fails it, whatever the others read). The per-member probe judged
+    on the first engine alone and stopped."""
+    pub, eng, _ = publisher(canary="probe")
+    other = FakeEngine()
+    pub.engines.append(other)
+    eng.probe, other.probe = {"mtp": 4.0, "draft_model": 4.0}, {"mtp": 1.0, "draft_model": 3.5}
+    rec = pub.publish(weights(1, 1), members=est("mtp", "draft_model"), probe_prompts=[[1, 2]],
+                      params=SamplingParams())
+    c = rec["member_canary"]
+    assert c["mtp"]["rolled_back"] and c["mtp"]["canary_mal"] == 1.0 and not c["draft_model"]["rolled_back"]
+    for e in (eng, other):
+        assert torch.equal(e.served["mtp.w"], torch.zeros(2)) and torch.equal(e.served["draft_model.w"], torch.ones(2))
+    # the whole drafter alike
+    other.probe = {ALL: 1.0}
+    eng.probe = {ALL: 4.0}
+    rec = pub.publish(weights(2, 2), 4.0, probe_prompts=[[1, 2]], params=SamplingParams())
+    assert rec["rolled_back"] and rec["canary_mal"] == 1.0 and "member_canary" not in rec
+    assert torch.equal(other.served["mtp.w"], torch.zeros(2)) and torch.equal(other.served["draft_model.w"],
+                                                                             torch.ones(2))
+
+
+def test_canary_probe_without_probe_prompts_leaves_the_drafter_on_probation():
+    """canary=probe before any rollout gave it prompts to probe with: the whole drafter's new weights became the
+    last good ones unjudged (a later rollback would restore them); now the next rollout batch judges them."""
+    pub, eng, _ = publisher(canary="probe")
+    assert pub.publish(weights(1, 1), 4.0)["published"]
+    assert pub.pending is not None and torch.equal(pub.good_weights["mtp.w"], torch.zeros(2))
+    rec = pub.observe(eng.batch({ALL: 1.0}, rows=1))
+    assert rec["rolled_back"] and torch.equal(eng.served["mtp.w"], torch.zeros(2)) and pub.good_version == 0
+
+
+def test_a_pooled_probe_judges_at_once():
+    """Several processes with canary=probe: every process probes at the same point, so the probes are pooled and
+    judged right after the swap (the members' probe waited for the next settle, a whole RL step of serving them)."""
+    pub, eng, _ = publisher(lambda xs: [a + b for a, b in zip(xs, [0.0, 4.0, 1.0, 4.0, 1.0, 1.0, 4.0])],
+                            canary="probe")
+    eng.probe = {"mtp": 4.0, "draft_model": 3.0}  # here both pass (floor 2.5); there draft_model read 1.0
+    rec = pub.publish(weights(1, 1), members=est("mtp", "draft_model"), probe_prompts=[[1, 2]],
+                      params=SamplingParams())
+    c = rec["member_canary"]
+    assert c["mtp"]["canary_mal"] == 4.0 and not c["mtp"]["rolled_back"]
+    assert c["draft_model"]["canary_mal"] == 2.0 and c["draft_model"]["rolled_back"]  # (3 + 1) / 2 < 2.5
+    assert pub.pending is None and eng.drafter_version == 2 and torch.equal(eng.served["draft_model.w"], torch.zeros(2))
+
+
 def test_a_member_is_judged_against_its_estimate_at_the_k_it_drafted_with():
     """The estimate scores k_max drafts; the engine's auto k drafted 2 at this step. Against the estimate at k_max
     (5.7 here: floor 3.35) a good member's 2.5 was rolled back (the main job rolled back a good draft model this way);
@@ -204,7 +251,7 @@ def test_the_whole_drafter_is_judged_at_the_k_each_step_drafted_with():
     curve, estimate = [0.9] * 8, 5.7
     pub, eng, logs = publisher()
     pub.publish(weights(1, 1), members={ALL: {"mal": estimate, "curve": curve}})
-    assert pub.pending["curve"] == curve and pub.pending["expected"] == estimate  # the whole drafter's canary
+    assert pub.pending["members"] == {ALL: {"mal": estimate, "curve": curve}}  # the whole drafter's canary
     tl = Timeline(batch=[32], tokens=[80], k=[2])  # MAL 2.5 at k=2
     rec = pub.observe(RolloutBatch([[1]], [[0.0]], SpecStats(drafted=64.0, verify_rows=32.0, emitted=80.0), 1,
                                    drafter_versions=[1], timeline=tl))
