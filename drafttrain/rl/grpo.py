@@ -71,7 +71,7 @@ class GRPO:
         params = sampling_params(self.cfg, stop_token_ids=self.prompts.stop_ids, seed=seed)
         if self.tracker is not None:  # the first batch of a new drafter version is its (inline) canary
             batch, canary = self.tracker.generate(self.engine, prompts, params, speculative=self.cfg.engine.speculative)
-            self.tracker.set_probe(prompts[:: rl.group_size])
+            self.tracker.set_probe(prompts[:: rl.group_size], self.prompts.stop_ids)
         else:
             batch, canary = self.engine.generate(prompts, params, speculative=self.cfg.engine.speculative), {}
         P = self.prompts

@@ -20,7 +20,8 @@ engines=[] and take the drafter from tracker.drafter (export it with drafttrain.
 An embedded TorchEngine may be passed to measure the drafter in real speculative decoding: the callback refreshes
 its policy copy after each optimizer step (engine.update_policy()). TRL generates its own rollouts, so no engine
 batch can serve as the inline canary: the callback switches the tracker to online.canary=probe, which runs once the
-caller has given probe prompts (tracker.set_probe(prompt_ids)): the callback never sees token-level prompts.
+caller has given probe prompts and the rollouts' stop tokens (tracker.set_probe(prompt_ids, stop_token_ids)): the
+callback never sees token-level prompts.
 """
 from __future__ import annotations
 

@@ -72,7 +72,7 @@ class DraftTracker:
         self.scorer = Scorer(cfg, self.drafter, self.publisher, self.steps, self._gen)
         self.pending: list[dict] = []  # features captured since the last on_policy_update
         self.latest: list[dict] = []  # the previous step's: the background update reads only these
-        self.probe_prompts: list[list[int]] = []
+        self.probe_prompts, self.probe_stop = [], ()  # set_probe: recent prompts, the rollouts' stop tokens
         self.policy_version = 0
         self._last_update_t: float | None = None  # RL time is measured from here: set by the first rollout or
         # capture (not construction: loading and engine set-up are not RL time), then after each update's work
@@ -147,8 +147,10 @@ class DraftTracker:
             cap, self._capture = self._capture, None
             cap.stop()
 
-    def set_probe(self, prompts: list[list[int]]) -> None:  # recent prompts the canary generates from after a swap
+    def set_probe(self, prompts: list[list[int]], stop_token_ids) -> None:  # the probe canary's: recent prompts and
+        # the rollouts' stop tokens (without them a probe drafted past the end of the text: good drafters rolled back)
         self.probe_prompts = [list(p) for p in prompts[: self.cfg.online.canary_prompts]]
+        self.probe_stop = tuple(stop_token_ids)
 
     # ---- training + publishing ----------------------------------------------------------------------------
     def on_policy_update(self, policy=None, step: int | None = None, background: bool | None = None) -> dict:
@@ -300,7 +302,7 @@ class DraftTracker:
             with self._lock:
                 self.trainer.set_weights(merged(weights, self.scorer.serving_weights(), worse))
         if skipped < len(losses) and not rec.gated:
-            params = sampling_params(self.cfg, max_new_tokens=oc.canary_max_new_tokens)
+            params = sampling_params(self.cfg, max_new_tokens=oc.canary_max_new_tokens, stop_token_ids=self.probe_stop)
             probe = self.probe_prompts if oc.canary == "probe" else None
             out = weights if passed == members else merged(self.scorer.serving_weights(), weights, passed)
             per = probation(self.collective.sum, ests, expected, passed, self.scorer.k)  # what each canary expects

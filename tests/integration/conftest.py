@@ -98,7 +98,7 @@ def tracker_with_features(trained, engine, *extra):
     ids = torch.tensor([s[:min(map(len, seqs))] for s in seqs])
     with tracker.capture(policy, response_start=ids.shape[1] - 6):
         policy(input_ids=ids)
-    tracker.set_probe(trained["prompts"][:2])
+    tracker.set_probe(trained["prompts"][:2], ())  # the untrained tiny policy: no stop token
     return tracker, logs
 
 

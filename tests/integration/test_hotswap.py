@@ -237,9 +237,22 @@ def test_diverged_update_is_not_published_and_training_recovers(trained, lr):
     now = tracker.drafter.state_dict()
     assert all(torch.equal(now[k], trained["good"][k]) for k in now)  # back to the last good weights
     tracker.trainer.set_lr(1e-3)
-    tracker.set_probe([])
+    tracker.set_probe([], ())
     out = tracker.on_policy_update(trained["policy"], 1)
     assert out["published"] and out["drafter_skipped_nonfinite"] == 0 and engine.drafter_version == 1
+
+
+def test_the_probe_canary_stops_where_the_rollouts_stop(trained):
+    """The probe generated without the rollouts' stop tokens: it drafted past the end of the text, where no drafter
+    was trained, and read low (the main job with online.canary=probe rolled a good drafter back: 2.69 < 2.70)."""
+    engine = engine_for(trained)
+    tracker, _ = tracker_with_features(trained, engine, "online.canary=probe", "online.publish_gate=false")
+    seen, generate = [], engine.generate
+    engine.generate = lambda prompts, params, speculative=True: (seen.append(params), generate(prompts, params,
+                                                                                              speculative))[1]
+    tracker.set_probe(trained["prompts"][:2], [7])
+    assert tracker.on_policy_update(trained["policy"], 0)["published"]
+    assert seen and all(p.stop_token_ids == (7,) for p in seen)
 
 
 def test_resume_after_rollback_serves_the_good_weights(trained):

@@ -39,7 +39,7 @@ def test_grpo_trainer_with_draft_tracker_callback(tmp_path):
     engine = build_engine(cfg.engine, policy, drafter)  # embedded engine, kept in sync for measurement
     tracker = DraftTracker(cfg, policy, [engine], drafter)
     problems = make_prompts(8, seed=0)
-    tracker.set_probe([encode_prompt(tok, p.prompt) for p in problems[:2]])
+    tracker.set_probe([encode_prompt(tok, p.prompt) for p in problems[:2]], (tok.eos_token_id,))
     before = {k: v.clone() for k, v in tracker.drafter.state_dict().items()}
 
     loss_forwards = []  # (rows, grad enabled) of every full-model forward TRL makes

@@ -145,6 +145,7 @@ def test_engine_speculative_false_decodes_ar_and_the_unused_drafter_costs_nothin
     assert flags == [speculative] * 3  # the rollout, then the sampled and the greedy evaluation
     assert (ro.batch.stats.mean_accepted_length > 1) == speculative  # AR: no draft was ever accepted
     assert bool(tracker.pending) == speculative
+    assert tracker.probe_stop == tuple(grpo.prompts.stop_ids) != ()  # the probe canary stops where rollouts do
     assert ("live_tf_mal" in tracker.measure()) == speculative
 
 
