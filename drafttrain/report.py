@@ -221,7 +221,7 @@ def plot_run(records: list[dict], path: str | Path, title: str = "") -> Path:
     return path
 
 
-SUMMARY_KEYS = ["reward_mean", "resp_len_mean", "rollout_tokens_per_s", "tokens_per_s_bought", "live_mal",
+SUMMARY_KEYS = ["reward_mean", "resp_len_mean", "rollout_tokens_per_s", "tokens_per_s_bought", "live_mal", "live_k",
                 "live_tf_mal", "frozen_tf_mal", "oracle_tf_mal", "live_minus_frozen_tf_mal", "drafter_train_s",
                 "swap_s", "rl_step_s", "policy_minus_drafter_version"]
 

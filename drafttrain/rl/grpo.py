@@ -184,11 +184,15 @@ class GRPO:
 
 def rollout_metrics(ro: Rollouts) -> dict:
     lens = sorted(len(r) for r in ro.responses)
-    st = ro.batch.stats
+    st, tl = ro.batch.stats, ro.batch.timeline
+    # live_mal is over the decode steps that drafted; live_k, their drafts per row (engine.k=auto drafts fewer at large
+    # batches, and a step of k drafts emits at most k + 1 tokens); None where the engine keeps no per-step k (vLLM)
+    drafted = [(b, k) for b, k in zip(tl.batch, tl.k) if k > 0]
     return {"step": ro.step, "reward_mean": statistics.fmean(ro.rewards), "resp_len_mean": statistics.fmean(lens),
             "resp_len_p90": lens[min(len(lens) - 1, math.ceil(0.9 * len(lens)) - 1)], "resp_len_max": lens[-1],
             "rollout_tokens_per_s": ro.batch.num_tokens / max(ro.batch.wall_s, 1e-9),
             "rollout_wall_s": ro.batch.wall_s, "rollout_prefill_s": ro.batch.timeline.prefill_s,
             "live_mal": st.mean_accepted_length,
+            "live_k": sum(b * k for b, k in drafted) / sum(b for b, _ in drafted) if drafted else None,
             "live_acc_pos": st.acceptance_per_position, "rollout_drafter_version": ro.batch.drafter_version}
 

@@ -1,6 +1,9 @@
 """SpecStats: what speculative decoding did, accumulated over decode steps and mergeable across batches/engines.
 
-mean_accepted_length (MAL) = response tokens emitted per (row, verify) pair = emitted / verify_rows; AR gives 1.0.
+mean_accepted_length (MAL) = response tokens emitted per (row, verify) pair over the steps that drafted. A step that
+drafted nothing (an AR step of engine.toggle, or one the end of the context cut to k = 0) emits one token whatever
+the drafter: it counts in verify_rows and emitted (ar_rows, ar_emitted), not in MAL, which would otherwise read the
+toggle's choices as the drafter's acceptance (1.2 on a batch the toggle ran AR, 4.8 on the next); AR alone gives 1.0.
 A step emits num_accepted + 1 tokens (the accepted drafts, then the resampled or bonus token), except a row's last
 step when a stop token or the length limit cuts it: it emits only the tokens up to the cut, and drafts past the cut
 count as neither drafted nor reached (they are not part of the response, whatever the verify pass said about them).
@@ -29,6 +32,8 @@ class SpecStats:
     verify_rows: float = 0  # (row, target forward) pairs, AR steps included
     target_forwards: int = 0  # batched target forward calls (prefill excluded)
     emitted: float = 0  # response tokens the verify steps emitted
+    ar_rows: float = 0  # of verify_rows, those of steps that drafted nothing (k = 0)
+    ar_emitted: float = 0  # of emitted, the tokens those steps emitted
     accepted_per_position: list = field(default_factory=list)  # count of rows accepting draft i
     reached_per_position: list = field(default_factory=list)  # count of rows whose drafts 0..i-1 were accepted
 
@@ -43,6 +48,8 @@ class SpecStats:
         self.verify_rows += len(na)
         self.emitted += sum(em)
         if k == 0:
+            self.ar_rows += len(na)
+            self.ar_emitted += sum(em)
             return
         self._grow(k)
         acc_pp, reach_pp = self.accepted_per_position, self.reached_per_position
@@ -63,7 +70,7 @@ class SpecStats:
     def merge(self, other: "SpecStats") -> "SpecStats":
         out = SpecStats(self.drafted + other.drafted, self.accepted + other.accepted,
                         self.verify_rows + other.verify_rows, self.target_forwards + other.target_forwards,
-                        self.emitted + other.emitted)
+                        self.emitted + other.emitted, self.ar_rows + other.ar_rows, self.ar_emitted + other.ar_emitted)
         out._grow(max(len(self.accepted_per_position), len(other.accepted_per_position)))
         for s in (self, other):
             for i, (a, r) in enumerate(zip(s.accepted_per_position, s.reached_per_position)):
@@ -73,6 +80,9 @@ class SpecStats:
 
     @property
     def mean_accepted_length(self) -> float:
+        sd = self.verify_rows - self.ar_rows  # rows of the steps that drafted
+        if sd > 0:
+            return (self.emitted - self.ar_emitted) / sd
         return self.emitted / self.verify_rows if self.verify_rows else 0.0
 
     @property
@@ -85,6 +95,7 @@ class SpecStats:
 
     def to_dict(self) -> dict:
         return {"drafted": self.drafted, "accepted": self.accepted, "verify_rows": self.verify_rows,
-                "target_forwards": self.target_forwards, "emitted": self.emitted,
+                "target_forwards": self.target_forwards, "emitted": self.emitted, "ar_rows": self.ar_rows,
+                "ar_emitted": self.ar_emitted,
                 "mean_accepted_length": self.mean_accepted_length, "acceptance_rate": self.acceptance_rate,
                 "acceptance_per_position": self.acceptance_per_position}

@@ -89,7 +89,8 @@ def batch_mal(batch, member: str, curve: list[float] | None = None, mal: float |
     tl = batch.timeline
     n = len(tl.tokens)
     if not n or len(tl.k) != n or (member != ALL and len(tl.schedule) < n):
-        return (batch.stats.mean_accepted_length, batch.stats.verify_rows, None) if member == ALL else (1.0, 0.0, None)
+        st = batch.stats  # its MAL is over the steps that drafted
+        return (st.mean_accepted_length, st.verify_rows - st.ar_rows, None) if member == ALL else (1.0, 0.0, None)
     steps = [i for i in range(n) if tl.k[i] > 0 and (member == ALL or tl.schedule[i].get("kind") == member)]
     rows = float(sum(tl.batch[i] for i in steps))
     if not rows:

@@ -18,8 +18,8 @@ from drafttrain.config import PROJECT_ROOT, load_recipe
 from drafttrain.report import read_jsonl
 from tests.integration.conftest import kill_at_checkpoint
 
-KEYS = {"step", "reward_mean", "resp_len_mean", "rollout_tokens_per_s", "live_mal", "live_acc_pos", "live_tf_mal",
-        "live_tf_acc_pos", "frozen_tf_mal", "frozen_tf_acc_pos", "drafter_train_s", "swap_s",
+KEYS = {"step", "reward_mean", "resp_len_mean", "rollout_tokens_per_s", "live_mal", "live_k", "live_acc_pos",
+        "live_tf_mal", "live_tf_acc_pos", "frozen_tf_mal", "frozen_tf_acc_pos", "drafter_train_s", "swap_s",
         "policy_minus_drafter_version", "rl_step_s", "drafter_version", "published", "rolled_back", "canary_mal"}
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -125,7 +125,7 @@ def test_engine_speculative_false_decodes_ar_and_the_unused_drafter_costs_nothin
     from drafttrain.drafters import build_drafter
     from drafttrain.engines import build_engine
     from drafttrain.policy import build_policy, build_tokenizer
-    from drafttrain.rl.grpo import GRPO
+    from drafttrain.rl.grpo import GRPO, rollout_metrics
     from drafttrain.tracking.tracker import DraftTracker
 
     torch.manual_seed(0)
@@ -144,6 +144,7 @@ def test_engine_speculative_false_decodes_ar_and_the_unused_drafter_costs_nothin
     grpo.train_step(ro)
     assert flags == [speculative] * 3  # the rollout, then the sampled and the greedy evaluation
     assert (ro.batch.stats.mean_accepted_length > 1) == speculative  # AR: no draft was ever accepted
+    assert rollout_metrics(ro)["live_k"] == (cfg.engine.k if speculative else None)  # every SD step drafted k
     assert bool(tracker.pending) == speculative
     assert tracker.probe_stop == tuple(grpo.prompts.stop_ids) != ()  # the probe canary stops where rollouts do
     assert ("live_tf_mal" in tracker.measure()) == speculative

@@ -46,7 +46,9 @@ def test_batch_mal_splits_a_real_generation_by_member(make_engine, policy):
     assert ar and batch_mal(b, ALL)[1] == sum(r for _, r in split.values())
     assert batch_mal(b, ALL)[0] == pytest.approx(sum(mal * r for mal, r in split.values()) / batch_mal(b, ALL)[1])
     b.timeline = Timeline()  # an engine that keeps no schedule (vLLM): the batch's stats
-    assert batch_mal(b, ALL) == (b.stats.mean_accepted_length, b.stats.verify_rows, None)
+    assert batch_mal(b, ALL) == (b.stats.mean_accepted_length, b.stats.verify_rows - b.stats.ar_rows, None)
+    sd_rows = sum(r for _, r in split.values())  # the batch's own MAL: its drafted steps too
+    assert b.stats.mean_accepted_length == pytest.approx(sum(mal * r for mal, r in split.values()) / sd_rows)
     assert batch_mal(b, "mtp") == (1.0, 0.0, None)
 
 

@@ -437,11 +437,17 @@ def test_spec_stats_update():
     st.update(torch.tensor([2, 0]), k=2)
     assert (st.drafted, st.accepted, st.verify_rows, st.target_forwards) == (16, 9, 6, 2)
     assert st.accepted_per_position == [4, 3, 2] and st.reached_per_position == [6, 4, 2]
-    st.update(torch.tensor([0, 0, 0]), k=0)  # an AR step: a verify row, nothing drafted
+    assert st.mean_accepted_length == pytest.approx(1 + 9 / 6)
+    st.update(torch.tensor([0, 0, 0]), k=0)  # an AR step (the toggle's): verify rows, nothing drafted
     assert (st.drafted, st.accepted, st.verify_rows, st.target_forwards) == (16, 9, 9, 3)
-    assert st.mean_accepted_length == pytest.approx(1 + 9 / 9)
+    assert (st.ar_rows, st.ar_emitted, st.emitted) == (3, 3, 18)
+    # MAL is the drafter's: the AR step's one token per row says nothing of it (it read 18 / 9 = 2.0)
+    assert st.mean_accepted_length == pytest.approx(1 + 9 / 6)
     d = st.to_dict()
-    assert d["mean_accepted_length"] == pytest.approx(2.0) and d["acceptance_per_position"][1] == pytest.approx(0.75)
+    assert d["mean_accepted_length"] == pytest.approx(2.5) and d["acceptance_per_position"][1] == pytest.approx(0.75)
+    ar = SpecStats()
+    ar.update(torch.tensor([0, 0]), k=0)
+    assert ar.mean_accepted_length == 1.0  # AR alone
 
 
 def test_spec_stats_counts_only_the_response():
