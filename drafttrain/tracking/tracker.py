@@ -79,8 +79,7 @@ class DraftTracker:
         self._capture_s = 0.0  # time spent capturing since the last update (drafter work inside RL time)
         self._capture_last = 0.0  # that time, for the update now running
         self._measure_s = 0.0  # time measure() took since the last update: reporting, neither RL time nor training
-        self._thread: threading.Thread | None = None
-        self._result: dict = {}
+        self._thread, self._result = None, {}  # the background update's thread (online.mode=async); the last record
         self._error: BaseException | None = None  # what the background update raised, for wait() to raise
         self._lock = threading.Lock()  # guards the drafter and the buffer against a background update
         self._capture: PolicyCapture | None = None  # start_capture's, until stop_capture
@@ -147,10 +146,9 @@ class DraftTracker:
             cap, self._capture = self._capture, None
             cap.stop()
 
-    def set_probe(self, prompts: list[list[int]], stop_token_ids) -> None:  # the probe canary's: recent prompts and
-        # the rollouts' stop tokens (without them a probe drafted past the end of the text: good drafters rolled back)
+    def set_probe(self, prompts: list[list[int]], stop_token_ids) -> None:  # the probe canary's recent prompts
         self.probe_prompts = [list(p) for p in prompts[: self.cfg.online.canary_prompts]]
-        self.probe_stop = tuple(stop_token_ids)
+        self.probe_stop = tuple(stop_token_ids)  # the rollouts': a probe without them drafted past the text's end
 
     # ---- training + publishing ----------------------------------------------------------------------------
     def on_policy_update(self, policy=None, step: int | None = None, background: bool | None = None) -> dict:
