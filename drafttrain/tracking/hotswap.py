@@ -132,9 +132,9 @@ class Publisher:
                 break
             for m, est in p["members"].items():
                 mal, rows, at_k = batch_mal(batch, m, est["curve"], est["mal"])
-                at_k = est["mal"] if at_k is None else at_k
-                if rows and (m not in worst or (mal - 1) / max(at_k - 1, 1e-9) < worst[m][0]):
-                    worst[m] = ((mal - 1) / max(at_k - 1, 1e-9), mal, at_k)
+                below = (mal - 1) / max(at_k - 1, 1e-9)  # how far under what it should read, relative
+                if rows and (m not in worst or below < worst[m][0]):
+                    worst[m] = (below, mal, at_k)
         if self.pool is None:
             if error:
                 return self._judge(p, dict.fromkeys(p["members"], (math.nan, None)), error)
@@ -155,7 +155,6 @@ class Publisher:
             for m, e in p["members"].items():
                 mal, rows, at_k = batch_mal(batch, m, e["curve"], e["mal"])
                 acc = self._seen.setdefault(m, [0.0, 0.0, 0.0])
-                at_k = e["mal"] if at_k is None else at_k
                 acc[0], acc[1], acc[2] = acc[0] + mal * rows, acc[1] + rows, acc[2] + at_k * rows
             return {} if self.pool is not None else self._judge_ready(p, self._seen)
 

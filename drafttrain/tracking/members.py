@@ -83,20 +83,21 @@ def batch_mal(batch, member: str, curve: list[float] | None = None, mal: float |
     (ALL: every step that drafted; an AR step of the toggle emits one token whatever the drafter); rows 0: it drafted
     none. From the batch's timeline: per step, the drafts verified, the chooser's choice (schedule), the active rows
     and the tokens they emitted; an engine that keeps no per-step k (vLLM): the batch's own stats. Expected:
-    expected_tokens(curve, k) of each step, weighted by its rows (None without a curve), times
+    expected_tokens(curve, k) of each step, weighted by its rows (without a curve, or without a step to read: mal,
+    the estimate at k_max, itself), times
     mal / expected_tokens(curve, len(curve)) where the estimate's own MAL is given: it counts the last step of a row
     cut at its end, which the curve does not (exact at the estimate's k, a little low below it)."""
     tl = batch.timeline
     n = len(tl.tokens)
     if not n or len(tl.k) != n or (member != ALL and len(tl.schedule) < n):
         st = batch.stats  # its MAL is over the steps that drafted
-        return (st.mean_accepted_length, st.verify_rows - st.ar_rows, None) if member == ALL else (1.0, 0.0, None)
+        return (st.mean_accepted_length, st.verify_rows - st.ar_rows, mal) if member == ALL else (1.0, 0.0, mal)
     steps = [i for i in range(n) if tl.k[i] > 0 and (member == ALL or tl.schedule[i].get("kind") == member)]
     rows = float(sum(tl.batch[i] for i in steps))
     if not rows:
-        return 1.0, 0.0, None
+        return 1.0, 0.0, mal
     if curve is None:
-        return sum(tl.tokens[i] for i in steps) / rows, rows, None
+        return sum(tl.tokens[i] for i in steps) / rows, rows, mal
     scale = 1.0 if mal is None else mal / expected_tokens(curve, len(curve))
     at_k = sum(tl.batch[i] * expected_tokens(curve, tl.k[i]) for i in steps) * scale / rows
     return sum(tl.tokens[i] for i in steps) / rows, rows, at_k
