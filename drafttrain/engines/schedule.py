@@ -1,22 +1,28 @@
 """System-aware speculative decoding: when to draft, and how many tokens, at every decode step.
 
     speed-up(B, k) = E[tokens | k] * T(B, 1) / (T(B, k+1) + k * D(B))
-    E[tokens | k]  = 1 + sum_{i<k} prod_{j<=i} a_j          (a_j: acceptance of draft j given drafts < j accepted)
+    E[tokens | k]  = the tokens a row emitted per step at k, measured      (once k ran on MEASURED_ROWS rows)
+                   = 1 + sum_{i<k} prod_{j<=i} a_j                         (before: a_j, acceptance of draft j
+                                                                            given drafts < j accepted)
 
 T(B, m) is the target's forward time for B rows of m tokens and D(B) the drafter's time per drafted token, both
-calibrated on the live engine (CostModel.calibrate); a_j are moving averages of what the engine observes
-(AcceptanceEstimate). SpecController picks k per step: a fixed k, "auto" (argmax of the predicted speed-up over
-1..k_max), or "ladder" (the EfficientRollout anchor: step up the ladder when (L-1)/k >= up, down when <= down, two
-decisions in a row). With the toggle on, SD runs only where the predicted speed-up is >= threshold, and keeps
-running until it drops below threshold - hysteresis; while off, a probe SD step keeps the acceptance estimates
-current: after probe_every AR steps, then twice as long after each probe that leaves SD off (up to 16x) unless the
-prediction sits near the threshold (>= PROBE_NEAR x threshold: acceptance that dips there, e.g. in a stretch of
-odd text, tends to come back, and the toggle must notice soon), and never where SD could not pay even with a
-very good drafter (acceptance probe_alpha at every position, or the estimate where it is higher: a probe's SD step
-also catches the drafter up on every position since it last ran, which at a large batch costs several AR steps).
-probe_alpha is 0.9 for every drafter, a self-drafter included: the model prices neither a drafter's catch-up on
-the positions of the AR steps before nor the few steps left in a tail (bench/NOTES.md has the measurements).
-The toggle never changes outputs: AR and SD are both exact.
+calibrated on the live engine (CostModel.calibrate); a_j and the tokens per step at each k are moving averages of
+what the engine observes (AcceptanceEstimate). The chain product alone misjudged the k's it did not draft: where a
+chain starts depends on k (text has hard tokens at intervals), so the a_j measured at one k do not multiply out to
+another k's tokens (shipped EAGLE-3, long-tail batch: fixed k=3 emitted 2.8 tokens per step where the chain of
+k=5's a_j says 3.4; k=8 4.8-5.3 where the chain said 6.8), and auto k kept to k=2-3 where k=5 paid.
+SpecController picks k per step: a fixed k, "auto" (argmax of the predicted speed-up over 1..k_max), or "ladder"
+(the EfficientRollout anchor: step up the ladder when (L-1)/k >= up, down when <= down, two decisions in a row).
+With the toggle on, SD runs only where the predicted speed-up is >= threshold, and keeps running until it drops
+below threshold - hysteresis; while off, a probe SD step keeps the acceptance estimates current: after probe_every
+AR steps, then twice as long after each probe that leaves SD off (up to 16x) unless the prediction sits near the
+threshold (>= PROBE_NEAR x threshold: acceptance that dips there, e.g. in a stretch of odd text, tends to come back,
+and the toggle must notice soon), and never where SD could not pay even with a very good drafter (acceptance
+probe_alpha at every position, or the estimate where it is higher: a probe's SD step also catches the drafter up on
+every position since it last ran, which at a large batch costs several AR steps). probe_alpha is 0.9 for every
+drafter, a self-drafter included: the model prices neither a drafter's catch-up on the positions of the AR steps
+before nor the few steps left in a tail (bench/NOTES.md has the measurements). The toggle never changes outputs: AR
+and SD are both exact.
 
 The calibrated T and D are bare forward times. A real decode step also samples, verifies, catches the drafter up on
 the accepted tokens and does the row bookkeeping, and SD pays more of that than AR. So the engine reports every
@@ -41,6 +47,7 @@ from drafttrain.spec.stats import drafts_kept
 
 
 PROBE_ALPHA = 0.9  # probe_alpha's default: shipped EAGLE-3 runs at 0.85-0.94 per position
+MEASURED_ROWS = 32  # rows drafted at a k before its measured tokens per step replace the chain product
 PROBE_NEAR = 0.9  # predicted speed-up >= this x threshold: probe every probe_every steps, without backing off
 
 
@@ -119,6 +126,12 @@ class AcceptanceEstimate:
         self.a = [prior] * k_max
         self.seen = [0] * k_max  # rows observed at each position
         self.decay = decay
+        self.at_k: dict[int, list[float]] = {}  # k -> [tokens a row emitted per step at k (moving average), rows]
+
+    def _keep(self, seen: int, rows: int) -> float:
+        """The weight an average over `seen` rows keeps when `rows` more come: the plain mean until ~1/(1-decay) rows,
+        then an exponential average per row."""
+        return min(self.decay ** rows, seen / (seen + rows))
 
     def observe(self, num_accepted: list[int], k: int, emitted: list[int] | None = None) -> None:
         """num_accepted per row at draft length k; emitted: the tokens each row kept (None: num_accepted + 1). A row
@@ -126,12 +139,19 @@ class AcceptanceEstimate:
         lim = [k] * len(num_accepted)
         if emitted is not None:
             lim = [drafts_kept(n, e, k) for n, e in zip(num_accepted, emitted)]
+        # tokens per step at k, over the rows that kept all they emitted (no stop or length cut inside the step)
+        whole = [n + 1 for n, e in zip(num_accepted, emitted or [n + 1 for n in num_accepted]) if e == n + 1]
+        if whole:
+            t = self.at_k.setdefault(k, [0.0, 0])
+            keep = self._keep(t[1], len(whole))
+            t[0] = keep * t[0] + (1 - keep) * sum(whole) / len(whole)
+            t[1] += len(whole)
         deepest, w_deep = None, 0.0  # the deepest position this step measured, and that measurement's weight
         for i in range(k):
             reached = sum(1 for n, m in zip(num_accepted, lim) if n >= i and m > i)
             if reached:
                 rate = sum(1 for n, m in zip(num_accepted, lim) if n > i and m > i) / reached
-                keep = min(self.decay ** reached, self.seen[i] / (self.seen[i] + reached))
+                keep = self._keep(self.seen[i], reached)
                 self.a[i] = keep * self.a[i] + (1 - keep) * rate
                 self.seen[i] += reached
                 deepest, w_deep = i, keep
@@ -142,6 +162,13 @@ class AcceptanceEstimate:
                 self.a[i] = w_deep * self.a[i] + (1 - w_deep) * self.a[deepest]
 
     def expected_tokens(self, k: int) -> float:
+        """Tokens per row per step at k: measured once k ran on MEASURED_ROWS rows, else the chain product (which
+        over-predicts the k's away from those drafted, and so gets them tried and measured: module docstring)."""
+        t = self.at_k.get(k)
+        return t[0] if t is not None and t[1] >= MEASURED_ROWS else self.chain_tokens(k)
+
+    def chain_tokens(self, k: int) -> float:
+        """1 + sum over i < k of prod_{j <= i} a_j."""
         e, surv = 1.0, 1.0
         for i in range(k):
             surv *= self.a[i]

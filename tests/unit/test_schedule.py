@@ -1,6 +1,8 @@
 """The system-aware SD schedule: toggle, auto k, ladder, and the engine's catch-up after AR steps."""
 from __future__ import annotations
 
+import random
+
 import pytest
 import torch
 
@@ -407,3 +409,51 @@ def test_a_slow_spell_of_the_machine_does_not_set_one_pieces_cost(monkeypatch):
     monkeypatch.setattr(schedule.time, "perf_counter", lambda: clock[0])
     c = schedule.measure_costs(engine, 1, [1, 2, 3], 0, repeats=5)
     assert c["target_ms"] == pytest.approx({1: 2.0, 2: 2.0, 3: 2.0})
+
+
+def test_tokens_measured_at_a_k_replace_the_chain_product():
+    # the chain product of per-position acceptances mixes every k's chains; what k itself emitted is measured
+    est = AcceptanceEstimate(4, prior=0.5)
+    for _ in range(7):
+        est.observe([3, 3, 3, 3], 3)
+        est.observe([0, 0, 0, 0], 1)
+    assert est.expected_tokens(3) == est.chain_tokens(3)  # 28 rows at each k: under MEASURED_ROWS, the chain
+    est.observe([3, 3, 3, 3], 3)
+    est.observe([0, 0, 0, 0], 1)
+    assert est.expected_tokens(3) == 4.0 and est.expected_tokens(1) == 1.0
+    assert est.chain_tokens(3) < 3.0  # position 0 read half of k=1's rejections: the chain under-rates k=3
+    assert est.expected_tokens(2) == est.chain_tokens(2)  # never drafted at 2
+    est.observe([3] * 40, 3, emitted=[2] * 40)  # rows a stop cut inside the step: not k=3's tokens per step
+    assert est.expected_tokens(3) == 4.0
+
+
+def structured_text_run(ctl, seed: int, rows: int = 4, steps: int = 300, period: int = 6) -> list[int]:
+    """auto k on text with a hard token every `period` tokens (accepted 10% of the time, others 97%): the k of every
+    step. A chain that starts after a hard token reaches the next one at draft period-1, so k = period-1 emits the
+    most per step, and the acceptance at a position depends on the k that put the chain's start there."""
+    rnd = random.Random(seed)
+    pos = [rnd.randrange(period) for _ in range(rows)]
+    ks = []
+    for _ in range(steps):
+        k = ctl.decide(rows)
+        n = []
+        for r in range(rows):
+            a = 0
+            while a < k and rnd.random() < (0.1 if (pos[r] + a) % period == period - 1 else 0.97):
+                a += 1
+            pos[r] += a + 1
+            n.append(a)
+        ctl.observe(n, k)
+        ks.append(k)
+    return ks
+
+
+def test_auto_k_settles_where_the_measured_tokens_pay():
+    # before, the chain of acceptances measured at k=2-3 (hard tokens at their chains' ends) said k=5 would not
+    # pay, and auto k stayed at 2-3 in 7 of 10 seeds; tokens per step measured at each k bring it to k=5
+    settled = []
+    for seed in range(10):
+        ctl = SpecController("auto", 8, toggle=False, cost=synthetic_cost(verify_slope=0.1, draft=0.05))
+        last = structured_text_run(ctl, seed)[-100:]
+        settled.append(max(set(last), key=last.count))
+    assert settled.count(5) >= 8, settled
