@@ -9,8 +9,8 @@ T(B, m) is the target's forward time for B rows of m tokens and D(B) the drafter
 calibrated on the live engine (CostModel.calibrate); a_j and the tokens per step at each k are moving averages of
 what the engine observes (AcceptanceEstimate). The chain product alone misjudged the k's it did not draft: where a
 chain starts depends on k (text has hard tokens at intervals), so the a_j measured at one k do not multiply out to
-another k's tokens (shipped EAGLE-3, long-tail batch: fixed k=3 emitted 2.8 tokens per step where the chain of
-k=5's a_j says 3.4; k=8 4.8-5.3 where the chain said 6.8), and auto k kept to k=2-3 where k=5 paid.
+another k's tokens (shipped EAGLE-3, long-tail batch: fixed k=3 emitted 2.8 tokens per step where auto k's chain
+said 3.1, k=8 4.8-5.3 where it said 6.8), and auto k kept to k=2-3 where k=5 paid.
 SpecController picks k per step: a fixed k, "auto" (argmax of the predicted speed-up over 1..k_max), or "ladder"
 (the EfficientRollout anchor: step up the ladder when (L-1)/k >= up, down when <= down, two decisions in a row).
 With the toggle on, SD runs only where the predicted speed-up is >= threshold, and keeps running until it drops
