@@ -57,7 +57,7 @@ class EngineConfig:
     ladder: list[int] = field(default_factory=lambda: [2, 3, 4, 6, 8])  # k=ladder rungs
     ladder_up: float = 0.94  # (L-1)/k at or above: one rung up (two decisions in a row)
     ladder_down: float = 0.85  # (L-1)/k below: one rung down
-    max_batch: int = 64  # most rows the engine generates at once
+    max_batch: int = 128  # most rows the engine generates at once (more prompts: waves, or vLLM's queue)
     max_len: int = 512  # positions per row: must fit the longest prompt + sampling.max_new_tokens
     draft_sampling: str = "sample"  # sample (draw from the drafter's q) | greedy (one-hot argmax drafts)
     drafter_int8: bool = True  # run the drafter's linears with torch.ao dynamic int8 (only affects acceptance)

@@ -98,14 +98,15 @@ class CostModel:
         """Cheap: a handful of timed forwards per batch size and tokens per row on the live engine (about two
         seconds here). Every m in 1..k_max+1 is measured: the curve is not smooth (batch 1: flat from 3 to 6 tokens
         per row, then a step; batch 64: +9 ms from 8 to 9), and interpolating between 5 and 9 mispriced the k in
-        between (auto k on the long-tail batch: 1.08x AR against 1.14x with every point, one interleaved run)."""
+        between (auto k on the long-tail batch: 1.08x AR against 1.14x with every point, one interleaved run).
+        Batches: those up to engine.max_batch, and max_batch itself, the largest the engine runs: no step is priced
+        by extrapolation."""
         if engine.drafter is None:
             raise ValueError("engine.toggle / engine.k=auto: calibration needs a drafter (the engine has none)")
         ms = list(range(1, k_max + 2))
         target, draft = {}, {}
-        for b in batches:
-            if b > engine.cfg.max_batch:
-                continue
+        top = int(engine.cfg.max_batch)
+        for b in sorted({b for b in batches if b <= top} | {top}):
             c = measure_costs(engine, b, ms, min(k_max, 4), repeats=repeats)
             run = 0.0  # more tokens per row never cost less: keep the curve monotone against timing noise
             target[b] = {m: (run := max(run, c["target_ms"][m])) for m in ms}

@@ -149,7 +149,19 @@ class TorchEngine:
 
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], params: SamplingParams, speculative: bool = True) -> RolloutBatch:
+        """Responses to `prompts`, at most engine.max_batch rows at once: more prompts run in waves of max_batch, in
+        order, on one sampling generator (one seed gives one result). A wave does not start before the last one's
+        longest row ended (vLLM admits waiting prompts as rows finish): eval-sized batches (512 problems) took about
+        the same time either way here (bench/NOTES.md)."""
         self._check_prompts(prompts)
+        if params.seed is None:
+            self._seed += 1
+        gen = torch.Generator().manual_seed(params.seed if params.seed is not None else self._seed)
+        m = self.cfg.max_batch
+        waves = [self._wave(prompts[i:i + m], params, speculative, gen) for i in range(0, len(prompts), m)]
+        return waves[0] if len(waves) == 1 else join_waves(waves)
+
+    def _wave(self, prompts: list[list[int]], params: SamplingParams, speculative: bool, gen) -> RolloutBatch:
         lean, cfg = self.lean, self.cfg
         active = self._active if speculative else None
         drafter, version = active if active else (None, self.drafter_version)
@@ -169,9 +181,6 @@ class TorchEngine:
         P = int(lens.max())
         t_start = time.perf_counter()  # after any (re)calibration of the schedule
         L = min(lean.max_len, P + params.max_new_tokens + k_max + 1)
-        if params.seed is None:
-            self._seed += 1
-        gen = torch.Generator().manual_seed(params.seed if params.seed is not None else self._seed)
         greedy_drafts = cfg.draft_sampling == "greedy" or params.greedy
         stop = set(params.stop_token_ids)
 
@@ -291,3 +300,22 @@ class TorchEngine:
         out, n = rejection_sample(p, q, d, gen)
         lp = p.gather(-1, out.clamp_min(0).unsqueeze(-1)).squeeze(-1).log()  # [B, k+1]
         return out, n, lp
+
+
+def join_waves(waves: list[RolloutBatch]) -> RolloutBatch:
+    """One RolloutBatch of waves run one after another: rows in order, stats pooled, the waves' timelines end to end
+    (a wave's first step follows the previous wave's last step and its own prefill; prefill_s sums the waves')."""
+    stats, tl = waves[0].stats, Timeline()
+    for w in waves[1:]:
+        stats = stats.merge(w.stats)
+    for w in waves:
+        t = w.timeline
+        tl.ends += t.ends
+        tl.schedule += t.schedule
+        tl.batch += t.batch
+        tl.tokens += t.tokens
+        tl.k += t.k
+        tl.prefill_s += t.prefill_s
+    return RolloutBatch([r for w in waves for r in w.tokens], [r for w in waves for r in w.logprobs], stats,
+                        waves[0].drafter_version, [r for w in waves for r in w.finish_reasons],
+                        sum(w.wall_s for w in waves), [v for w in waves for v in w.drafter_versions], tl)

@@ -201,6 +201,28 @@ def test_seeded_generation_is_reproducible(make_engine, policy, drafter):
     assert d.tokens != e.tokens  # unseeded calls advance the engine's seed
 
 
+@pytest.mark.parametrize("speculative", [True, False])
+def test_more_prompts_than_max_batch_run_in_waves(make_engine, policy, drafter, speculative):
+    """engine.max_batch caps the rows generated at once: more prompts run in waves, rows in order, each as it would
+    alone (greedy), sampled log-probs the policy's, one seed one result; stats and timeline cover every wave."""
+    prompts = C.RAGGED_PROMPTS * 2  # 10 rows, waves of 4 / 4 / 2
+    eng = make_engine(policy, drafter, drafter_int8=False, max_batch=4)
+    wide = make_engine(policy, drafter, drafter_int8=False)  # max_batch 128: one wave
+    greedy = SamplingParams(temperature=0, max_new_tokens=12)
+    got = eng.generate(prompts, greedy, speculative=speculative)
+    assert got.tokens == wide.generate(prompts, greedy, speculative=speculative).tokens
+    assert max(got.timeline.batch) <= 4 and got.timeline.batch.count(4) >= 2  # two full waves
+    assert got.stats.verify_rows == sum(got.timeline.batch) and len(got.drafter_versions) == len(got.timeline.ends)
+    assert sum(got.timeline.tokens) + len(prompts) == got.num_tokens  # each row's first token: its wave's prefill
+    sampled = SamplingParams(max_new_tokens=8, seed=3)
+    a, b = (eng.generate(prompts, sampled, speculative=speculative) for _ in range(2))
+    assert a.tokens == b.tokens and a.finish_reasons == b.finish_reasons == ["length"] * len(prompts)
+    assert a.tokens[:5] != a.tokens[5:]  # the waves draw on one generator, not each on the seed afresh
+    for p, toks, lps in zip(prompts, a.tokens, a.logprobs):
+        torch.testing.assert_close(torch.tensor(lps), C.teacher_forced_logprobs(policy, p, toks, sampled),
+                                   atol=1e-4, rtol=0)
+
+
 def test_update_policy_refreshes_weights(make_engine):
     pol = tiny_policy(seed=7)
     eng = make_engine(pol, C.fresh_drafter(pol))

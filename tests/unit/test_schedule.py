@@ -188,9 +188,11 @@ def test_calibration_without_drafter_is_an_error(policy):
 
 
 def test_calibration_measures_the_engine(policy, drafter):
-    eng = build_engine(engine_cfg(k="auto", k_max=4), policy, drafter)
-    c = CostModel.calibrate(eng, 4, batches=(1, 4), repeats=2)
-    assert set(c.target_ms) == {1, 4} and all(v > 0 for v in c.draft_ms.values())
+    # the batches asked for up to engine.max_batch, and max_batch itself: the largest batch the engine runs is
+    # measured, not extrapolated from smaller ones (16 asked for and past max_batch: not measured)
+    eng = build_engine(engine_cfg(k="auto", k_max=4, max_batch=6), policy, drafter)
+    c = CostModel.calibrate(eng, 4, batches=(1, 4, 16), repeats=2)
+    assert set(c.target_ms) == set(c.draft_ms) == {1, 4, 6} and all(v > 0 for v in c.draft_ms.values())
     for ms in c.target_ms.values():
         assert sorted(ms) == [1, 2, 3, 4, 5]  # every tokens-per-row count a step can verify, none interpolated
         vals = [ms[m] for m in sorted(ms)]
