@@ -5,14 +5,16 @@
 
 Per kind (eagle3, mtp and draft_model from their shipped checkpoints in checkpoints/, selfquant int8, suffix):
 - mal_k4 / mal_auto: mean accepted length on fresh rollouts of a GRPO batch (`prompts` x `group` samples, stop token
-  on) at fixed k=4 and at k=auto;
+  on) at fixed k=4 and at k=auto, after a warm-up batch of other problems (same_problems=true: of the same ones);
 - draft_cost: the drafter's time per drafted token over one decode step's, at batch 1, 8 and 64 (measure_costs);
 - tokens_per_s at batch 1, 8, 64: rollouts of that many rows (distinct prompts) at k=auto, and AR's beside them;
 - train_ms_per_rl_step (trainable kinds): online.steps_per_update drafter steps on the recipe's batch, from features
   of fresh rollouts, per RL step.
 Long tail: the GRPO batch's wall time with SD + toggle + auto k for each kind and for drafter.kind=auto over every
-member kind, and AR's, interleaved over `repeats` sampling seeds (bench_longtail's method) after `warmup` batches
-each (a running job's engine has seen the earlier steps' batches: the schedule and the chooser have learnt);
+member kind, and AR's, interleaved over `repeats` batches, each with its own problems and sampling seed
+(bench_longtail's method and workload; same_problems=true: the same problems in every batch, as prompts revisited
+over a dataset's epochs), after `warmup` batches each (a running job's engine has seen the earlier steps' batches:
+the schedule and the chooser have learnt);
 auto_over_best = auto's mean wall time over the best single kind's (wall_s_sd: each one's spread over the seeds; a batch
 is ~0.2 s and varies ~10% from seed to seed, so 20 seeds); suffix_speedup_over_ar = AR's over the suffix
 drafter's.
@@ -45,9 +47,12 @@ from drafttrain.report import format_table, write_json
 from drafttrain.spec import SamplingParams
 from drafttrain.tracking import DrafterTrainer, FeatureBuffer, teacher_forced_features
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_longtail import interleaved, workload  # noqa: E402  (the benchmarks' one interleaving and workload)
+
 DEFAULTS = dict(recipe="eagle3_track", kinds=["eagle3", "mtp", "draft_model", "selfquant", "suffix"], prompts=8,
                 group=8, max_new_tokens=256, repeats=20, warmup=3, batches=[1, 8, 64], seed=4321, tracking=True,
-                track_steps=None, track_overrides=[], out="bench/drafters.json", threads=2)
+                track_steps=None, track_overrides=[], same_problems=False, out="bench/drafters.json", threads=2)
 TRAINABLE = ("eagle3", "mtp", "draft_model")
 
 
@@ -72,18 +77,19 @@ def per_kind(cfg, rc, policy, kind: str, prompts, params, probs, tok) -> dict:
     dc = drafter_cfg(rc, kind, cfg.kinds)
     d = build_drafter(dc, policy)
     row = {"kind": kind}
+    problems = workload(tok, cfg.prompts, cfg.group, cfg.seed, cfg.same_problems)
     for name, k in (("mal_k4", 4), ("mal_auto", "auto")):
         eng = engine(rc, policy, d, k=k, toggle=False)
-        eng.generate(prompts, replace(params, seed=cfg.seed + 1))  # warm-up: auto k's estimates
+        eng.generate(problems(cfg.seed + 1), replace(params, seed=cfg.seed + 1))  # warm-up: auto k's estimates
         row[name] = eng.generate(prompts, params).stats.mean_accepted_length
     eng = engine(rc, policy, d, k="auto", toggle=False)
     for b in cfg.batches:
         c = measure_costs(eng, b, [1], 4, repeats=10)
         row[f"draft_cost_b{b}"] = c["draft_ms_per_token"] / c["target_ms"][1]
-        rows = [encode_prompt(tok, p.prompt) for p in make_prompts(b, seed=cfg.seed + 7)]
+        rows, warm = (workload(tok, b, 1, cfg.seed + 7, cfg.same_problems)(s) for s in (cfg.seed + 7, cfg.seed + 8))
         tps = {}
         for label, spec in (("sd", True), ("ar", False)):
-            eng.generate(rows, replace(params, seed=cfg.seed + 2), speculative=spec)
+            eng.generate(warm, replace(params, seed=cfg.seed + 2), speculative=spec)
             t0 = time.perf_counter()
             out = eng.generate(rows, replace(params, seed=cfg.seed + 3), speculative=spec)
             tps[label] = out.num_tokens / (time.perf_counter() - t0)
@@ -110,19 +116,19 @@ def train_ms(rc, policy, d, prompts, params, eng) -> float:
 
 
 def long_tail(cfg, rc, policy, prompts, params) -> dict:
-    """SD + toggle + auto k per kind and for auto, interleaved over seeds: mean wall time per kind."""
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from bench_longtail import interleaved  # the one interleaving of the benchmarks
-
+    """SD + toggle + auto k per kind and for auto, interleaved over seeds: mean wall time per kind. prompts: a batch
+    (every warm-up and repeat runs it), or seed -> a batch (workload)."""
+    problems = prompts if callable(prompts) else (lambda seed: prompts)
     kinds = [k for k in cfg.kinds if k != "selfquant"] + ["auto"]
     engines = {"ar": (engine(rc, policy, None, k=4, toggle=False), False)}
     for kind in kinds:
         d = build_drafter(drafter_cfg(rc, kind, cfg.kinds), policy)
         eng = engine(rc, policy, d, k="auto", toggle=True)
         for w in range(cfg.warmup):  # warm-up, as the previous RL steps' rollouts: the schedule and the chooser
-            eng.generate(prompts, replace(params, seed=cfg.seed + 1 + w))  # learn as they would in a running job
-        engines[kind] = (eng, True)
-    runs = interleaved(engines, prompts, lambda rep: replace(params, seed=cfg.seed + 1000 * rep), cfg.repeats)
+            eng.generate(problems(cfg.seed + 1 + w), replace(params, seed=cfg.seed + 1 + w))  # learn as they would
+        engines[kind] = (eng, True)  # in a running job
+    runs = interleaved(engines, lambda rep: problems(cfg.seed + 1000 * rep),
+                       lambda rep: replace(params, seed=cfg.seed + 1000 * rep), cfg.repeats)
     wall = {key: statistics.fmean(r.wall_s for r in rs) for key, rs in runs.items()}
     sd = {key: statistics.stdev(r.wall_s for r in rs) if len(rs) > 1 else 0.0 for key, rs in runs.items()}
     best = min((k for k in kinds if k != "auto"), key=wall.get)
@@ -170,7 +176,7 @@ def setup(cfg):
 def main(cfg) -> dict:
     rc, policy, tok, probs, prompts, params = setup(cfg)
     rows = [per_kind(cfg, rc, policy, kind, prompts, params, probs, tok) for kind in cfg.kinds]
-    lt = long_tail(cfg, rc, policy, prompts, params)
+    lt = long_tail(cfg, rc, policy, workload(tok, cfg.prompts, cfg.group, cfg.seed, cfg.same_problems), params)
     result = {"kinds": rows, "long_tail": lt, "auto_over_best": lt["auto_over_best"],
               **({"suffix_speedup_over_ar": lt["wall_s"]["ar"] / lt["wall_s"]["suffix"]} if "suffix" in cfg.kinds
                  else {}), "config": OmegaConf.to_container(cfg)}

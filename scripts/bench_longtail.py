@@ -5,14 +5,16 @@
     python scripts/bench_longtail.py drafters=[eagle3,suffix,auto]             # + the chooser's trace in the plot
     python scripts/bench_longtail.py overrides=[engine.max_batch=16]         # recipe overrides
 
-Workload: a GRPO-style batch (prompts x G samples of the shipped task, long-tailed response lengths): the active
+Workload: a GRPO-style batch (prompts x G samples of the shipped task, long-tailed response lengths), with new
+problems at each warm-up and repeat, as at each RL step (same_problems=true: the same problems every time, prompts
+revisited as in epochs over a dataset, which the suffix drafter drafts from its earlier rollouts of): the active
 batch starts large (SD loses: verify costs ~ linearly more tokens on this CPU) and shrinks to the long tail
 (SD wins). Modes, for each drafter (EAGLE-3 from checkpoints/eagle3, selfquant int8 and int4):
-AR | SD-always at fixed k | SD + toggle (fixed k) | SD + toggle + auto k | SD + toggle + ladder. Each engine is
-warmed up on the same workload with other seeds, then every engine runs it `repeats` times, interleaved, with a new
-sampling seed each repeat (the same for every engine); the mean wall time counts. One seed for every repeat (until
-2026-11-30) timed one draw of the batch per engine, and AR and SD draw differently (exact in distribution only):
-the draw's longest rows, not the engine, then set much of the difference.
+AR | SD-always at fixed k | SD + toggle (fixed k) | SD + toggle + auto k | SD + toggle + ladder. Each engine
+is warmed up on a batch of the workload, then every engine runs `repeats` batches of it, interleaved, each repeat
+with its own problems and sampling seed (the same for every engine); the mean wall time counts. One seed for every
+repeat (until 2026-11-30) timed one draw of the batch per engine, and AR and SD draw differently (exact in
+distribution only): the draw's longest rows, not the engine, then set much of the difference.
 Sweep: tokens/s at an active batch B for AR, SD-always and SD + toggle: real rollouts of the workload's prompts
 (stop token on), counting the decode steps with at least 3/4 of B rows still active, over
 max(sweep_min_batches, sweep_rows // B) batches per repeat (a batch of 64 keeps 3/4 of its rows for only ~2 SD
@@ -47,7 +49,7 @@ from drafttrain.spec import SamplingParams
 DEFAULTS = dict(recipe="eagle3_track", overrides=[], prompts=16, group=4, max_new_tokens=256, k=5, seed=4321,
                 drafters=["eagle3", "selfquant_int8", "selfquant_int4"], sweep_batches=[1, 2, 4, 8, 16, 32, 64],
                 repeats=15, sweep_tokens=256, sweep_rows=32, sweep_min_batches=8, sweep_repeats=7,
-                out="bench/longtail.json", threads=2)
+                same_problems=False, out="bench/longtail.json", threads=2)
 
 MODES = {  # name -> engine overrides (None = AR)
     "ar": None,
@@ -76,15 +78,29 @@ def engine_for(rc, policy, drafter, k, **over):
 
 
 def interleaved(engines: dict, prompts, params, repeats: int, shift: int = 0) -> dict:
-    """engines: key -> (engine, speculative). Every engine runs `prompts` once per repeat (params(rep)), the
-    engines taking turns, so a slow spell of the machine hits them all alike, in the order run_order(rep + shift).
-    Returns key -> [RolloutBatch]."""
+    """engines: key -> (engine, speculative). Every engine runs the repeat's prompts (`prompts`, or prompts(rep) if it
+    is a function) once per repeat (params(rep)), the engines taking turns, so a slow spell of the machine hits them
+    all alike, in the order run_order(rep + shift). Returns key -> [RolloutBatch]."""
     runs = {key: [] for key in engines}
     for rep in range(repeats):
+        batch = prompts(rep) if callable(prompts) else prompts
         for key in run_order(list(engines), rep + shift):
             eng, spec = engines[key]
-            runs[key].append(eng.generate(prompts, params(rep), speculative=spec))
+            runs[key].append(eng.generate(batch, params(rep), speculative=spec))
     return runs
+
+
+def workload(tok, n: int, group: int, seed0: int, same: bool):
+    """-> batch(seed): a GRPO batch of n problems x `group` samples, the problems drawn at `seed` (each RL step draws
+    new ones), or with same=True always those drawn at seed0 (problems revisited, as in epochs over a dataset: what
+    the suffix drafter, which drafts from earlier rollouts, thrives on). Until 2026-12-04 every warm-up and repeat
+    re-generated the same problems: the suffix drafter's index then held earlier rollouts of the very problems it
+    drafted (mean accepted length at k=4 3.55, against 1.82 after rollouts of other problems: bench/NOTES.md)."""
+    def batch(seed: int) -> list[list[int]]:
+        return [encode_prompt(tok, p.prompt) for p in make_prompts(n, seed=seed0 if same else seed)
+                for _ in range(group)]
+
+    return batch
 
 
 def run_order(keys: list, rep: int) -> list:
@@ -102,8 +118,8 @@ def main(cfg) -> dict:
     torch.set_num_threads(cfg.threads)
     rc = load_recipe(cfg.recipe, list(cfg.overrides))
     policy, tok = load_policy(str(resolve_path(rc.policy.path)))
-    probs = make_prompts(cfg.prompts, seed=cfg.seed)
-    prompts = [encode_prompt(tok, p.prompt) for p in probs for _ in range(cfg.group)]
+    problems = workload(tok, cfg.prompts, cfg.group, cfg.seed, cfg.same_problems)
+    prompts = problems(cfg.seed)  # the sweep's pool
     params = SamplingParams(temperature=rc.sampling.temperature, max_new_tokens=cfg.max_new_tokens,
                             stop_token_ids=(tok.eos_token_id,), seed=cfg.seed)
     rows, traces, result = [], {}, {}
@@ -115,13 +131,14 @@ def main(cfg) -> dict:
                 continue  # AR does not depend on the drafter
             over = dict(over or {})
             eng = engine_for(rc, policy, drafter if over else None, over.pop("k", cfg.k), **over)
-            # warm-up: the same workload on other samples, as the previous RL step's rollouts would be (the
-            # controller's acceptance estimates and measured step times carry over, as in a running job)
-            eng.generate(prompts, replace(params, seed=cfg.seed + 1), speculative=over is not None)
+            # warm-up: a batch of the workload, as the previous RL step's rollouts would be (the controller's
+            # acceptance estimates and measured step times carry over, as in a running job)
+            eng.generate(problems(cfg.seed + 1), replace(params, seed=cfg.seed + 1), speculative=over is not None)
             engines[(dname if over else "-", mode)] = (eng, over is not None)
     # a seed per repeat, the same for every engine: SD is exact in distribution, not sample for sample, so with one
     # seed AR and SD would each time the same single draw of the batch, whose longest rows set the wall time
-    all_runs = interleaved(engines, prompts, lambda rep: replace(params, seed=cfg.seed + 1000 * rep), cfg.repeats)
+    all_runs = interleaved(engines, lambda rep: problems(cfg.seed + 1000 * rep),
+                           lambda rep: replace(params, seed=cfg.seed + 1000 * rep), cfg.repeats)
     for (dname, mode), runs in all_runs.items():
         walls = [r.wall_s for r in runs]
         wall = statistics.fmean(walls)  # the expected rollout time of a batch
