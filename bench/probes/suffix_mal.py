@@ -1,6 +1,7 @@
 """python bench/probes/suffix_mal.py [overrides...]: the suffix drafter's mean accepted length at k=4 on the long-tail
 GRPO batch (8 prompts x 8 samples of the shipped task, stop token on), seeds 0-2 of the batch, each after one warm-up
-generation on the same engine (its index holds the warm-up's rollouts, as the previous RL step's); then its drafting
+generation of the same problems on the same engine (its index holds their earlier rollouts: problems revisited; the
+RL loop draws new ones, where it reads ~1.8, bench/NOTES.md session 25); then its drafting
 cost over a decode step at batch 1 and 64 (issue 20: one-hot drafts against drafts sampled from the counts)."""
 import statistics
 import sys
