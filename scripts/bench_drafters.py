@@ -73,11 +73,11 @@ def engine(rc, policy, drafter, **over):
     return build_engine(ec, policy, drafter)
 
 
-def per_kind(cfg, rc, policy, kind: str, prompts, params, probs, tok) -> dict:
+def per_kind(cfg, rc, policy, kind: str, prompts, params, problems, tok) -> dict:
+    """prompts: the measured batch; problems: seed -> a batch of the workload (the warm-ups)."""
     dc = drafter_cfg(rc, kind, cfg.kinds)
     d = build_drafter(dc, policy)
     row = {"kind": kind}
-    problems = workload(tok, cfg.prompts, cfg.group, cfg.seed, cfg.same_problems)
     for name, k in (("mal_k4", 4), ("mal_auto", "auto")):
         eng = engine(rc, policy, d, k=k, toggle=False)
         eng.generate(problems(cfg.seed + 1), replace(params, seed=cfg.seed + 1))  # warm-up: auto k's estimates
@@ -124,9 +124,10 @@ def long_tail(cfg, rc, policy, prompts, params) -> dict:
     for kind in kinds:
         d = build_drafter(drafter_cfg(rc, kind, cfg.kinds), policy)
         eng = engine(rc, policy, d, k="auto", toggle=True)
-        for w in range(cfg.warmup):  # warm-up, as the previous RL steps' rollouts: the schedule and the chooser
-            eng.generate(problems(cfg.seed + 1 + w), replace(params, seed=cfg.seed + 1 + w))  # learn as they would
-        engines[kind] = (eng, True)  # in a running job
+        # warm-up, as the previous RL steps' rollouts: the schedule and the chooser learn as in a running job
+        for w in range(cfg.warmup):
+            eng.generate(problems(cfg.seed + 1 + w), replace(params, seed=cfg.seed + 1 + w))
+        engines[kind] = (eng, True)
     runs = interleaved(engines, lambda rep: problems(cfg.seed + 1000 * rep),
                        lambda rep: replace(params, seed=cfg.seed + 1000 * rep), cfg.repeats)
     wall = {key: statistics.fmean(r.wall_s for r in rs) for key, rs in runs.items()}
@@ -175,8 +176,9 @@ def setup(cfg):
 
 def main(cfg) -> dict:
     rc, policy, tok, probs, prompts, params = setup(cfg)
-    rows = [per_kind(cfg, rc, policy, kind, prompts, params, probs, tok) for kind in cfg.kinds]
-    lt = long_tail(cfg, rc, policy, workload(tok, cfg.prompts, cfg.group, cfg.seed, cfg.same_problems), params)
+    problems = workload(tok, cfg.prompts, cfg.group, cfg.seed, cfg.same_problems)
+    rows = [per_kind(cfg, rc, policy, kind, prompts, params, problems, tok) for kind in cfg.kinds]
+    lt = long_tail(cfg, rc, policy, problems, params)
     result = {"kinds": rows, "long_tail": lt, "auto_over_best": lt["auto_over_best"],
               **({"suffix_speedup_over_ar": lt["wall_s"]["ar"] / lt["wall_s"]["suffix"]} if "suffix" in cfg.kinds
                  else {}), "config": OmegaConf.to_container(cfg)}
