@@ -25,6 +25,7 @@ class SuffixSection:  # drafter.suffix: drafts copied from sibling rows and rece
     max_ngram: int = 8  # longest context suffix looked up
     min_ngram: int = 2  # shortest context suffix that may propose a continuation
     history: int = 2  # earlier generate() calls (RL steps) whose rollouts stay in the index
+    prompt_cache: int = 4096  # prompts whose last rollouts outlive the history, recalled when it comes back; 0 = off
 
 
 @dataclass
@@ -78,6 +79,7 @@ def drafter_checks(d: DrafterConfig) -> list[tuple[bool, str, str]]:
         (sx.max_ngram >= sx.min_ngram, "drafter.suffix.max_ngram",
          f"must be >= drafter.suffix.min_ngram = {sx.min_ngram}, got {sx.max_ngram}"),
         (sx.history >= 0, "drafter.suffix.history", f"must be >= 0, got {sx.history}"),
+        (sx.prompt_cache >= 0, "drafter.suffix.prompt_cache", f"must be >= 0 (0 = off), got {sx.prompt_cache}"),
         (d.mtp.intermediate_size is None or d.mtp.intermediate_size >= 1, "drafter.mtp.intermediate_size",
          f"must be >= 1 or null (the policy's), got {d.mtp.intermediate_size}"),
         (len(d.auto.kinds) == len(d.auto.paths), "drafter.auto.paths",

@@ -25,10 +25,17 @@ row whose next token is known is counted once. The texts of the last drafter.suf
 generation starts (once per RL step), the oldest one past the history is un-counted (its emptied nodes pruned),
 rather than the index rebuilt from every kept text (~9 ms of a 0.25 s long-tail batch at history 2). Pure Python:
 microseconds per position, far below a verify step.
+
+The prompt cache (drafter.suffix.prompt_cache: how many prompts): each prompt's rollouts of the last generation that
+had it, kept past the history (as SPEC-RL reuses a prompt's earlier rollouts). A generation whose prompt comes back
+after its rollouts left the index (an RL run over a dataset revisits each prompt every few dozen steps) counts them
+again, from the n-grams ending on the prompt's last token on, for as long as that generation is kept. A prompt is keyed by its
+tokens (the embedded engine's right-padded prompts with trailing pad zeros stripped: a prompt that ends in token 0
+may share a key with a shorter one, which costs drafts, never correctness).
 """
 from __future__ import annotations
 
-from collections import deque
+from collections import OrderedDict, deque
 
 import torch
 import torch.nn as nn
@@ -42,14 +49,21 @@ class SuffixDrafter(nn.Module):
     trains = False  # no weights: its update is the index
     reads = Reads()
 
-    def __init__(self, vocab_size: int, max_ngram: int = 8, min_ngram: int = 2, history: int = 2):
+    def __init__(self, vocab_size: int, max_ngram: int = 8, min_ngram: int = 2, history: int = 2,
+                 prompt_cache: int = 4096):
         super().__init__()
         if not 1 <= min_ngram <= max_ngram:
             raise ValueError(f"drafter.suffix.min_ngram: must be in [1, drafter.suffix.max_ngram = {max_ngram}], "
                              f"got {min_ngram}")
+        if prompt_cache < 0:
+            raise ValueError(f"drafter.suffix.prompt_cache: must be >= 0 (0 = off), got {prompt_cache}")
         self.vocab_size, self.max_ngram, self.min_ngram, self.history = vocab_size, max_ngram, min_ngram, history
-        self.texts: deque[list[list[int]]] = deque()  # per generation (oldest first): its rows' texts
+        self.prompt_cache = prompt_cache
+        self.texts: deque[_Generation] = deque()  # the kept generations, oldest first
         self.root: tuple[dict, dict] = ({}, {})  # trie node: (children by the token one further back, next counts)
+        # prompt -> (id of the latest generation that counted them, its rollouts' texts, where their counting starts)
+        self.cache: OrderedDict[tuple, tuple[int, list[list[int]], list[int]]] = OrderedDict()
+        self.generations = 0  # generations started (a generation's id)
 
     # ---- no weights ---------------------------------------------------------------------------------------------
     def state_dict(self, *args, **kwargs) -> dict:
@@ -96,12 +110,52 @@ class SuffixDrafter(nn.Module):
                 del parent[0][tok]
 
     def start_generation(self, rows: list[list[int]]) -> None:
-        """A generation starts: the generations past the history are un-counted, and `rows` (this generation's texts,
-        grown in place by extend; the vLLM proposer appends rows as requests arrive) are kept from now on."""
+        """A generation starts: the last one's rollouts go to the prompt cache, the generations past the history are
+        un-counted, and `rows` (this generation's texts, grown in place by extend; the vLLM proposer appends rows as
+        requests arrive) are kept from now on."""
+        if self.texts:
+            self._remember(self.texts[-1])
         while len(self.texts) > self.history:
-            for t in self.texts.popleft():
+            g = self.texts.popleft()
+            for t in g.rows:
                 self._count(t, 0, len(t) - 1, -1)
-        self.texts.append(rows)
+            for t, lo in g.recalled:
+                self._count(t, lo, len(t) - 1, -1)
+        self.generations += 1
+        self.texts.append(_Generation(self.generations, rows))
+
+    def note_prompt(self, text: list[int], prompt: list[int]) -> None:
+        """Row `text` of the current generation answers `prompt`: its rollout joins the prompt cache when the
+        generation ends, and the prompt's cached rollouts are counted again if they have left the index."""
+        if not self.prompt_cache:
+            return
+        g, key = self.texts[-1], tuple(prompt)
+        g.prompts.append((text, key))
+        hit = self.cache.get(key)
+        if hit is None:
+            return
+        self.cache.move_to_end(key)
+        counted_in, texts, los = hit
+        if counted_in >= self.texts[0].id:  # still in the index: a kept generation counted them
+            return
+        for t, lo in zip(texts, los):
+            self._count(t, lo, len(t) - 1)
+            g.recalled.append((t, lo))
+        self.cache[key] = (g.id, texts, los)
+
+    def _remember(self, g: "_Generation") -> None:
+        """A finished generation's rollouts, per prompt, replace that prompt's in the cache (least recently used
+        prompts go past prompt_cache). Their counting, on recall, starts at the n-grams that end on the prompt's
+        last token (the prompt's own text drafts nothing a row needs)."""
+        by: dict[tuple, list[list[int]]] = {}
+        for text, key in g.prompts:
+            by.setdefault(key, []).append(text)
+        for key, texts in by.items():
+            lo = max(len(key) - 1, 0)
+            self.cache[key] = (g.id, texts, [lo] * len(texts))
+            self.cache.move_to_end(key)
+        while len(self.cache) > self.prompt_cache:
+            self.cache.popitem(last=False)
 
     def counts(self, ngram) -> dict[int, int] | None:
         """token -> count after exactly this n-gram (None: not indexed)."""
@@ -125,10 +179,16 @@ class SuffixDrafter(nn.Module):
 
     # ---- the engine's calls ---------------------------------------------------------------------------------------
     def new_state(self, batch: int, max_len: int, prompts: torch.Tensor | None = None) -> "SuffixState":
-        """prompts [B, P] right-padded: each row's text starts with its token 0 (the engine feeds the rest)."""
+        """prompts [B, P] right-padded with zeros: each row's text starts with its token 0 (the engine feeds the
+        rest); each row's prompt, trailing zeros stripped, keys the prompt cache."""
         first = prompts[:, 0].tolist() if prompts is not None else [0] * batch
         rows = [[t] for t in first]
         self.start_generation(rows)
+        if prompts is not None and self.prompt_cache:
+            for text, p in zip(rows, prompts.tolist()):
+                while len(p) > 1 and p[-1] == 0:
+                    p.pop()
+                self.note_prompt(text, p)
         return SuffixState(rows)
 
     def extend(self, text: list[int], new: list[int]) -> None:
@@ -193,6 +253,16 @@ class SuffixDrafter(nn.Module):
         return d, q
 
 
+class _Generation:
+    """One kept generation: its rows' texts (counted from position 0), the prompt each row answers (for the prompt
+    cache), and the cached texts it counted again (text, the first position counted)."""
+
+    def __init__(self, gid: int, rows: list[list[int]]):
+        self.id, self.rows = gid, rows
+        self.prompts: list[tuple[list[int], tuple]] = []
+        self.recalled: list[tuple[list[int], int]] = []
+
+
 class SuffixState:
     """Per-generation state: the active rows' texts (lists shared with the drafter's index)."""
 
@@ -206,4 +276,4 @@ class SuffixState:
 def from_config(cfg, policy) -> SuffixDrafter:
     """The registry entry: cfg is a DrafterConfig (its suffix section); the policy gives its vocabulary size."""
     s = cfg.suffix
-    return SuffixDrafter(policy.config.vocab_size, s.max_ngram, s.min_ngram, s.history)
+    return SuffixDrafter(policy.config.vocab_size, s.max_ngram, s.min_ngram, s.history, s.prompt_cache)

@@ -127,7 +127,7 @@ class SuffixForm:
 
     def started(self, engine, template) -> None:
         engine._rpc("dt_drafter_call", "configure", template.vocab_size, template.max_ngram, template.min_ngram,
-                    template.history)
+                    template.history, template.prompt_cache)
 
     def before_generate(self, engine) -> None:
         engine._rpc("dt_drafter_call", "new_generation")

@@ -47,6 +47,8 @@ class SuffixProposer:
             if text is None:
                 text = self.rows[rid] = []
                 self.gen.append(text)
+                plen = int(self.runner.input_batch.num_prompt_tokens[i])
+                self.index.note_prompt(text, token_ids_cpu[i, :plen].tolist())
             if len(text) < n:
                 self.index.extend(text, token_ids_cpu[i, len(text):n].tolist())
             texts.append(text if len(sampled) else None)
@@ -56,8 +58,8 @@ class SuffixProposer:
     def bind_runner(self, runner) -> None:
         self.runner = runner
 
-    def configure(self, vocab_size: int, max_ngram: int, min_ngram: int, history: int) -> None:
-        self.index = SuffixDrafter(vocab_size, max_ngram, min_ngram, history)
+    def configure(self, vocab_size: int, max_ngram: int, min_ngram: int, history: int, prompt_cache: int) -> None:
+        self.index = SuffixDrafter(vocab_size, max_ngram, min_ngram, history, prompt_cache)
 
     def new_generation(self) -> None:
         """As the embedded drafter's new_state: keep the last `history` generations' texts, index them, and collect

@@ -77,11 +77,12 @@ def test_index_rebuilt_per_generation_keeps_history_generations():
     assert d.counts((2, 20)) and d.counts((1, 20)) is None and d.counts((21, 22)) is None
 
 
-def brute_counts(texts, n0: int, n1: int) -> dict[tuple, dict[int, int]]:
-    """Every n-gram (n0..n1) of the texts whose next token is known -> its next tokens' counts."""
+def brute_counts(texts, n0: int, n1: int, los=None) -> dict[tuple, dict[int, int]]:
+    """Every n-gram (n0..n1) of the texts whose next token is known (ending at position los[i] or later in text i;
+    default 0) -> its next tokens' counts."""
     out: dict[tuple, dict[int, int]] = {}
-    for t in texts:
-        for e in range(len(t) - 1):
+    for t, lo in zip(texts, los or [0] * len(texts)):
+        for e in range(lo, len(t) - 1):
             for n in range(n0, min(n1, e + 1) + 1):
                 c = out.setdefault(tuple(t[e - n + 1:e + 1]), {})
                 c[t[e + 1]] = c.get(t[e + 1], 0) + 1
@@ -93,7 +94,7 @@ def test_the_trie_counts_exactly_the_kept_generations_and_frees_what_it_drops():
     the index holds exactly the kept rows' n-gram counts: every n-gram a brute-force count has, and no other context
     matches; dropping every generation leaves an empty trie (un-counted nodes are pruned)."""
     g = torch.Generator().manual_seed(0)
-    d = SuffixDrafter(6, max_ngram=4, min_ngram=2, history=1)
+    d = SuffixDrafter(6, max_ngram=4, min_ngram=2, history=1, prompt_cache=0)  # the prompt cache: tested below
     kept = []
     for gen in range(4):
         rows = [torch.randint(0, 6, (int(torch.randint(2, 30, (1,), generator=g)),), generator=g).tolist()
@@ -108,6 +109,60 @@ def test_the_trie_counts_exactly_the_kept_generations_and_frees_what_it_drops():
         for n in range(1, 6):
             for ctx in {tuple(t[i:i + n]) for gen_rows in kept for t in gen_rows for i in range(len(t) - n + 1)}:
                 assert d.counts(ctx) == want.get(ctx), (gen, ctx)
+    d.history = 0
+    d.start_generation([])
+    d.start_generation([])
+    assert d.root == ({}, {})
+
+
+def test_prompt_cache_brings_back_a_prompts_rollouts_past_the_history():
+    """A prompt that comes back after its rollouts left the index (history 0: at once) drafts them again, as
+    SPEC-RL reuses a prompt's earlier rollouts; without the cache nothing matches. They leave the index with the
+    generation that counted them again, and a prompt pushed out of the cache (least recently used) is not recalled."""
+    for cache, want in ((8, [22, 23, 24]), (0, [21, 21, 21])):
+        d = SuffixDrafter(32, max_ngram=3, min_ngram=2, history=0, prompt_cache=cache)
+        st = d.new_state(1, 64, torch.tensor([[1, 2, 0]]))  # right-padded: the key is [1, 2]
+        feed(d, st, [[1, 2, 20, 21, 22, 23, 24]])
+        st = d.new_state(1, 64, torch.tensor([[3, 4]]))  # another prompt: generation 1 leaves the index
+        feed(d, st, [[3, 4, 9]])
+        assert d.counts((20, 21)) is None
+        st = d.new_state(2, 64, torch.tensor([[1, 2], [1, 2]]))  # the prompt comes back (two siblings: one recall)
+        assert feed(d, st, [[1, 2, 20, 21], [1, 2]])[0][0].tolist() == want
+        if cache:
+            assert d.counts((20, 21)) == {22: 1}  # counted once, though two rows answer the prompt
+            assert d.counts((1, 2)) == {20: 2}  # the row's own and the recalled one (from the prompt's last token)
+    st = d.new_state(1, 64, torch.tensor([[5]]))
+    assert d.counts((20, 21)) is None and d.counts((22, 23)) is None  # dropped with the generation that recalled them
+    d = SuffixDrafter(32, max_ngram=3, min_ngram=2, history=0, prompt_cache=1)
+    for prompt, row in (([1, 2], [1, 2, 20, 21, 22]), ([3, 4], [3, 4, 9]), ([1, 2], [1, 2, 20, 21])):
+        st = d.new_state(1, 64, torch.tensor([prompt]))
+        drafts = feed(d, st, [row])[0][0].tolist()
+    assert drafts == [21, 21, 21]  # [3, 4] took the only place: [1, 2]'s rollouts are gone
+
+
+def test_the_trie_counts_exactly_what_the_prompt_cache_recalls():
+    """Random generations over a pool of prompts (history 1, a cache of 3 prompts: recalls and evictions): the index
+    holds exactly the kept rows' counts plus the recalled texts' from the prompt's end on, and dropping every
+    generation leaves an empty trie."""
+    g = torch.Generator().manual_seed(1)
+    pool = [torch.randint(1, 6, (n,), generator=g).tolist() for n in (2, 3, 5, 1, 4, 2)]
+    d = SuffixDrafter(6, max_ngram=4, min_ngram=1, history=1, prompt_cache=3)
+    recalls = 0
+    for gen in range(16):
+        prompts = [pool[int(i)] for i in torch.randint(0, 6, (2,), generator=g)]
+        rows = [p + torch.randint(0, 6, (int(torch.randint(0, 12, (1,), generator=g)),), generator=g).tolist()
+                for p in prompts]
+        P = max(len(p) for p in prompts)
+        st = d.new_state(2, 64, torch.tensor([p + [0] * (P - len(p)) for p in prompts]))
+        feed(d, st, rows)
+        recalls += len(d.texts[-1].recalled) > 0
+        texts = [t for x in d.texts for t in x.rows] + [t for x in d.texts for t, _ in x.recalled]
+        los = [0] * sum(len(x.rows) for x in d.texts) + [lo for x in d.texts for _, lo in x.recalled]
+        want = brute_counts(texts, 1, 4, los)
+        for n in range(1, 6):
+            for ctx in {tuple(t[i:i + n]) for t in texts for i in range(len(t) - n + 1)}:
+                assert d.counts(ctx) == want.get(ctx), (gen, ctx)
+    assert recalls >= 3 and len(d.cache) == 3
     d.history = 0
     d.start_generation([])
     d.start_generation([])
@@ -135,6 +190,7 @@ def test_no_weights():
                                           (["drafter.suffix.max_ngram=1", "drafter.suffix.min_ngram=2"],
                                            "drafter.suffix.max_ngram"),
                                           (["drafter.suffix.history=-1"], "drafter.suffix.history"),
+                                          (["drafter.suffix.prompt_cache=-1"], "drafter.suffix.prompt_cache"),
                                           (["drafter.path=checkpoints/eagle3"], "drafter.path"),
                                           (["drafter.suffix.bogus=1"], "drafter.suffix.bogus")])
 def test_bad_settings_one_line(override, key):
@@ -176,3 +232,20 @@ def test_earlier_rollouts_drafted_through_the_engine(make_engine, policy):
     assert again.tokens == first.tokens
     assert again.stats.acceptance_rate > 0.8, again.stats.to_dict()  # a loop's latest occurrence may mislead
     assert again.stats.mean_accepted_length > first.stats.mean_accepted_length + 1
+
+
+def test_a_prompt_revisited_past_the_history_drafts_its_earlier_rollouts(make_engine, policy):
+    """Through the engine: prompts that come back after other prompts' generations (history 1) draft their first
+    rollouts from the prompt cache (greedy: nearly all accepted); with the cache off they draft as if new."""
+    params = SamplingParams(temperature=0, max_new_tokens=24)
+    other = [[p[0] + 1, *p[1:]] for p in C.RAGGED_PROMPTS]
+    mal = {}
+    for cache in (4096, 0):
+        eng = make_engine(policy, SuffixDrafter(32, history=1, prompt_cache=cache), k=3, drafter_int8=False)
+        first = eng.generate(C.RAGGED_PROMPTS, params)
+        for _ in range(2):
+            eng.generate(other, params)
+        again = eng.generate(C.RAGGED_PROMPTS, params)
+        assert again.tokens == first.tokens
+        mal[cache] = again.stats.mean_accepted_length
+    assert mal[4096] > mal[0] + 1, mal

@@ -70,19 +70,29 @@ def test_serving_and_swap_checks(pool, vpolicy, kind):
 def test_suffix_drafts_what_the_embedded_one_drafts(vpolicy):
     """vLLM verifies a custom proposer's drafts as one-hot, so they are the index's most frequent continuations: the
     embedded drafter's with engine.draft_sampling=greedy. Greedy decoding accepts exactly the same there, in a first
-    generation (siblings only) and a second (the first one's rollouts too); a swap carries no weights."""
+    generation (siblings only) and a second (the first one's rollouts too). The same prompts once more, after two
+    generations of other prompts have pushed theirs out of the history, draft their rollouts from the prompt cache
+    in both engines (keyed by vLLM's prompt lengths there, by the embedded engine's stripped padding here); the
+    recalled texts' ends differ (vLLM indexes a row's last tokens, and those past max_tokens; the embedded drafter
+    stops at its last draft), so there the outputs must match and both must draft from the cache. A swap carries no
+    weights."""
     greedy = SamplingParams(temperature=0, max_new_tokens=40)
     prompts = [p for p in C.RAGGED_PROMPTS for _ in range(3)]  # 3 siblings per prompt
+    other = [[p[0] + 1, *p[1:]] for p in prompts]
+    batches = [prompts, prompts, other, other, prompts]
     cfg = dict(k=4, max_batch=16, max_len=128)
     ours = build_engine(engine_cfg(kind="torch", draft_sampling="greedy", **cfg), vpolicy, fresh(vpolicy, "suffix"))
-    want = [ours.generate(prompts, greedy) for _ in range(2)]
+    want = [ours.generate(b, greedy) for b in batches]
     with build_engine(engine_cfg(kind="vllm", **cfg), vpolicy, fresh(vpolicy, "suffix")) as eng:
         assert eng.llm.llm_engine.vllm_config.speculative_config.method == "custom_class"
-        for w in want:
-            got = eng.generate(prompts, greedy)
-            assert got.tokens == w.tokens
-            assert got.stats.mean_accepted_length == pytest.approx(w.stats.mean_accepted_length, abs=1e-9)
+        got = [eng.generate(b, greedy) for b in batches]
+        for g, w in zip(got, want):
+            assert g.tokens == w.tokens
+        for g, w in zip(got[:2], want[:2]):
+            assert g.stats.mean_accepted_length == pytest.approx(w.stats.mean_accepted_length, abs=1e-9)
         assert want[1].stats.mean_accepted_length > want[0].stats.mean_accepted_length + 0.5  # history drafts
+        for run in (want, got):  # prompt-cache drafts, in both engines
+            assert run[4].stats.mean_accepted_length > run[0].stats.mean_accepted_length + 0.5
         eng.load_drafter({}, 1)
         assert eng.drafter_version == 1
         with pytest.raises(ValueError, match="suffix drafter: takes no weights") as e:
