@@ -13,8 +13,8 @@ Per kind (eagle3, mtp and draft_model from their shipped checkpoints in checkpoi
 Long tail: the GRPO batch's wall time with SD + toggle + auto k for each kind and for drafter.kind=auto over every
 member kind, and AR's, interleaved over `repeats` batches, each with its own problems and sampling seed
 (bench_longtail's method and workload; same_problems=true: the same problems in every batch, as prompts revisited
-over a dataset's epochs), after `warmup` batches each (a running job's engine has seen the earlier steps' batches:
-the schedule and the chooser have learnt);
+over a dataset's epochs; pool=N: drawn from a fixed set of N problems, as over a dataset), after `warmup` batches
+each (a running job's engine has seen the earlier steps' batches: the schedule and the chooser have learnt);
 auto_over_best = auto's mean wall time over the best single kind's (wall_s_sd: each one's spread over the seeds; a batch
 is ~0.2 s and varies ~10% from seed to seed, so 20 seeds); suffix_speedup_over_ar = AR's over the suffix
 drafter's.
@@ -52,7 +52,7 @@ from bench_longtail import interleaved, workload  # noqa: E402  (the benchmarks'
 
 DEFAULTS = dict(recipe="eagle3_track", kinds=["eagle3", "mtp", "draft_model", "selfquant", "suffix"], prompts=8,
                 group=8, max_new_tokens=256, repeats=20, warmup=3, batches=[1, 8, 64], seed=4321, tracking=True,
-                track_steps=None, track_overrides=[], same_problems=False, out="bench/drafters.json", threads=2)
+                track_steps=None, track_overrides=[], same_problems=False, pool=0, out="bench/drafters.json", threads=2)
 TRAINABLE = ("eagle3", "mtp", "draft_model")
 
 
@@ -86,7 +86,8 @@ def per_kind(cfg, rc, policy, kind: str, prompts, params, problems, tok) -> dict
     for b in cfg.batches:
         c = measure_costs(eng, b, [1], 4, repeats=10)
         row[f"draft_cost_b{b}"] = c["draft_ms_per_token"] / c["target_ms"][1]
-        rows, warm = (workload(tok, b, 1, cfg.seed + 7, cfg.same_problems)(s) for s in (cfg.seed + 7, cfg.seed + 8))
+        rows, warm = (workload(tok, b, 1, cfg.seed + 7, cfg.same_problems, cfg.pool)(s)
+                      for s in (cfg.seed + 7, cfg.seed + 8))
         tps = {}
         for label, spec in (("sd", True), ("ar", False)):
             eng.generate(warm, replace(params, seed=cfg.seed + 2), speculative=spec)
@@ -176,7 +177,7 @@ def setup(cfg):
 
 def main(cfg) -> dict:
     rc, policy, tok, probs, prompts, params = setup(cfg)
-    problems = workload(tok, cfg.prompts, cfg.group, cfg.seed, cfg.same_problems)
+    problems = workload(tok, cfg.prompts, cfg.group, cfg.seed, cfg.same_problems, cfg.pool)
     rows = [per_kind(cfg, rc, policy, kind, prompts, params, problems, tok) for kind in cfg.kinds]
     lt = long_tail(cfg, rc, policy, problems, params)
     result = {"kinds": rows, "long_tail": lt, "auto_over_best": lt["auto_over_best"],

@@ -7,7 +7,9 @@
 
 Workload: a GRPO-style batch (prompts x G samples of the shipped task, long-tailed response lengths), with new
 problems at each warm-up and repeat, as at each RL step (same_problems=true: the same problems every time, prompts
-revisited as in epochs over a dataset, which the suffix drafter drafts from its earlier rollouts of): the active
+revisited as in epochs over a dataset, which the suffix drafter drafts from its earlier rollouts of; pool=N: each
+batch drawn from a fixed set of N problems, as an RL run over a dataset draws them, give warmup >~ 2 N / prompts
+batches so that most are seen once): the active
 batch starts large (SD loses: verify costs ~ linearly more tokens on this CPU) and shrinks to the long tail
 (SD wins). Modes, for each drafter (EAGLE-3 from checkpoints/eagle3, selfquant int8 and int4):
 AR | SD-always at fixed k | SD + toggle (fixed k) | SD + toggle + auto k | SD + toggle + ladder. Each engine
@@ -49,7 +51,7 @@ from drafttrain.spec import SamplingParams
 DEFAULTS = dict(recipe="eagle3_track", overrides=[], prompts=16, group=4, max_new_tokens=256, k=5, seed=4321,
                 drafters=["eagle3", "selfquant_int8", "selfquant_int4"], sweep_batches=[1, 2, 4, 8, 16, 32, 64],
                 repeats=15, sweep_tokens=256, sweep_rows=32, sweep_min_batches=8, sweep_repeats=7,
-                same_problems=False, out="bench/longtail.json", threads=2)
+                same_problems=False, pool=0, out="bench/longtail.json", threads=2)
 
 MODES = {  # name -> engine overrides (None = AR)
     "ar": None,
@@ -90,15 +92,22 @@ def interleaved(engines: dict, prompts, params, repeats: int, shift: int = 0) ->
     return runs
 
 
-def workload(tok, n: int, group: int, seed0: int, same: bool):
+def workload(tok, n: int, group: int, seed0: int, same: bool, pool: int = 0):
     """-> batch(seed): a GRPO batch of n problems x `group` samples, the problems drawn at `seed` (each RL step draws
     new ones), or with same=True always those drawn at seed0 (problems revisited, as in epochs over a dataset: what
     the suffix drafter, which drafts from earlier rollouts, thrives on). Until 2026-12-04 every warm-up and repeat
     re-generated the same problems: the suffix drafter's index then held earlier rollouts of the very problems it
-    drafted (mean accepted length at k=4 3.55, against 1.82 after rollouts of other problems: bench/NOTES.md)."""
+    drafted (mean accepted length at k=4 3.55, against 1.82 after rollouts of other problems: bench/NOTES.md).
+    pool > 0: n of a fixed set of `pool` problems (drawn at seed0), sampled at `seed` without replacement, as an RL
+    run over a dataset draws its steps' prompts (drafttrain/data.py): each comes back every ~pool/n batches."""
+    fixed = make_prompts(pool, seed=seed0) if pool else None
+
     def batch(seed: int) -> list[list[int]]:
-        return [encode_prompt(tok, p.prompt) for p in make_prompts(n, seed=seed0 if same else seed)
-                for _ in range(group)]
+        if fixed is not None and not same:
+            probs = random.Random(seed).sample(fixed, n)
+        else:
+            probs = make_prompts(n, seed=seed0 if same else seed)
+        return [encode_prompt(tok, p.prompt) for p in probs for _ in range(group)]
 
     return batch
 
@@ -118,7 +127,7 @@ def main(cfg) -> dict:
     torch.set_num_threads(cfg.threads)
     rc = load_recipe(cfg.recipe, list(cfg.overrides))
     policy, tok = load_policy(str(resolve_path(rc.policy.path)))
-    problems = workload(tok, cfg.prompts, cfg.group, cfg.seed, cfg.same_problems)
+    problems = workload(tok, cfg.prompts, cfg.group, cfg.seed, cfg.same_problems, cfg.pool)
     prompts = problems(cfg.seed)  # the sweep's pool
     params = SamplingParams(temperature=rc.sampling.temperature, max_new_tokens=cfg.max_new_tokens,
                             stop_token_ids=(tok.eos_token_id,), seed=cfg.seed)

@@ -29,9 +29,9 @@ microseconds per position, far below a verify step.
 The prompt cache (drafter.suffix.prompt_cache: how many prompts): each prompt's rollouts of the last generation that
 had it, kept past the history (as SPEC-RL reuses a prompt's earlier rollouts). A generation whose prompt comes back
 after its rollouts left the index (an RL run over a dataset revisits each prompt every few dozen steps) counts them
-again, from the n-grams ending on the prompt's last token on, for as long as that generation is kept. A prompt is keyed by its
-tokens (the embedded engine's right-padded prompts with trailing pad zeros stripped: a prompt that ends in token 0
-may share a key with a shorter one, which costs drafts, never correctness).
+again, from the n-grams ending on the prompt's last token on, for as long as that generation is kept. A prompt is
+keyed by its tokens (the embedded engine's right-padded prompts with trailing pad zeros stripped: a prompt that ends
+in token 0 may share a key with a shorter one, which costs drafts, never correctness).
 """
 from __future__ import annotations
 

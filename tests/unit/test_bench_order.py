@@ -52,6 +52,22 @@ def test_each_repeat_draws_new_problems_the_same_for_every_engine():
     assert seen[0][0][1] != seen[1][0][1]  # a new batch of problems each repeat
 
 
+def test_a_pool_workload_draws_each_batch_from_a_fixed_set_of_problems():
+    """pool=N: each batch is n distinct problems of one fixed set of N (group copies each), drawn per seed, so the
+    problems come back across batches, as an RL run over a dataset draws them."""
+    from drafttrain.policy.tokenizer import build_tokenizer
+
+    bl = load_script("bench_longtail")
+    tok = build_tokenizer()
+    pooled = bl.workload(tok, 3, 2, 7, False, pool=6)
+    fixed = {tuple(p) for s in range(6) for p in bl.workload(tok, 6, 1, 7, True)(s)}
+    batches = [pooled(s) for s in range(40)]
+    assert all(len(b) == 6 and b[0] == b[1] and len({tuple(p) for p in b}) == 3 for b in batches)
+    seen = {tuple(p) for b in batches for p in b}
+    assert seen == fixed  # every problem of the set, and none other
+    assert batches[0] == pooled(0) and len({tuple(map(tuple, b)) for b in batches}) > 5
+
+
 def test_bench_drafters_warms_up_and_measures_on_new_problems(monkeypatch):
     """bench_drafters' long tail passes its engines a new batch of problems at each warm-up and repeat."""
     bd = load_script("bench_drafters")
