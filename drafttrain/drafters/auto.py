@@ -184,6 +184,13 @@ class AutoDrafter(nn.Module):
         return d, q
 
 
+    def complete(self, st, texts) -> None:
+        """The generation ended (texts: every row's whole text): served members that index text take the rest."""
+        for kind, state in st.states.items():
+            if hasattr(self.members[kind], "complete"):
+                self.members[kind].complete(state, texts)
+
+
 class AutoState:
     """Each served member's generation state and its backlog of verified positions it has not consumed; reads and
     blocks: the union the engine's aux follows, and each member's blocks in it (union_reads)."""

@@ -189,7 +189,22 @@ class SuffixDrafter(nn.Module):
                 while len(p) > 1 and p[-1] == 0:
                     p.pop()
                 self.note_prompt(text, p)
-        return SuffixState(rows)
+        return SuffixState(rows, self.texts[-1])
+
+    def complete(self, st: "SuffixState", texts: list[list[int]]) -> None:
+        """The generation ended: texts[i] is row i's whole text (prompt + response; rows in new_state's order). The
+        engine calls drafters only at SD steps, so a row that finished after AR steps (the toggle off) or within its
+        last drafts was indexed only up to its last SD step: its rest is indexed now, for the history and the prompt
+        cache. A generation already dropped from the index (a timing call started others since) keeps the whole
+        texts uncounted."""
+        g = st.generation
+        kept = any(x is g for x in self.texts)
+        for row, full in zip(g.rows, texts):
+            if len(full) > len(row) and full[:len(row)] == row:
+                if kept:
+                    self.extend(row, full[len(row):])
+                else:
+                    row.extend(full[len(row):])
 
     def extend(self, text: list[int], new: list[int]) -> None:
         """Append a row's new committed tokens to its text and index them."""
@@ -264,10 +279,12 @@ class _Generation:
 
 
 class SuffixState:
-    """Per-generation state: the active rows' texts (lists shared with the drafter's index)."""
+    """Per-generation state: the active rows' texts (lists shared with the drafter's index), and the generation
+    (every row's, finished ones included: complete())."""
 
-    def __init__(self, rows: list[list[int]]):
+    def __init__(self, rows: list[list[int]], generation: _Generation):
         self.rows = rows
+        self.generation = generation
 
     def select_rows(self, idx: torch.Tensor) -> None:
         self.rows = [self.rows[i] for i in idx.tolist()]

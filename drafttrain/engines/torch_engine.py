@@ -283,6 +283,8 @@ class TorchEngine:
                 ctl.observe_step(Bn, k, (ends[-1] - t_prev) * 1e3, typical=catch_up <= k_max + 1 and not done)
             t_prev = ends[-1]
 
+        if dstate is not None and hasattr(drafter, "complete"):  # a drafter that indexes text takes every row's whole
+            drafter.complete(dstate, [list(prompts[b]) + resp[b] for b in order])  # (the suffix drafter)
         timeline = Timeline(ends, ctl.trace[trace0:] if ctl is not None else [], step_batch, step_tokens, prefill_s,
                             step_k)
         return RolloutBatch(resp, lps, stats, self.drafter_version if not versions else versions[0], reasons,

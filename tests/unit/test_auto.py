@@ -198,6 +198,8 @@ def test_every_member_drafts_and_catches_up(make_engine, policy):
     assert sd.tokens == ar.tokens
     kinds = {t["kind"] for t in eng.controller().trace}
     assert kinds == {"eagle3", "mtp", "suffix", AR}, kinds
+    texts = [p + r for p, r in zip(C.RAGGED_PROMPTS * 3, sd.tokens)]  # the suffix member indexed every row whole
+    assert sorted(map(tuple, eng.drafter.members["suffix"].texts[-1].rows)) == sorted(map(tuple, texts))
 
 
 def test_timing_an_engine_whose_generation_serves_some_members(make_engine, policy):

@@ -249,3 +249,21 @@ def test_a_prompt_revisited_past_the_history_drafts_its_earlier_rollouts(make_en
         assert again.tokens == first.tokens
         mal[cache] = again.stats.mean_accepted_length
     assert mal[4096] > mal[0] + 1, mal
+
+
+@pytest.mark.parametrize("toggle", [False, True], ids=["sd", "toggle"])
+def test_every_row_is_indexed_whole_when_its_generation_ends(make_engine, policy, toggle):
+    """The engine calls a drafter at SD steps only: a row's last tokens (its final step's, and any after AR steps of
+    the toggle) were never indexed, so the history and the prompt cache held truncated rollouts. At the end of a
+    generation the suffix drafter takes every row's whole text: the index counts exactly prompt + response of each
+    row."""
+    prompts = [p for p in C.RAGGED_PROMPTS for _ in range(2)]
+    eng = make_engine(policy, SuffixDrafter(32, max_ngram=3, min_ngram=1, history=0), k=3, drafter_int8=False,
+                      toggle=toggle)
+    b = eng.generate(prompts, SamplingParams(temperature=1.0, max_new_tokens=24, seed=3))
+    d = eng.drafter
+    texts = [p + r for p, r in zip(prompts, b.tokens)]
+    assert sorted(map(tuple, d.texts[-1].rows)) == sorted(map(tuple, texts))
+    want = brute_counts(texts, 1, 3)
+    for ctx, c in want.items():
+        assert d.counts(ctx) == c, ctx
