@@ -127,7 +127,7 @@ class SuffixDrafter(nn.Module):
     def note_prompt(self, text: list[int], prompt: list[int]) -> None:
         """Row `text` of the current generation answers `prompt`: its rollout joins the prompt cache when the
         generation ends, and the prompt's cached rollouts are counted again if they have left the index."""
-        if not self.prompt_cache:
+        if not self.prompt_cache or not self.texts:  # no generation started: nothing to answer for
             return
         g, key = self.texts[-1], tuple(prompt)
         g.prompts.append((text, key))
