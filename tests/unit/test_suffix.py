@@ -140,6 +140,20 @@ def test_prompt_cache_brings_back_a_prompts_rollouts_past_the_history():
     assert drafts == [21, 21, 21]  # [3, 4] took the only place: [1, 2]'s rollouts are gone
 
 
+def test_a_recalled_rollout_counts_from_the_prompts_end():
+    """Recalled, a rollout counts the n-grams ending on its prompt's last token and after, with their full context
+    (up to max_ngram tokens of the prompt), and none inside the prompt."""
+    d = SuffixDrafter(32, max_ngram=3, min_ngram=1, history=0)
+    prompt = [5, 6, 7, 8, 9]
+    st = d.new_state(1, 64, torch.tensor([prompt]))
+    feed(d, st, [prompt + [20, 21, 22]])
+    st = d.new_state(1, 64, torch.tensor([[3]]))
+    feed(d, st, [[3, 4]])
+    st = d.new_state(1, 64, torch.tensor([prompt]))  # recalled here, before the row's own text is fed
+    assert d.counts((7, 8, 9)) == {20: 1} and d.counts((9, 20, 21)) == {22: 1}
+    assert d.counts((6, 7)) is None and d.counts((7,)) is None
+
+
 def test_the_trie_counts_exactly_what_the_prompt_cache_recalls():
     """Random generations over a pool of prompts (history 1, a cache of 3 prompts: recalls and evictions): the index
     holds exactly the kept rows' counts plus the recalled texts' from the prompt's end on, and dropping every
