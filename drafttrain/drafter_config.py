@@ -25,7 +25,7 @@ class SuffixSection:  # drafter.suffix: drafts copied from sibling rows and rece
     max_ngram: int = 8  # longest context suffix looked up
     min_ngram: int = 2  # shortest context suffix that may propose a continuation
     history: int = 2  # earlier generate() calls (RL steps) whose rollouts stay in the index
-    prompt_cache: int = 4096  # prompts whose last rollouts outlive the history, recalled when it comes back; 0 = off
+    prompt_cache: int = 4096  # prompts whose rollouts outlive the history, reused when one recurs (~4 B/token); 0 = off
 
 
 @dataclass
