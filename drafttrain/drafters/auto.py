@@ -183,7 +183,6 @@ class AutoDrafter(nn.Module):
         st.backlog[kind].consumed()
         return d, q
 
-
     def complete(self, st, texts) -> None:
         """The generation ended (texts: every row's whole text): served members that index text take the rest."""
         for kind, state in st.states.items():
