@@ -183,6 +183,13 @@ class AutoDrafter(nn.Module):
         st.backlog[kind].consumed()
         return d, q
 
+    def adopt(self, old: "AutoDrafter") -> None:
+        """Members that keep what they learnt outside their weights (the suffix drafter's index) take over `old`'s
+        (a hot-swap builds the members afresh from the template)."""
+        for kind, m in self.members.items():
+            if hasattr(m, "adopt") and kind in old.members:
+                m.adopt(old.members[kind])
+
     def complete(self, st, texts) -> None:
         """The generation ended (texts: every row's whole text): served members that index text take the rest."""
         for kind, state in st.states.items():

@@ -64,7 +64,6 @@ class SuffixDrafter(nn.Module):
         self.root: tuple[dict, dict] = ({}, {})  # trie node: (children by the token one further back, next counts)
         # prompt -> (id of the latest generation that counted them, its rollouts' texts, where their counting starts)
         self.cache: OrderedDict[tuple, tuple[int, list[array], list[int]]] = OrderedDict()
-        self.generations = 0  # generations started (a generation's id)
 
     # ---- no weights ---------------------------------------------------------------------------------------------
     def state_dict(self, *args, **kwargs) -> dict:
@@ -116,14 +115,19 @@ class SuffixDrafter(nn.Module):
         requests arrive) are kept from now on."""
         if self.texts:
             self._remember(self.texts[-1])
+        gid = self.texts[-1].id + 1 if self.texts else 1  # ids increase: note_prompt compares them
         while len(self.texts) > self.history:
             g = self.texts.popleft()
             for t in g.rows:
                 self._count(t, 0, len(t) - 1, -1)
             for t, lo in g.recalled:
                 self._count(t, lo, len(t) - 1, -1)
-        self.generations += 1
-        self.texts.append(_Generation(self.generations, rows))
+        self.texts.append(_Generation(gid, rows))
+
+    def adopt(self, old: "SuffixDrafter") -> None:
+        """Take over `old`'s index (shared, not copied): a hot-swap builds the engine's drafter afresh from its
+        template, and the index, the history and the prompt cache are what a weightless drafter has learnt."""
+        self.root, self.texts, self.cache = old.root, old.texts, old.cache
 
     def note_prompt(self, text: list[int], prompt: list[int]) -> None:
         """Row `text` of the current generation answers `prompt`: its rollout joins the prompt cache when the
@@ -183,28 +187,31 @@ class SuffixDrafter(nn.Module):
     # ---- the engine's calls ---------------------------------------------------------------------------------------
     def new_state(self, batch: int, max_len: int, prompts: torch.Tensor | None = None) -> "SuffixState":
         """prompts [B, P] right-padded with zeros: each row's text starts with its token 0 (the engine feeds the
-        rest); each row's prompt, trailing zeros stripped, keys the prompt cache."""
-        first = prompts[:, 0].tolist() if prompts is not None else [0] * batch
-        rows = [[t] for t in first]
+        rest); each row's prompt, trailing zeros stripped, keys the prompt cache. No prompts (a timing call,
+        measure_costs): the state indexes into a scratch drafter, so that synthetic text never enters the index."""
+        if prompts is None:
+            scratch = SuffixDrafter(self.vocab_size, self.max_ngram, self.min_ngram, self.history, 0)
+            return scratch.new_state(batch, max_len, torch.zeros(batch, 1, dtype=torch.long))
+        rows = [[t] for t in prompts[:, 0].tolist()]
         self.start_generation(rows)
-        if prompts is not None and self.prompt_cache:
+        if self.prompt_cache:
             for text, p in zip(rows, prompts.tolist()):
                 while len(p) > 1 and p[-1] == 0:
                     p.pop()
                 self.note_prompt(text, p)
-        return SuffixState(rows, self.texts[-1])
+        return SuffixState(rows, self.texts[-1], self)
 
     def complete(self, st: "SuffixState", texts: list[list[int]]) -> None:
         """The generation ended: texts[i] is row i's whole text (prompt + response; rows in new_state's order). The
         engine calls drafters only at SD steps, so a row that finished after AR steps (the toggle off) or within its
         last drafts was indexed only up to its last SD step: its rest is indexed now, for the history and the prompt
         cache. A generation already dropped from the index (a timing call started others since) is left as it was."""
-        g = st.generation
-        if not any(x is g for x in self.texts):
+        g, ix = st.generation, st.index
+        if not any(x is g for x in ix.texts):
             return
         for row, full in zip(g.rows, texts):
             if len(full) > len(row) and full[:len(row)] == row:
-                self.extend(row, full[len(row):])
+                ix.extend(row, full[len(row):])
 
     def extend(self, text: list[int], new: list[int]) -> None:
         """Append a row's new committed tokens to its text and index them."""
@@ -243,20 +250,20 @@ class SuffixDrafter(nn.Module):
         before any drafts (so no row's drafts depend on the batch's order), then draft k tokens per row from the
         continuation counts. Returns (drafts [B, k], q [B, k, V]; None with greedy drafts: one-hot)."""
         ids, n, s = new_ids.tolist(), n_new.tolist(), start.tolist()
-        B = len(st.rows)
+        B, ix = len(st.rows), st.index  # the index the state's texts are in (a timing call's: a scratch one)
         for j, text in enumerate(st.rows):
             at = s[j] + 1
             if at != len(text):  # only a synthetic timing call re-writes positions (measure_costs)
                 if at < len(text):  # positions from at-1 on lose their next token: un-counted, so kept rows stay exact
-                    self._count(text, at - 1, len(text) - 1, -1)
+                    ix._count(text, at - 1, len(text) - 1, -1)
                     del text[at:]
                 else:
-                    self.extend(text, [0] * (at - len(text)))
-            self.extend(text, ids[j][:n[j]])
+                    ix.extend(text, [0] * (at - len(text)))
+            ix.extend(text, ids[j][:n[j]])
         u = None if greedy_drafts else torch.rand(B, k, generator=generator).tolist()
         drafts, entries = [], []  # entries: (row, step, token, q) of the draft distributions
         for j, text in enumerate(st.rows):
-            row, qs = self.draft(text, k, None if u is None else u[j])
+            row, qs = ix.draft(text, k, None if u is None else u[j])
             drafts.append(row)
             entries.extend((j, i, t, p) for i, q in enumerate(qs) for t, p in q.items())
         d = torch.tensor(drafts, dtype=torch.long).view(B, k)
@@ -279,12 +286,11 @@ class _Generation:
 
 
 class SuffixState:
-    """Per-generation state: the active rows' texts (lists shared with the drafter's index), and the generation
-    (every row's, finished ones included: complete())."""
+    """Per-generation state: the active rows' texts (lists shared with the drafter's index), the generation (every
+    row's, finished ones included: complete()), and the drafter whose index holds them."""
 
-    def __init__(self, rows: list[list[int]], generation: _Generation):
-        self.rows = rows
-        self.generation = generation
+    def __init__(self, rows: list[list[int]], generation: _Generation, index: SuffixDrafter):
+        self.rows, self.generation, self.index = rows, generation, index
 
     def select_rows(self, idx: torch.Tensor) -> None:
         self.rows = [self.rows[i] for i in idx.tolist()]

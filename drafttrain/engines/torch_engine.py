@@ -72,7 +72,10 @@ class TorchEngine:
         if not getattr(self._template, "in_place_update", False):
             staged = copy.deepcopy(self._template)
             staged.load_state_dict(weights)  # validates names, shapes, finiteness: one-line error
-            return self._runtime(staged, owned=True)
+            rt = self._runtime(staged, owned=True)
+            if hasattr(rt, "adopt") and self._active is not None:  # an index learnt outside the weights (suffix)
+                rt.adopt(self._active[0])
+            return rt
         if self._standby is None:
             self._standby = self._runtime(self._template)
         with self._in_use[id(self._standby)]:  # an in-flight step may still draft with the old active copy

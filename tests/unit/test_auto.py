@@ -199,7 +199,10 @@ def test_every_member_drafts_and_catches_up(make_engine, policy):
     kinds = {t["kind"] for t in eng.controller().trace}
     assert kinds == {"eagle3", "mtp", "suffix", AR}, kinds
     texts = [p + r for p, r in zip(C.RAGGED_PROMPTS * 3, sd.tokens)]  # the suffix member indexed every row whole
-    assert sorted(map(tuple, eng.drafter.members["suffix"].texts[-1].rows)) == sorted(map(tuple, texts))
+    suffix = eng.drafter.members["suffix"]
+    assert sorted(map(tuple, suffix.texts[-1].rows)) == sorted(map(tuple, texts))
+    eng.load_drafter(auto(policy, ("eagle3", "mtp", "suffix"), seed=2).state_dict(), 1)  # a hot-swap: new members
+    assert eng.drafter.members["suffix"] is not suffix and eng.drafter.members["suffix"].texts is suffix.texts
 
 
 def test_timing_an_engine_whose_generation_serves_some_members(make_engine, policy):

@@ -281,3 +281,23 @@ def test_every_row_is_indexed_whole_when_its_generation_ends(make_engine, policy
     want = brute_counts(texts, 1, 3)
     for ctx, c in want.items():
         assert d.counts(ctx) == c, ctx
+
+
+def test_a_hot_swap_keeps_the_index_and_timing_leaves_it_alone(make_engine, policy):
+    """A hot-swap builds the engine's drafter afresh from its template: the new copy takes over the index (history
+    and prompt cache), so the next generation still drafts the last one's text (before, it started empty). The cost
+    model's timing calls (no prompts) draft on a scratch index: no synthetic generation enters the live one."""
+    from drafttrain.engines.schedule import measure_costs
+
+    eng = make_engine(policy, SuffixDrafter(32, history=1), k=3, drafter_int8=False)
+    params = SamplingParams(temperature=0, max_new_tokens=24)
+    first = eng.generate(C.RAGGED_PROMPTS, params)
+    old = eng.drafter
+    kept = [g.id for g in old.texts]
+    measure_costs(eng, 4, [], 3, repeats=2)
+    assert [g.id for g in old.texts] == kept
+    eng.load_drafter({}, 1)
+    assert eng.drafter is not old and eng.drafter.texts is old.texts and eng.drafter.cache is old.cache
+    again = eng.generate(C.RAGGED_PROMPTS, params)
+    assert again.tokens == first.tokens
+    assert again.stats.mean_accepted_length > first.stats.mean_accepted_length + 1
