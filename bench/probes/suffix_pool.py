@@ -5,7 +5,6 @@ Prints mean wall per engine, AR over each, and each suffix engine's MAL.
 
     python bench/probes/suffix_pool.py [pool=64] [warmup=16] [repeats=20] [prompts=8] [group=8]
 """
-import copy
 import statistics
 import sys
 from dataclasses import replace
@@ -24,8 +23,7 @@ def main(cfg):
     problems = workload(tok, cfg.prompts, cfg.group, cfg.seed, False, cfg.pool)
     engines = {"ar": (engine(rc, policy, None, k=4, toggle=False), False)}
     for name, cache in (("suffix_cache", 4096), ("suffix_nocache", 0)):
-        dc = drafter_cfg(rc, "suffix", ["suffix"])
-        dc = copy.deepcopy(dc)
+        dc = drafter_cfg(rc, "suffix", ["suffix"])  # a copy of the recipe's
         dc.suffix.prompt_cache = cache
         eng = engine(rc, policy, build_drafter(dc, policy), k="auto", toggle=True)
         for w in range(cfg.warmup):

@@ -63,7 +63,7 @@ class SuffixDrafter(nn.Module):
         self.texts: deque[_Generation] = deque()  # the kept generations, oldest first
         self.root: tuple[dict, dict] = ({}, {})  # trie node: (children by the token one further back, next counts)
         # prompt -> (id of the latest generation that counted them, its rollouts' texts, where their counting starts)
-        self.cache: OrderedDict[tuple, tuple[int, list[array], list[int]]] = OrderedDict()
+        self.cache: OrderedDict[tuple, tuple[int, list[array], int]] = OrderedDict()
 
     # ---- no weights ---------------------------------------------------------------------------------------------
     def state_dict(self, *args, **kwargs) -> dict:
@@ -140,13 +140,13 @@ class SuffixDrafter(nn.Module):
         if hit is None:
             return
         self.cache.move_to_end(key)
-        counted_in, texts, los = hit
+        counted_in, texts, lo = hit
         if counted_in >= self.texts[0].id:  # still in the index: a kept generation counted them
             return
-        for t, lo in zip(texts, los):
+        for t in texts:
             self._count(t, lo, len(t) - 1)
             g.recalled.append((t, lo))
-        self.cache[key] = (g.id, texts, los)
+        self.cache[key] = (g.id, texts, lo)
 
     def _remember(self, g: "_Generation") -> None:
         """A finished generation's rollouts, per prompt, replace that prompt's in the cache (least recently used
@@ -159,7 +159,7 @@ class SuffixDrafter(nn.Module):
         for key, texts in by.items():
             lo = max(len(key) - 1, 0)
             s0 = max(lo - self.max_ngram + 1, 0)
-            self.cache[key] = (g.id, [array("i", t[s0:]) for t in texts], [lo - s0] * len(texts))
+            self.cache[key] = (g.id, [array("i", t[s0:]) for t in texts], lo - s0)
             self.cache.move_to_end(key)
         while len(self.cache) > self.prompt_cache:
             self.cache.popitem(last=False)
@@ -282,7 +282,7 @@ class _Generation:
     def __init__(self, gid: int, rows: list[list[int]]):
         self.id, self.rows = gid, rows
         self.prompts: list[tuple[list[int], tuple]] = []
-        self.recalled: list[tuple[list[int], int]] = []
+        self.recalled: list[tuple[array, int]] = []
 
 
 class SuffixState:
