@@ -187,6 +187,21 @@ class Json:
 
 
 @dataclass(frozen=True)
+class DrafterRows(Json):
+    """bench_drafters' JSON: each trainable kind's tracking row with its unbounded run beside it (track_ceiling)."""
+
+    def check(self, tmp: Path, out: str) -> dict:
+        js = super().check(tmp, out)
+        for row in js["tracking"]:
+            assert all(_finite(row[k]) for k in ("live_over_frozen", "ceiling_live_over_frozen", "live_over_ceiling"))
+            assert abs(row["live_over_ceiling"] * row["ceiling_live_over_frozen"] - row["live_over_frozen"]) < 1e-9
+            assert row["ceiling_run"] != row["run"]
+            cfg = (Path(row["ceiling_run"]) / "config.yaml").read_text()
+            assert "budget_frac: 0.0" in cfg, cfg  # the ceiling is the run with no time budget
+        return js
+
+
+@dataclass(frozen=True)
 class VllmRows(Json):
     """bench_rollout's JSON with its engine=vllm rows (AR and SD at each vllm batch) and swap/update latencies."""
 
@@ -304,7 +319,7 @@ SMOKE: list[Smoke] = [
           "track_steps=1 track_overrides=[rl.eval_prompts=2,rl.prompts_per_step=2,rl.group_size=2,"
           "sampling.max_new_tokens=16] prompts=2 group=2 batches=[1,2] max_new_tokens=16 threads=1 "
           "out={tmp}/d.json",
-          (Json("d.json", ("auto_over_best", "suffix_speedup_over_ar"), ("kinds", "tracking")),)),
+          (DrafterRows("d.json", ("auto_over_best", "suffix_speedup_over_ar"), ("kinds", "tracking")),)),
     Smoke("pretrain_drafter_two_processes", f"{TWO_PROC} scripts/pretrain_drafter.py threads=1 prompts=8 epochs=1 "
           "out={tmp}/e3 chunk=4 warmup=1 eval_prompts=2 sampling.max_new_tokens=16 train.batch_size=4",
           (File("e3", ("config.json", "model.safetensors")),)),
