@@ -22,6 +22,7 @@ import math
 import random
 import statistics
 from dataclasses import dataclass, replace
+from functools import cached_property, lru_cache
 
 
 @dataclass(frozen=True)
@@ -60,18 +61,26 @@ class Model:
     active_experts: int = 0
     head_intermediate: int = 0  # the EAGLE-3 head's dense MLP width (0: intermediate)
 
-    @property
+    # counts computed once per model (cached_property: a frozen dataclass's fields stay as they are); the simulator
+    # asks for them millions of times per run
+    @cached_property
     def attn_params(self) -> int:  # q, o: hidden x heads*head_dim; k, v: hidden x kv_heads*head_dim (per layer)
         return 2 * self.hidden * self.heads * self.head_dim + 2 * self.hidden * self.kv_heads * self.head_dim
 
-    @property
+    @cached_property
     def expert_params(self) -> int:  # gate, up, down of one expert (or the dense MLP), per layer
         return 3 * self.hidden * self.intermediate
 
+    @cached_property
+    def _params(self) -> tuple[int, int]:
+        """(all, active) parameters: params(False), params(True)."""
+        def count(n):
+            return self.layers * (self.attn_params + n * self.expert_params) + 2 * self.vocab * self.hidden
+        return count(max(self.experts, 1)), count(self.active_experts if self.experts else 1)
+
     def params(self, active: bool = False) -> int:
         """All parameters (active=True: those one token uses; lm_head and embedding included, untied)."""
-        n = self.active_experts if (active and self.experts) else max(self.experts, 1)
-        return self.layers * (self.attn_params + n * self.expert_params) + 2 * self.vocab * self.hidden
+        return self._params[1 if active else 0]
 
     def kv_bytes_per_token(self, kv_bytes: float = 2.0) -> float:
         return 2 * self.layers * self.kv_heads * self.head_dim * kv_bytes
@@ -161,6 +170,7 @@ def mtp_forward(m: Model, batch: float, ctx: float) -> tuple[float, float]:
     return w * 2.0 + kv, 2 * w * batch + 4 * m.heads * m.head_dim * ctx * batch
 
 
+@lru_cache(maxsize=None)
 def draft_model(m: Model, layers: int = DRAFT_MODEL_LAYERS) -> Model:
     """The draft model: the policy's shape cut to its first `layers` decoder layers (own embedding and LM head)."""
     return replace(m, layers=layers)
@@ -206,7 +216,12 @@ class Replica:
         return cost + self.row_s[1] * batch
 
     def sd_step_s(self, kind: str, batch: float, k: int, ctx: float) -> float:
-        return k * self.draft_s(kind, batch, ctx) + self.forward_s(batch, k + 1, ctx) + self.sd_overhead_s
+        return self.sd_steps_s(kind, batch, [k], ctx)[0]
+
+    def sd_steps_s(self, kind: str, batch: float, ks, ctx: float) -> list[float]:
+        """sd_step_s at each k of ks (the drafting cost per token computed once)."""
+        d = self.draft_s(kind, batch, ctx)
+        return [k * d + self.forward_s(batch, k + 1, ctx) + self.sd_overhead_s for k in ks]
 
     def speedup(self, kind: str, acc: list[float], batch: float, k: int, ctx: float) -> float:
         """SD over AR per token: L(k) x T_ar / T_sd = L / (k r + v), r and v the draft and verify costs in AR steps."""
@@ -264,7 +279,7 @@ class Mode:
                 ks = range(1, self.k_max + 1)
             else:
                 ks = [ladder_k(acc, self.ladder) if self.k == "ladder" else self.k]
-            steps += [rep.sd_step_s(kind, batch, k, ctx) / expected_tokens(acc, k) for k in ks]
+            steps += [t / expected_tokens(acc, k) for k, t in zip(ks, rep.sd_steps_s(kind, batch, ks, ctx))]
         if not steps:
             return ar, False
         sd = min(steps)
@@ -285,17 +300,21 @@ def rollout_s(rep: Replica, lengths: list[int], prompt_len: int, mode: Mode, max
     cap = max(1, min(len(order), max_rows or len(order)))
     total = rep._t(0.0, 2 * rep.model.params(active=True) * len(order) * prompt_len, rep.model.layers)  # prefill
     active, queue = [[n, 0] for n in order[:cap]], order[cap:]  # [tokens left, tokens generated]
+    done = 0  # tokens the active rows generated so far (ints: their mean is exact)
     sd_tok = all_tok = 0.0
     while active:
         batch = len(active)
         step = min(chunk, min(r[0] for r in active))
-        per_tok, sd = mode.plan(rep, batch, prompt_len + statistics.fmean(r[1] for r in active) + step / 2)
+        per_tok, sd = mode.plan(rep, batch, prompt_len + done / batch + step / 2)
         total += step * per_tok
         all_tok += step * batch
         sd_tok += step * batch * sd
         for r in active:
             r[0], r[1] = r[0] - step, r[1] + step
-        active = [r for r in active if r[0] > 0]
+        done += step * batch
+        kept = [r for r in active if r[0] > 0]
+        done -= sum(r[1] for r in active if r[0] <= 0)
+        active = kept
         while queue and len(active) < cap:
             active.append([queue.pop(), 0])
     return {"seconds": total, "sd_share": sd_tok / max(all_tok, 1.0), "concurrency": cap}
