@@ -12,11 +12,8 @@
 import collections
 import statistics
 import sys
-import time
 from dataclasses import replace
 from pathlib import Path
-
-import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
 from bench_drafters import DEFAULTS, drafter_cfg, engine, setup  # noqa: E402
@@ -25,7 +22,7 @@ from bench_longtail import workload  # noqa: E402
 from drafttrain.config import script_config  # noqa: E402
 from drafttrain.drafters import build_drafter  # noqa: E402
 from drafttrain.drafters.suffix import SuffixDrafter  # noqa: E402
-from drafttrain.modeling import LeanLlama  # noqa: E402
+from drafttrain.engines.schedule import measure_costs  # noqa: E402
 
 
 def main(cfg):
@@ -62,24 +59,11 @@ def main(cfg):
     print(f"suffix MAL at k={k}: {mal:.3f} (batches: {', '.join(f'{x:.2f}' for x in mals)})")
     print("rows by matched draft tokens:", {m: round(c / n, 3) for m, c in sorted(matched.items())})
 
-    lean = LeanLlama(policy, 512)
-
-    def median_ms(fn, n=15):
-        fn()
-        ts = []
-        for _ in range(n):
-            t0 = time.perf_counter()
-            fn()
-            ts.append(time.perf_counter() - t0)
-        return statistics.median(ts) * 1e3
-
     cost = {}
-    for b in (1, 2, 4, 8, 16, 32, 64):
-        cache, pos = lean.new_cache(b, 512), torch.full((b,), 150)
-        t1 = median_ms(lambda: lean.forward(torch.randint(3, 40, (b, 1)), pos, cache))
-        tk = median_ms(lambda: lean.forward(torch.randint(3, 40, (b, k + 1)), pos, cache))
-        cost[b] = tk / t1
-        print(f"batch {b:3d}: decode {t1:6.2f} ms, verify {k + 1} tokens {tk:6.2f} ms, ratio {cost[b]:.2f}")
+    for b in (1, 2, 4, 8, 16, 32, 64):  # the cost model's own timing (fastest of 20 interleaved runs) at context 150
+        ms = measure_costs(ar, b, [1, k + 1], 0, context=150)["target_ms"]
+        cost[b] = ms[k + 1] / ms[1]
+        print(f"batch {b:3d}: decode {ms[1]:6.2f} ms, verify {k + 1} tokens {ms[k + 1]:6.2f} ms, ratio {cost[b]:.2f}")
     total = sum(at_b.values())
     print("AR long-tail time by batch:", {b: round(s / total, 3) for b, s in sorted(at_b.items())})
     for m in sorted({round(mal, 2), 2.0, 2.5, 3.0, 4.0}):
