@@ -53,8 +53,9 @@ from drafttrain.tracking.runfolder import load_checkpoint
 from drafttrain.tracking.trainer import DrafterTrainer
 
 DEFAULTS = dict(recipe="eagle3_track", seeds=[0, 1, 2], overrides=[], oracle_points=2, run_dir="runs/bench_tracking",
-                fresh=True, oracle_rollouts=96, oracle_steps=300, oracle_lr=3e-4, oracle_batch=16, eval_rollouts=48,
-                decay_prompts=256, max_new_tokens=None, out="bench/tracking.json")  # None: the recipe's
+                fresh=True, oracle_rollouts=96, oracle_steps=300, oracle_lr=3e-4, oracle_batch=16,
+                oracle_ttt_steps=3, eval_rollouts=48, decay_prompts=256,
+                max_new_tokens=None, out="bench/tracking.json")  # max_new_tokens None: the recipe's
 DECAY_SEED = 555_555  # the fixed held-out prompt set of frozen_decay_pct (no run trains or evaluates on it)
 
 
@@ -82,14 +83,17 @@ def score(drafter, feats, k) -> float:
 
 def train_oracle(base, feats, rc, cfg):
     """The upper bound: the step-0 drafter trained to convergence on the current policy's rollouts, with its own
-    fixed settings (every position, cfg.oracle_lr, cfg.oracle_batch), whatever the recipe's online steps use."""
+    fixed settings (every position, cfg.oracle_lr, cfg.oracle_batch, cfg.oracle_ttt_steps), whatever the recipe's
+    online steps use."""
     oracle = copy.deepcopy(base)
     buf = FeatureBuffer(1 << 30, dtype=torch.float32)
     for f in feats:
         buf.add(f)
     tc = copy.deepcopy(rc.train)
     tc.query_frac, tc.lr, tc.batch_size = 1.0, cfg.oracle_lr, cfg.oracle_batch
-    tr = DrafterTrainer(oracle, tc, rc.drafter, buffer=buf)
+    dc = copy.deepcopy(rc.drafter)
+    dc.ttt_steps = cfg.oracle_ttt_steps
+    tr = DrafterTrainer(oracle, tc, dc, buffer=buf)
     for _ in range(cfg.oracle_steps):
         tr.step(buf.sample(tc.batch_size))
     return oracle.eval()
@@ -227,7 +231,8 @@ def run_seed(cfg, seed: int) -> dict:
         p_or, b_or = rollouts(ar, tok, cfg.oracle_rollouts, 10_000 + c, cfg.max_new_tokens)
         p_ev, b_ev = rollouts(ar, tok, cfg.eval_rollouts, 20_000 + c, cfg.max_new_tokens)
         f_ev = features(policy, frozen, p_ev, b_ev.tokens, k)
-        oracle = train_oracle(frozen, features(policy, frozen, p_or, b_or.tokens, k), rc, cfg)
+        oracle = train_oracle(frozen, features(policy, frozen, p_or, b_or.tokens, max(k, cfg.oracle_ttt_steps)), rc,
+                              cfg)
         pt = {"seed": seed, "step": c, "tracking_tf_mal": score(tracking, f_ev, k),
               "frozen_tf_mal": score(frozen, f_ev, k), "oracle_tf_mal": score(oracle, f_ev, k)}
         pt["tracking_over_frozen"] = pt["tracking_tf_mal"] / pt["frozen_tf_mal"]
@@ -258,6 +263,8 @@ def run_seed(cfg, seed: int) -> dict:
 def main(cfg) -> dict:
     if len(cfg.seeds) < 1:
         raise SystemExit("error: seeds: give at least one seed")
+    if cfg.oracle_ttt_steps < 1:
+        raise SystemExit(f"error: oracle_ttt_steps: must be >= 1, got {cfg.oracle_ttt_steps}")
     runs = [run_seed(cfg, s) for s in cfg.seeds]
     first = runs[0]
     stall = swap_stall(first["engine"], first["tracking"].state_dict(), first["tok"])

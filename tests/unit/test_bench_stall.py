@@ -66,3 +66,35 @@ def test_over_seeds_and_the_accuracy_gain(bench):
     gain, se = bench.accuracy_gain(ev)
     assert gain == pytest.approx(30.0) and se == pytest.approx(100 * ((0.16 + 0.25) / 100) ** 0.5)
     assert bench.accuracy_gain({"prompts": 4, "before": None, "after": {}}) == (None, None)
+
+
+def test_the_oracle_keeps_its_own_settings_whatever_the_recipe_trains_online(bench, monkeypatch):
+    """The oracle is the bar the online drafter is measured against: a recipe that unrolls fewer TTT steps online
+    (or another lr, batch, query share) must not change how the oracle is trained."""
+    from types import SimpleNamespace
+
+    import torch.nn as nn
+
+    from drafttrain.config import load_recipe
+
+    seen = []
+
+    class Trainer:  # records the settings train_oracle hands the trainer; trains nothing
+        def __init__(self, drafter, train_cfg, drafter_cfg, buffer=None):
+            seen.append((drafter_cfg.ttt_steps, train_cfg.query_frac, train_cfg.lr, train_cfg.batch_size))
+
+    monkeypatch.setattr(bench, "DrafterTrainer", Trainer)
+    rc = load_recipe("eagle3_track", ["drafter.ttt_steps=2", "train.query_frac=0.25", "train.lr=1e-2",
+                                      "train.batch_size=32"])
+    cfg = SimpleNamespace(oracle_lr=3e-4, oracle_batch=16, oracle_ttt_steps=3, oracle_steps=0)
+    bench.train_oracle(nn.Linear(1, 1), [], rc, cfg)
+    assert seen == [(3, 1.0, 3e-4, 16)]
+    assert (rc.drafter.ttt_steps, rc.train.query_frac, rc.train.lr) == (2, 0.25, 1e-2)  # the recipe is untouched
+
+
+def test_a_bad_oracle_unroll_fails_before_any_run(bench):
+    from omegaconf import OmegaConf
+
+    cfg = OmegaConf.create({**bench.DEFAULTS, "oracle_ttt_steps": 0})
+    with pytest.raises(SystemExit, match="oracle_ttt_steps: must be >= 1, got 0"):
+        bench.main(cfg)
