@@ -180,10 +180,12 @@ def accuracy_gain(ev: dict | None) -> tuple[float | None, float | None]:
 
 
 def load_tracking(frozen, ckpt: Path):
-    """The drafter the run serves at a checkpoint (its last good published weights; the trainer's may be newer:
-    updates the publish gate has not passed)."""
+    """The drafter the run serves at a checkpoint: the version published last, also while its canary has not judged
+    it yet (else the last good weights); the trainer's may be newer: updates the publish gate has not passed."""
+    state = load_checkpoint(ckpt / "state.pt")["tracker"]
+    pending = state.get("pending")
     tracking = copy.deepcopy(frozen)
-    tracking.load_state_dict(load_checkpoint(ckpt / "state.pt")["tracker"]["good_weights"])
+    tracking.load_state_dict(pending["weights"] if pending is not None else state["good_weights"])
     return tracking.eval()
 
 

@@ -383,6 +383,7 @@ class DraftTracker:
         self.wait()
         return {"frozen": self.frozen.state_dict(), "version": self.publisher.version,
                 "good_weights": self.publisher.good_weights, "good_version": self.publisher.good_version,
+                "pending": self.publisher.pending,  # published, its canary not judged yet (nothing drafted with it)
                 "version_tags": dict(self.publisher.tags), "policy_version": self.policy_version,
                 **self.bank.state_dict(), "row_gens": {k: g.get_state() for k, g in self._gen.items()}}
 
@@ -396,5 +397,12 @@ class DraftTracker:
         self.publisher.tags.update(state.get("version_tags", {}))
         if state["version"] > 0:  # engines serve the last good weights; the drafter may hold newer, rejected ones
             back = max(state["version"], self.publisher.version + 1)
-            self.publisher._load_all({k: v.detach().clone() for k, v in state["good_weights"].items()}, back)
-            self.publisher.tags[back] = self.publisher.tags.get(state["good_version"])
+            pending = state.get("pending")
+            # a version still on probation (AR rollouts, or a toggle that kept SD off, never judged it) is served
+            # again, still on probation: it was not rejected, and the last good one may be many updates old
+            served = pending["weights"] if pending is not None else state["good_weights"]
+            self.publisher._load_all({k: v.detach().clone() for k, v in served.items()}, back)
+            self.publisher.tags[back] = self.publisher.tags.get(
+                pending["version"] if pending is not None else state["good_version"])
+            if pending is not None:
+                self.publisher.pending = {**pending, "version": back}

@@ -277,3 +277,32 @@ def test_resume_after_rollback_serves_the_good_weights(trained):
     assert engine2.drafter_version == engine.drafter_version == 3
     served = engine2.drafter.state_dict()
     assert all(torch.equal(served[k], trained["good"][k]) for k in served)
+
+
+def test_resume_serves_a_published_version_its_canary_has_not_judged_yet(trained):
+    """Published, then the run stopped before any SD step drafted with it (AR rollouts, a toggle that kept SD off,
+    or simply the checkpoint right after the update): not rejected, so a resume serves it again, still on probation
+    (a resume served the last judged weights, dropping every update published since)."""
+    from drafttrain.drafters import build_drafter
+    from drafttrain.tracking.tracker import DraftTracker
+
+    engine = engine_for(trained)
+    tracker, _ = tracker_with_features(trained, engine)
+    newer = {k: v + 0.01 if v.is_floating_point() else v for k, v in trained["good"].items()}
+    assert tracker.publisher.publish(newer, trained["expected"])["published"]
+    assert tracker.publisher.pending is not None and tracker.publisher.good_version == 0  # on probation
+    state = tracker.state_dict()
+
+    engine2 = engine_for(trained)
+    tracker2 = DraftTracker(tracker.cfg, trained["policy"], [engine2],
+                            build_drafter(tracker.cfg.drafter, trained["policy"]), log=lambda m: None)
+    tracker2.load_state_dict(state)
+    served = engine2.drafter.state_dict()
+    assert all(torch.equal(served[k], newer[k]) for k in served)
+    pend = tracker2.publisher.pending
+    assert pend is not None and pend["version"] == engine2.drafter_version == state["version"] == 1
+    assert all(torch.equal(pend["weights"][k], newer[k]) for k in newer)
+    # judged as before the restart: a batch drafted with it passes its canary and it becomes the good version
+    params = sampling_params(tracker.cfg, max_new_tokens=32)
+    tracker2.observe_rollout(engine2.generate(trained["prompts"], params))
+    assert tracker2.publisher.pending is None and tracker2.publisher.good_version == 1

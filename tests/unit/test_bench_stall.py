@@ -98,3 +98,18 @@ def test_a_bad_oracle_unroll_fails_before_any_run(bench):
     cfg = OmegaConf.create({**bench.DEFAULTS, "oracle_ttt_steps": 0})
     with pytest.raises(SystemExit, match="oracle_ttt_steps: must be >= 1, got 0"):
         bench.main(cfg)
+
+
+def test_the_scored_drafter_is_the_one_the_engines_serve(bench, tmp_path):
+    """At a checkpoint right after an update published, its canary has not judged it yet, but the engines serve it:
+    that version is scored, not the last judged one."""
+    import torch
+    import torch.nn as nn
+
+    frozen = nn.Linear(2, 2)
+    good = {k: torch.zeros_like(v) for k, v in frozen.state_dict().items()}
+    newer = {k: torch.ones_like(v) for k, v in frozen.state_dict().items()}
+    for pending, want in (({"version": 3, "weights": newer, "members": {"": {"mal": 3.0, "curve": None}}}, 1.0),
+                          (None, 0.0)):
+        torch.save({"tracker": {"good_weights": good, "pending": pending}}, tmp_path / "state.pt")
+        assert torch.all(bench.load_tracking(frozen, tmp_path).weight == want)
