@@ -72,6 +72,27 @@ class Publisher:
         self.pending: dict | None = None
         self._lock = threading.RLock()  # publish (trainer thread) vs observe (a rollout thread, async RL)
 
+    def state_dict(self) -> dict:
+        """What a resume needs: the served version, the last good one and the version still on probation, if any
+        (published, its canary not judged yet: nothing has drafted with it)."""
+        return {"version": self.version, "good_weights": self.good_weights, "good_version": self.good_version,
+                "pending": self.pending, "version_tags": dict(self.tags)}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Engines serve the last good weights (the trainer may hold newer, rejected ones) or, where a version was on
+        probation, that version again, still on probation: it was not rejected (AR rollouts, or a toggle that kept
+        SD off, never judged it), and the last good one may be many updates old."""
+        self.good_weights, self.good_version = state["good_weights"], state["good_version"]
+        self.tags.update(state.get("version_tags", {}))
+        if state["version"] > 0:
+            back = max(state["version"], self.version + 1)
+            pending = state.get("pending")  # older checkpoints: none kept
+            served = pending["weights"] if pending is not None else state["good_weights"]
+            self._load_all({k: v.detach().clone() for k, v in served.items()}, back)
+            self.tags[back] = self.tags.get(pending["version"] if pending is not None else state["good_version"])
+            if pending is not None:
+                self.pending = {**pending, "version": back}
+
     def _load_all(self, weights: dict, version: int) -> float:
         """Swap into every engine; returns the slowest engine's swap time (s)."""
         worst = 0.0

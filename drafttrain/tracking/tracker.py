@@ -381,11 +381,9 @@ class DraftTracker:
     # ---- checkpointing ------------------------------------------------------------------------------------
     def state_dict(self) -> dict:
         self.wait()
-        return {"frozen": self.frozen.state_dict(), "version": self.publisher.version,
-                "good_weights": self.publisher.good_weights, "good_version": self.publisher.good_version,
-                "pending": self.publisher.pending,  # published, its canary not judged yet (nothing drafted with it)
-                "version_tags": dict(self.publisher.tags), "policy_version": self.policy_version,
-                **self.bank.state_dict(), "row_gens": {k: g.get_state() for k, g in self._gen.items()}}
+        return {"frozen": self.frozen.state_dict(), **self.publisher.state_dict(),
+                "policy_version": self.policy_version, **self.bank.state_dict(),
+                "row_gens": {k: g.get_state() for k, g in self._gen.items()}}
 
     def load_state_dict(self, state: dict) -> None:
         self.scorer.load_frozen(state["frozen"])
@@ -393,16 +391,4 @@ class DraftTracker:
         self.bank.load_state_dict(state)
         for k, g in state.get("row_gens", {}).items():
             self._gen[k].set_state(g)
-        self.publisher.good_weights, self.publisher.good_version = state["good_weights"], state["good_version"]
-        self.publisher.tags.update(state.get("version_tags", {}))
-        if state["version"] > 0:  # engines serve the last good weights; the drafter may hold newer, rejected ones
-            back = max(state["version"], self.publisher.version + 1)
-            pending = state.get("pending")
-            # a version still on probation (AR rollouts, or a toggle that kept SD off, never judged it) is served
-            # again, still on probation: it was not rejected, and the last good one may be many updates old
-            served = pending["weights"] if pending is not None else state["good_weights"]
-            self.publisher._load_all({k: v.detach().clone() for k, v in served.items()}, back)
-            self.publisher.tags[back] = self.publisher.tags.get(
-                pending["version"] if pending is not None else state["good_version"])
-            if pending is not None:
-                self.publisher.pending = {**pending, "version": back}
+        self.publisher.load_state_dict(state)
