@@ -52,13 +52,17 @@ class HiddenCapture:
             h.remove()
         self._handles.clear()
 
-    def features(self) -> torch.Tensor:
-        """[B, T, A*H] detached: the captured layer inputs concatenated in layer-id order."""
+    def layer_inputs(self) -> list[torch.Tensor]:
+        """The captured layer inputs, [B, T, H] each, detached, in layer-id order."""
         missing = [i for i in self.layer_ids if i not in self._saved]
         if missing:
             raise RuntimeError(f"HiddenCapture: nothing captured for layers {missing} (run the policy forward "
                                f"inside the `with` block)")
-        return torch.cat([self._saved[i] for i in self.layer_ids], -1)
+        return [self._saved[i] for i in self.layer_ids]
+
+    def features(self) -> torch.Tensor:
+        """[B, T, A*H] detached: the captured layer inputs concatenated in layer-id order."""
+        return torch.cat(self.layer_inputs(), -1)
 
 
 @torch.no_grad()
@@ -87,8 +91,10 @@ def build_features(ids: torch.Tensor, mask: torch.Tensor, aux: torch.Tensor, log
     src = (col + offset.view(B, 1)).clamp_max(T - 1)  # [B, T'] gather index into the given layout
     real = col < lengths.view(B, 1)  # [B, T']
     tok = ids.gather(1, src).masked_fill(~real, 0)
-    # row-wise indexing copies whole feature vectors: ~3x faster than a gather with an index expanded over X
-    a = aux[torch.arange(B).view(B, 1), src].float().masked_fill_(~real.unsqueeze(-1), 0)
+    if not bool(offset.any()):  # right padding (the RL loss forward's): the first T' columns as they are
+        a = torch.where(real.unsqueeze(-1), aux[:, :Tp].float(), 0.0)
+    else:  # row-wise indexing copies whole feature vectors: ~3x faster than a gather with an index expanded over X
+        a = aux[torch.arange(B).view(B, 1), src].float().masked_fill_(~real.unsqueeze(-1), 0)
     lg = logits.gather(1, src.unsqueeze(-1).expand(B, Tp, logits.shape[-1])).float()
     probs = lg.softmax(-1) * real.unsqueeze(-1)  # [B, T', V]
     pad = steps
@@ -179,20 +185,22 @@ class PolicyCapture:
         rs = response_columns(self.response_start, kwargs.get("labels"), B, T)
         if kept < T:
             rs = rs.clamp_min(T - kept + 1)  # a position's target needs its logits
-        aux, ids, mask = self._aux(B, T), ids.detach(), mask.detach()
+        ids, mask = ids.detach(), mask.detach()
         idx = self.rows(B) if self.rows is not None else None
         if idx is not None:  # only these rows: build_features' work is per row
             if not idx.numel():
                 return
-            aux, ids, mask, logits, rs = aux[idx], ids[idx], mask[idx], logits[idx], rs[idx]
-        self.sink(build_features(ids, mask, aux, logits, self.steps, rs), t0)
+            ids, mask, logits, rs = ids[idx], mask[idx], logits[idx], rs[idx]
+        self.sink(build_features(ids, mask, self._aux(B, T, idx), logits, self.steps, rs), t0)
 
-    def _aux(self, B: int, T: int) -> torch.Tensor:
-        """[B, T, X]: what the drafter reads (Reads), concatenated; X = 0 for none."""
-        parts = [self.hidden.features()] if self.hidden is not None else []
+    def _aux(self, B: int, T: int, idx=None) -> torch.Tensor:
+        """[B, T, X] (rows idx only, when given): what the drafter reads (Reads), concatenated; X = 0 for none."""
+        parts = list(self.hidden.layer_inputs()) if self.hidden is not None else []
         if self.reads.final_hidden:
             parts.append(self._final["h"])
-        return torch.cat(parts, -1) if parts else torch.zeros(B, T, 0)
+        if idx is not None:  # the kept rows before the concatenation, not after: it copies every row it gets
+            parts = [p[idx] for p in parts]
+        return torch.cat(parts, -1) if parts else torch.zeros(B if idx is None else len(idx), T, 0)
 
 
 def choose_rows(B: int, holdout_frac: float, capture_frac: float, held_gen, capture_gen):

@@ -128,6 +128,33 @@ def test_build_features_alignment_and_left_padding():
     assert f["lengths"].tolist() == [6, 4]
 
 
+def test_build_features_right_and_left_padding_agree_and_leave_the_input_alone():
+    """Right padding (the RL loss forward's) takes a slice, left padding a row-wise index: the same rows in either
+    layout give the same features, padding zeroed, the caller's aux untouched."""
+    g = torch.Generator().manual_seed(0)
+    lengths = [6, 3, 5]
+    B, T, V, X = len(lengths), 7, 5, 4
+    rows = [torch.randint(1, V, (n,), generator=g) for n in lengths]
+    feats = [torch.randn(n, X, generator=g) for n in lengths]
+    logit = [torch.randn(n, V, generator=g) for n in lengths]
+    out = {}
+    for side in ("right", "left"):
+        ids, mask = torch.zeros(B, T, dtype=torch.long), torch.zeros(B, T, dtype=torch.long)
+        aux, logits = torch.full((B, T, X), 7.0), torch.zeros(B, T, V)  # padding 7: must not reach the features
+        for b, n in enumerate(lengths):
+            c = slice(0, n) if side == "right" else slice(T - n, T)
+            ids[b, c], mask[b, c], aux[b, c], logits[b, c] = rows[b], 1, feats[b], logit[b]
+        before = aux.clone()
+        start = torch.tensor([2, 1, 2]) + (0 if side == "right" else T - torch.tensor(lengths))
+        out[side] = build_features(ids, mask, aux, logits, steps=2, response_start=start)
+        assert torch.equal(aux, before), side
+    for k in ("aux", "next_ids", "target_probs", "valid", "lengths", "first_ids"):
+        assert torch.equal(out["right"][k], out["left"][k]), k
+    a = out["right"]["aux"]
+    assert a.shape == (B, max(lengths), X) and a.dtype == torch.float32
+    assert torch.equal(a[1, :3], feats[1]) and not a[1, 3:].any()  # a short row's padding is zero
+
+
 # ---- buffer ----------------------------------------------------------------------------------------------
 def test_buffer_cap_eviction_sampling_and_state(policy, drafter):
     f = _features(policy, drafter, n=4)
