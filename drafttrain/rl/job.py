@@ -49,6 +49,7 @@ def main(cfg) -> list[dict]:
     finally:
         if lock is not None:
             lock.release()
+        Collective(acc).settle()  # the last all-reduce's tensors freed before this process exits
 
 
 def _resume_state(cfg, last: Path, out: Path) -> dict:

@@ -1,7 +1,10 @@
 """Agreement across processes. A drafter step is a collective (DDP backward, the trainer's reduce), so every
 decision to take one is agreed: processes decide on their own clocks, banks and buffers, and one that stepped alone
-would hang or break the others. Each call is itself a collective: every process calls it at the same point."""
+would hang or break the others. Each call but settle is itself a collective: every process calls it at the same
+point."""
 from __future__ import annotations
+
+import time
 
 import torch
 
@@ -42,3 +45,11 @@ class Collective:
         rows = self.acc.gather(mine.to(self.acc.device)).cpu() if self.n > 1 else mine  # [n, 2]
         versions, sums = [int(v) for v in rows[:, 0].tolist()], rows[:, 1].tolist()
         return {"versions": versions, "sums": sums, "agree": len(set(versions)) == 1 and len(set(sums)) == 1}
+
+    def settle(self, grace_s: float = 0.2) -> None:
+        """A process's last act after its last collective (several processes): a short pause, holding no lock, so
+        gloo's worker threads free that collective's tensors while the interpreter still runs. Exiting at once, a
+        worker could still be freeing one at interpreter shutdown, which aborts the process (SIGABRT at exit: 5 of 50
+        two-process ends; bench/NOTES.md, session 31). Not a collective: processes settle on their own."""
+        if self.n > 1:
+            time.sleep(grace_s)

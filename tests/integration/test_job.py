@@ -44,9 +44,12 @@ def test_one_rl_step_with_hot_swap(policy_dir, tmp_path, monkeypatch, mode):
     engines = []
     build = job.build_engine
     monkeypatch.setattr(job, "build_engine", lambda *a, **kw: engines.append(build(*a, **kw)) or engines[-1])
+    settled, settle = [], job.Collective.settle
+    monkeypatch.setattr(job.Collective, "settle", lambda self: settled.append(self.n) or settle(self))
     cfg = load_recipe("eagle3_track", overrides(policy_dir, tmp_path, f"rl.mode={mode}", f"online.mode={mode}",
                                                 "online.canary=probe"))
     (rec,) = job.main(cfg)
+    assert settled == [1]  # the job's last act: its processes settle (test_grpo: what that is for)
 
     assert KEYS <= set(rec), KEYS - set(rec)
     assert rec["rollout_drafter_version"] == 0 and rec["published"] and not rec["rolled_back"]

@@ -161,12 +161,15 @@ def _average_rank(rank: int, store: str, out: str) -> None:
     from accelerate import Accelerator
 
     from drafttrain.rl.grpo import GRPO
+    from drafttrain.tracking.collective import Collective
 
     lin = torch.nn.Linear(3, 2)
     if rank == 0:
         lin.weight.grad, lin.bias.grad = torch.full_like(lin.weight, 2.0), torch.ones_like(lin.bias)
-    GRPO.average_grads(SimpleNamespace(acc=Accelerator(cpu=True), policy=lin))
+    acc = Accelerator(cpu=True)
+    GRPO.average_grads(SimpleNamespace(acc=acc, policy=lin))
     torch.save({"weight": lin.weight.grad, "bias": lin.bias.grad}, f"{out}/rank{rank}.pt")
+    Collective(acc).settle()  # as the main job ends (without it ~5% of these processes died of SIGABRT at exit)
     torch.distributed.destroy_process_group()
 
 

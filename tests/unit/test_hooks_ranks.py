@@ -83,15 +83,19 @@ def _rank_main(rank: int, store: str, out: str, case: str) -> None:
     torch.distributed.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
     from accelerate import Accelerator
 
+    from drafttrain.tracking.collective import Collective
+
     over = {"buffer": ["online.budget_frac=0", "online.publish_gate=false"],
             "bank": ["online.budget_frac=0.5", "online.publish_gate=false"],
             "gate": ["online.budget_frac=0", "train.lr=3e-2"], "async": ["online.mode=async"],
             "canary": ["online.budget_frac=0", "online.publish_gate=false", "online.canary=inline"]}[case]
+    acc = Accelerator(cpu=True)
     try:
-        policy, tr = _tracker(_cfg("online.holdout_frac=0.0", *over), Accelerator(cpu=True),
+        policy, tr = _tracker(_cfg("online.holdout_frac=0.0", *over), acc,
                               [_Engine()] if case == "canary" else ())
     except ValueError as e:
         torch.save({"error": str(e)}, f"{out}/rank{rank}.pt")
+        Collective(acc).settle()  # as the main job ends: see Collective.settle
         torch.distributed.destroy_process_group()
         return
     gen = torch.Generator().manual_seed(100 + rank)  # each process its own rollouts
@@ -115,6 +119,7 @@ def _rank_main(rank: int, store: str, out: str, case: str) -> None:
                 next(tr.drafter.parameters()).view(-1)[0] += 1.0
         agree.append(tr.collective.agreement(tr.version, tr.drafter))
     torch.save({"recs": recs, "weights": weights, "version": tr.version, "agree": agree}, f"{out}/rank{rank}.pt")
+    tr.collective.settle()  # as the main job ends: see Collective.settle
     torch.distributed.destroy_process_group()
 
 

@@ -98,6 +98,8 @@ def _rank_lock(rank: int, out: str, port: int, result: str) -> None:
                       MASTER_PORT=str(port))
     from accelerate import Accelerator, InitProcessGroupKwargs
 
+    from drafttrain.tracking.collective import Collective
+
     acc = Accelerator(cpu=True, kwargs_handlers=[InitProcessGroupKwargs(backend="gloo")])
     try:
         lock_run_folder(Path(out), acc)
@@ -105,6 +107,7 @@ def _rank_lock(rank: int, out: str, port: int, result: str) -> None:
     except ConfigError as e:
         msg = str(e)
     Path(f"{result}.{rank}").write_text(msg)
+    Collective(acc).settle()  # as the main job ends: see Collective.settle
     torch.distributed.destroy_process_group()
 
 
