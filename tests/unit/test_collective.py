@@ -42,3 +42,16 @@ def test_mal_is_pooled_by_verify_rows():
     c = Collective(_TwoProcesses(other))
     pooled = c.pooled_mal(_score(2.0, 3), None)
     assert pooled[0] == pytest.approx((2.0 * 3 + 4.0) / 4) and pooled[1] is None
+
+
+def test_several_processes_settle_before_exiting(monkeypatch):
+    """The job's last act: with several processes a pause that holds no lock (gloo's workers free the last
+    collective's tensors before interpreter shutdown, not during it); one process has no workers and does not wait."""
+    from drafttrain.tracking import collective
+
+    slept = []
+    monkeypatch.setattr(collective.time, "sleep", slept.append)
+    Collective(None).settle()
+    assert slept == []
+    Collective(_TwoProcesses([[0.0]])).settle()
+    assert slept == [0.2]
