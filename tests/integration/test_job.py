@@ -49,7 +49,7 @@ def test_one_rl_step_with_hot_swap(policy_dir, tmp_path, monkeypatch, mode):
     cfg = load_recipe("eagle3_track", overrides(policy_dir, tmp_path, f"rl.mode={mode}", f"online.mode={mode}",
                                                 "online.canary=probe"))
     (rec,) = job.main(cfg)
-    assert settled == [1]  # the job's last act: its processes settle (test_grpo: what that is for)
+    assert settled == [1]  # the job's last act: its processes settle (Collective.settle says why)
 
     assert KEYS <= set(rec), KEYS - set(rec)
     assert rec["rollout_drafter_version"] == 0 and rec["published"] and not rec["rolled_back"]
