@@ -2,7 +2,7 @@
 
     _fc(aux[B, T, X]) -> hidden [B, T, H]            the policy's states as the layer's hidden input
     _embed(ids) -> emb                               token embeddings as _qkv takes them
-    _qkv(emb, hidden, pos, top) -> q, k, v, residual one position's attention inputs (q/k rotated)
+    _qkv(emb, hidden, pos, top, q_at) -> q, k, v, residual   attention inputs (q/k rotated; q at q_at only)
     _post(o, residual) -> (draft logits [B, m, Vd], hidden out [B, m, H])   the rest of the layer and the head
     draft_ids(), config (num_attention_heads, num_key_value_heads, head_dim, vocab_size), rope, _fused (None:
     the training form), hard_targets (its loss: soft cross-entropy against the policy, or the rollout tokens)
@@ -28,21 +28,26 @@ class ChainDrafter(nn.Module):
     follows_policy = False  # trained online on the policy's hidden states
     trains = True
 
-    def _attention_inputs(self, x, pos, top: int | None = None):
+    def _attention_inputs(self, x, pos, top: int | None = None, q_at: torch.Tensor | None = None):
         """The layer's attention input x [B, m, X] at positions pos [B, m] (top: an upper bound of pos, if known) ->
-        q [B, Hq, m, D], k, v [B, Hkv, m, D]: layers[0].self_attn's q/k/v projections (the runtime form: one fused
-        matmul), q and k rotated in one pass."""
+        q [B, Hq, m, D], k, v [B, Hkv, m, D]: layers[0].self_attn's q/k/v projections, q and k rotated.
+        q_at [S] (positions shared by the rows): q at those positions only, [B, Hq, S, D]. The training form
+        projects q there alone (a quarter of the positions at the default query_frac: ~9% of a drafter step); the
+        runtime form runs its one fused q|k|v matmul and rotates q and k in one pass."""
         c = self.config
         B, m, _ = x.shape
         Hq, Hkv, D = c.num_attention_heads, c.num_key_value_heads, c.head_dim
         if self._fused is None:
             a = self.layers[0].self_attn
-            qkv = torch.cat([a.q_proj(x), a.k_proj(x), a.v_proj(x)], -1)
-        else:
-            qkv = linear(x, self._fused["qkv"])
-        qk, v = qkv.view(B, m, Hq + 2 * Hkv, D).split([Hq + Hkv, Hkv], dim=2)
+            xq, qpos = (x, pos) if q_at is None else (x[:, q_at], pos[:, q_at])
+            q = Rope.rotate(a.q_proj(xq).view(B, -1, Hq, D), self.rope.tables(qpos, top))
+            k = Rope.rotate(a.k_proj(x).view(B, m, Hkv, D), self.rope.tables(pos, top))
+            v = a.v_proj(x).view(B, m, Hkv, D)
+            return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        qk, v = linear(x, self._fused["qkv"]).view(B, m, Hq + 2 * Hkv, D).split([Hq + Hkv, Hkv], dim=2)
         q, k = Rope.rotate(qk, self.rope.tables(pos, top)).split([Hq, Hkv], dim=2)
-        return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        q = q.transpose(1, 2)
+        return (q if q_at is None else q[:, :, q_at]), k.transpose(1, 2), v.transpose(1, 2)
 
     # ---- training: training-time test ---------------------------------------------------------------------
     def ttt_logits(self, aux: torch.Tensor, next_ids: torch.Tensor, steps: int,
@@ -70,10 +75,9 @@ class ChainDrafter(nn.Module):
         ks, vs, outs = [], [], []
         for i in range(steps):
             if i == 0:
-                q, k, v, res = self._qkv(self._embed(next_ids[:, :T]), hidden, pos)  # token_{t+1}
+                q, k, v, res = self._qkv(self._embed(next_ids[:, :T]), hidden, pos, q_at=queries)  # token_{t+1}
                 if queries is not None:
-                    q, res = q[:, :, queries], res[:, queries]
-                    pos = pos[:, queries]
+                    res, pos = res[:, queries], pos[:, queries]
             else:
                 tok = next_ids[:, i:i + T] if queries is None else next_ids[:, queries + i]  # token_{t+1+i}
                 q, k, v, res = self._qkv(self._embed(tok), hidden, pos + i)

@@ -169,7 +169,7 @@ class Eagle3Drafter(ChainDrafter):
         return self.embed_tokens(ids) if self._fused is None else F.embedding(ids, self._fused["emb"])
 
     # ---- the decoder layer -------------------------------------------------------------------------------
-    def _qkv(self, emb, hidden, pos, top: int | None = None):
+    def _qkv(self, emb, hidden, pos, top: int | None = None, q_at=None):
         """emb, hidden [B, m, H], pos [B, m] (top: an upper bound of pos, if known) -> q [B, Hq, m, D],
         k, v [B, Hkv, m, D], residual [B, m, H]."""
         c, L = self.config, self.layers[0]
@@ -178,7 +178,7 @@ class Eagle3Drafter(ChainDrafter):
                            rms_norm(hidden, L.hidden_norm, c.rms_norm_eps)], -1)  # [B, m, 2H]
         else:  # emb is normed already (_embed); hidden_norm's weight is in the qkv columns
             x = torch.cat([emb, rms_unit(hidden, self._fused["c"])], -1)
-        return (*self._attention_inputs(x, pos, top), hidden)
+        return (*self._attention_inputs(x, pos, top, q_at), hidden)
 
     def _post(self, o, residual):
         """attention output o [B, Hq, m, D] -> (draft logits [B, m, Vd], pre-norm hidden [B, m, H])."""

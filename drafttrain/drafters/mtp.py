@@ -159,10 +159,10 @@ class MtpDrafter(ChainDrafter):
     def _embed(self, ids):
         return self.embed_tokens(ids) if self._fused is None else F.embedding(ids, self._fused["emb"])
 
-    def _qkv(self, emb, hidden, pos, top: int | None = None):
+    def _qkv(self, emb, hidden, pos, top: int | None = None, q_at=None):
         both = torch.cat([emb, hidden], -1)  # [B, m, 2H]: vLLM EAGLE-1's order
         x = self.fc(both) if self._fused is None else linear(both, self._fused["fc"])
-        return (*self._attention_inputs(x, pos, top), x)
+        return (*self._attention_inputs(x, pos, top, q_at), x)
 
     def _post(self, o, residual):
         c, L, f = self.config, self.layers[0], self._fused

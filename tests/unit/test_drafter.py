@@ -464,6 +464,24 @@ def test_ttt_queries_equal_the_full_result_there(drafter):
     assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in d.parameters() if p.requires_grad)
 
 
+
+def test_ttt_queries_project_q_at_the_queries_only(drafter):
+    """With queries, step 0 projects q for the S query positions alone (k and v still over every position: the
+    queries attend to all of them); before, q ran over all B x T positions and was then cut (~9% of a step)."""
+    d = perturbed(drafter, seed=13)
+    B, T, steps = 2, 9, 3
+    _, aux, next_ids = _ttt_inputs(d, B, T, steps, seed=5)
+    S = torch.tensor([1, 4, 8])
+    rows = {"q": [], "k": []}
+    a = d.layers[0].self_attn
+    hooks = [a.q_proj.register_forward_hook(lambda m, i, o: rows["q"].append(o.shape[1])),
+             a.k_proj.register_forward_hook(lambda m, i, o: rows["k"].append(o.shape[1]))]
+    with torch.no_grad():
+        d.ttt_logits(aux, next_ids, steps, S)
+    for h in hooks:
+        h.remove()
+    assert rows["q"] == [len(S)] * steps and rows["k"] == [T] + [len(S)] * (steps - 1)
+
 def test_ttt_queries_are_drawn_among_response_positions(drafter):
     """query_frac=0.5 over rows whose responses start at column 5 and 6 (prompt before, padding after column 11):
     every query is a chain start that drafts a response token (its step-0 target valid in some row), half of them.
