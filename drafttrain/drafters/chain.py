@@ -27,6 +27,17 @@ class ChainDrafter(nn.Module):
     hard_targets = False  # the loss: soft cross-entropy against the policy (False) or on the rollout tokens (True)
     follows_policy = False  # trained online on the policy's hidden states
     trains = True
+    score_grad = True  # False (freeze_scores): the attention scores are constants in training
+
+    def freeze_scores(self) -> None:
+        """Train with the attention scores as constants: q_proj and k_proj frozen, and no gradient into the layer's
+        input through them (only through v and the residual). Where the drafter's attention is saturated (the shipped
+        drafter's: q/k gradients ~1e-7 against ~1e-2 for the other weights) this drops a fifth of a step's work and
+        stops AdamW, which scales even such gradients to ~lr-sized steps, from walking q and k on noise."""
+        a = self.layers[0].self_attn
+        for p in (a.q_proj.weight, a.k_proj.weight):
+            p.requires_grad_(False)
+        self.score_grad = False
 
     def _attention_inputs(self, x, pos, top: int | None = None, q_at: torch.Tensor | None = None):
         """The layer's attention input x [B, m, X] at positions pos [B, m] (top: an upper bound of pos, if known) ->
@@ -39,9 +50,10 @@ class ChainDrafter(nn.Module):
         Hq, Hkv, D = c.num_attention_heads, c.num_key_value_heads, c.head_dim
         if self._fused is None:
             a = self.layers[0].self_attn
-            xq, qpos = (x, pos) if q_at is None else (x[:, q_at], pos[:, q_at])
+            xs = x if self.score_grad else x.detach()  # the scores' inputs
+            xq, qpos = (xs, pos) if q_at is None else (xs[:, q_at], pos[:, q_at])
             q = Rope.rotate(a.q_proj(xq).view(B, -1, Hq, D), self.rope.tables(qpos, top))
-            k = Rope.rotate(a.k_proj(x).view(B, m, Hkv, D), self.rope.tables(pos, top))
+            k = Rope.rotate(a.k_proj(xs).view(B, m, Hkv, D), self.rope.tables(pos, top))
             v = a.v_proj(x).view(B, m, Hkv, D)
             return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         qk, v = linear(x, self._fused["qkv"]).view(B, m, Hq + 2 * Hkv, D).split([Hq + Hkv, Hkv], dim=2)
