@@ -83,14 +83,14 @@ def score(drafter, feats, k) -> float:
 
 def train_oracle(base, feats, rc, cfg):
     """The upper bound: the step-0 drafter trained to convergence on the current policy's rollouts, with its own
-    fixed settings (every position, cfg.oracle_lr, cfg.oracle_batch, cfg.oracle_ttt_steps), whatever the recipe's
-    online steps use."""
+    fixed settings (every position, the full gradient, cfg.oracle_lr, cfg.oracle_batch, cfg.oracle_ttt_steps),
+    whatever the recipe's online steps use."""
     oracle = copy.deepcopy(base)
     buf = FeatureBuffer(1 << 30, dtype=torch.float32)
     for f in feats:
         buf.add(f)
     tc = copy.deepcopy(rc.train)
-    tc.query_frac, tc.lr, tc.batch_size = 1.0, cfg.oracle_lr, cfg.oracle_batch
+    tc.query_frac, tc.lr, tc.batch_size, tc.score_grad = 1.0, cfg.oracle_lr, cfg.oracle_batch, True
     dc = copy.deepcopy(rc.drafter)
     dc.ttt_steps = cfg.oracle_ttt_steps
     tr = DrafterTrainer(oracle, tc, dc, buffer=buf)

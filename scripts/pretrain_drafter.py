@@ -56,7 +56,7 @@ from drafttrain.spec import SpecStats
 
 
 # the shipped drafter's pretraining settings of recipe keys; CLI keys come after them and win
-RECIPE_DEFAULTS = ("train.lr=3e-3", "drafter.ttt_steps=5", "train.query_frac=1.0")
+RECIPE_DEFAULTS = ("train.lr=3e-3", "drafter.ttt_steps=5", "train.query_frac=1.0", "train.score_grad=true")
 
 
 @dataclass

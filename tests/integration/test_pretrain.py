@@ -127,3 +127,23 @@ def test_pretrain_refuses_a_kind_with_nothing_to_train(policy_dir, tmp_path):
     P = _script()
     with pytest.raises(ConfigError, match=r"^drafter\.kind: suffix trains nothing"):
         P.main(P.parse([f"policy.path={policy_dir}", "drafter.kind=suffix", "drafter.path=null", f"out={tmp_path}"]))
+
+
+def test_pretraining_trains_the_attention_whatever_the_recipe_holds_online(policy_dir, tmp_path, monkeypatch):
+    """A fresh drafter's attention must learn: pretraining takes the full gradient (train.score_grad true) even from
+    eagle3_track, whose online steps hold the attention scores constant."""
+    P = _script()
+    seen = []
+
+    class Stop(Exception):
+        pass
+
+    def trainer(drafter, train_cfg, *a, **kw):
+        seen.append(train_cfg.score_grad)
+        raise Stop
+
+    monkeypatch.setattr(P, "DrafterTrainer", trainer)
+    assert load_recipe("eagle3_track").train.score_grad is False
+    with pytest.raises(Stop):
+        P.main(P.parse([f"policy.path={policy_dir}", f"out={tmp_path / 'e3'}"]))
+    assert seen == [True]
