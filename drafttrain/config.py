@@ -73,8 +73,9 @@ class TrainConfig:
     # attention's keys, while attention, MLP, head and the deeper TTT steps run for those queries only
     query_frac: float = 1.0  # share of positions the drafter loss is taken at, in (0, 1]
     max_grad_norm: float = 1.0  # drafter gradients are clipped to this norm (> 0; inf = no clipping)
-    # false: q_proj and k_proj frozen, no gradient through the scores; for a drafter whose attention is saturated
-    score_grad: bool = True  # the attention scores pass gradient (chain drafters: eagle3, mtp)
+    # false: q_proj and k_proj frozen, no gradient through the scores; for a drafter whose attention is saturated.
+    # A fresh drafter (drafter.path null) always trains its attention
+    score_grad: bool = True  # the attention scores pass gradient (false: a loaded chain drafter's are held constant)
     seed: int = 0  # the drafter loss's query-position draws
 
 

@@ -86,7 +86,9 @@ class DrafterTrainer:
         self.drafter, self.cfg, self.buffer = drafter, cfg_train, buffer
         self.steps, self.decay = int(drafter_cfg.ttt_steps), float(drafter_cfg.ttt_decay)
         drafter.train()
-        if not getattr(cfg_train, "score_grad", True):
+        # a fresh drafter (drafter.path null: pretraining, tests) always trains its attention: frozen, it would keep
+        # its random init
+        if not getattr(cfg_train, "score_grad", True) and getattr(drafter_cfg, "path", None) is not None:
             if not hasattr(drafter, "freeze_scores"):
                 raise ValueError(f"train.score_grad: false needs a chain drafter (eagle3, mtp), got "
                                  f"{getattr(drafter, 'kind', type(drafter).__name__)}")

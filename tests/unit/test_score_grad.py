@@ -19,6 +19,13 @@ def _cfg(kind="eagle3", score_grad=False):
     return c
 
 
+def _loaded(c):
+    """c's drafter settings as for a drafter loaded from drafter.path (the trainer reads only that it is set)."""
+    d = c.drafter.copy()
+    d.path = "checkpoints/eagle3"
+    return d
+
+
 def _batch(policy, drafter, n=4):
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(4, 32, (3 + i % 3,), generator=g).tolist() for i in range(n)]
@@ -34,7 +41,7 @@ def test_frozen_scores_train_everything_but_q_and_k(policy, kind):
     torch.manual_seed(1)
     d = build_drafter(c.drafter, policy)
     before = {k: v.clone() for k, v in d.state_dict().items()}
-    tr = DrafterTrainer(d, c.train, c.drafter)
+    tr = DrafterTrainer(d, c.train, _loaded(c))
     a = d.layers[0].self_attn
     assert not any(p is a.q_proj.weight or p is a.k_proj.weight for p in tr.params)
     batch = _batch(policy, d)
@@ -72,4 +79,17 @@ def test_frozen_scores_carry_no_gradient_and_keep_the_forward(policy):
 def test_score_grad_false_needs_a_chain_drafter(policy):
     c = _cfg("draft_model")
     with pytest.raises(ValueError, match=r"^train\.score_grad: false needs a chain drafter .*draft_model"):
-        DrafterTrainer(build_drafter(c.drafter, policy), c.train, c.drafter)
+        DrafterTrainer(build_drafter(c.drafter, policy), c.train, _loaded(c))
+
+
+def test_a_fresh_drafter_trains_its_attention_whatever_score_grad_says(policy):
+    """drafter.path null: a fresh drafter, whose attention would stay at its random init if frozen."""
+    c = _cfg()
+    torch.manual_seed(3)
+    d = build_drafter(c.drafter, policy)
+    tr = DrafterTrainer(d, c.train, c.drafter)
+    a = d.layers[0].self_attn
+    assert d.score_grad and any(p is a.q_proj.weight for p in tr.params)
+    q0 = a.q_proj.weight.detach().clone()
+    tr.step(_batch(policy, d))
+    assert not torch.equal(q0, a.q_proj.weight)
