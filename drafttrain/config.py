@@ -74,7 +74,7 @@ class TrainConfig:
     query_frac: float = 1.0  # share of positions the drafter loss is taken at, in (0, 1]
     max_grad_norm: float = 1.0  # drafter gradients are clipped to this norm (> 0; inf = no clipping)
     # false: q_proj and k_proj frozen, no gradient through the scores; for a drafter whose attention is saturated.
-    # A fresh drafter (drafter.path null) always trains its attention
+    # A fresh drafter (drafter.path null) always trains its attention; kinds without one (draft model) ignore it
     score_grad: bool = True  # the attention scores pass gradient (false: a loaded chain drafter's are held constant)
     seed: int = 0  # the drafter loss's query-position draws
 

@@ -86,12 +86,10 @@ class DrafterTrainer:
         self.drafter, self.cfg, self.buffer = drafter, cfg_train, buffer
         self.steps, self.decay = int(drafter_cfg.ttt_steps), float(drafter_cfg.ttt_decay)
         drafter.train()
-        # a fresh drafter (drafter.path null: pretraining, tests) always trains its attention: frozen, it would keep
-        # its random init
-        if not getattr(cfg_train, "score_grad", True) and getattr(drafter_cfg, "path", None) is not None:
-            if not hasattr(drafter, "freeze_scores"):
-                raise ValueError(f"train.score_grad: false needs a chain drafter (eagle3, mtp), got "
-                                 f"{getattr(drafter, 'kind', type(drafter).__name__)}")
+        # a loaded chain drafter's attention scores held constant (train.score_grad false); a fresh drafter
+        # (drafter.path null) always trains them, and kinds without them (draft model, auto) train as usual
+        if (not getattr(cfg_train, "score_grad", True) and getattr(drafter_cfg, "path", None) is not None
+                and hasattr(drafter, "freeze_scores")):
             drafter.freeze_scores()
         params = [p for p in drafter.parameters() if p.requires_grad]  # embed_tokens is frozen
         # fused: one kernel over all parameters, 1.1 ms a step against foreach's 2.6 (DeepSpeed brings its own step)
