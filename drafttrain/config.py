@@ -107,6 +107,9 @@ class OnlineConfig:
     capture_frac: float = 1.0  # share of the other rollouts captured for training, in (0, 1]
     # a random sample; costs about one policy forward per drafter over them
     measure_rows: int = 32  # rows per RL step of the live/frozen drafter scoring (reporting)
+    # reporting is not tracking: the scoring runs at step 0, every measure_every steps and at the last step;
+    # benchmarks that need the whole series set it to 1
+    measure_every: int = 5  # RL steps between live/frozen drafter scorings (1 = every step)
     # inline: the first rollout batch after a swap is the canary (no extra generation); probe: generate a short SD
     # probe on recent prompts right after the swap (canary_prompts x canary_max_new_tokens)
     canary: str = "inline"  # inline | probe: how a new drafter version is checked after a swap
@@ -131,6 +134,8 @@ class RLConfig:
     # (sampling.temperature) and greedy through the rollout engine; 0 = off
     eval_prompts: int = 512  # held-out problems scored before and after the run (0 = off)
     eval_seed: int = 999  # held-out problems' seed (training: prompt_seed * 1_000_003 + 101 * step + rank)
+    # lossless either way: at the evaluation's batch (engine.max_batch rows) plain decoding is the faster here
+    eval_decode: str = "ar"  # ar: the evaluation decodes without the drafter | rollout: as the rollouts decode
 
 
 @dataclass
@@ -264,11 +269,15 @@ def validate(cfg: Config) -> None:
          f"must be in (0, 1], got {cfg.online.capture_frac}"),
         (cfg.online.measure_rows >= 1, "online.measure_rows",
          f"must be >= 1, got {cfg.online.measure_rows}"),
+        (cfg.online.measure_every >= 1, "online.measure_every",
+         f"must be >= 1, got {cfg.online.measure_every}"),
         (cfg.rl.mode in ("sync", "async"), "rl.mode", f"must be sync or async, got {cfg.rl.mode!r}"),
         (cfg.online.buffer_mb > 0, "online.buffer_mb", f"must be > 0, got {cfg.online.buffer_mb}"),
         (cfg.online.buffer_half_life is None or cfg.online.buffer_half_life > 0, "online.buffer_half_life",
          f"must be > 0 or null (uniform), got {cfg.online.buffer_half_life}"),
         (cfg.rl.eval_prompts >= 0, "rl.eval_prompts", f"must be >= 0, got {cfg.rl.eval_prompts}"),
+        (cfg.rl.eval_decode in ("ar", "rollout"), "rl.eval_decode",
+         f"must be ar or rollout, got {cfg.rl.eval_decode!r}"),
         (cfg.rl.group_size >= 2, "rl.group_size",
          f"must be >= 2 (group-normalized advantages), got {cfg.rl.group_size}"),
         (cfg.drafter.ttt_steps >= 1, "drafter.ttt_steps", f"must be >= 1, got {cfg.drafter.ttt_steps}"),

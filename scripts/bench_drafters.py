@@ -147,7 +147,8 @@ def tracking_run(cfg, kind: str, extra=()) -> dict:
     """One main job of kind's recipe: live and frozen teacher-forced MAL over its last quarter (and per position)."""
     out = Path(tempfile.mkdtemp(prefix=f"bench_drafters_{kind}_"))
     cmd = [sys.executable, "-m", "drafttrain.online", f"recipe={kind}_track", f"run.out_dir={out}",
-           "run.tensorboard=false", *([f"rl.steps={cfg.track_steps}"] if cfg.track_steps else []),
+           "run.tensorboard=false", "online.measure_every=1",
+           *([f"rl.steps={cfg.track_steps}"] if cfg.track_steps else []),
            *cfg.track_overrides, *extra]
     if kind != "eagle3":
         cmd.append(f"drafter.path=checkpoints/{kind}")  # the shipped pretrained drafter, as the frozen baseline

@@ -17,7 +17,10 @@ wall time (the sum of rl_step_s) and its split by phase: rollout (rollout_wall_s
 drafter steps, estimate, publish), measurement (the live/frozen drafter scoring the recipes record each step:
 reporting), and policy training with everything else (the remainder); the reward curve; held-out accuracy after the
 run (eval.json). Per arm: means over seeds with their sd; the headline, AR's RL-loop wall time over each arm's
-(`speedup_over_ar`, per seed then averaged; `speedup_over_ar_no_measure` leaves the reporting out of both); and
+(`speedup_over_ar`, per seed then averaged; `speedup_over_ar_no_measure` leaves the reporting out of both), and the
+frozen arm's over each tracking arm's (`speedup_over_frozen`); the step's shape: `rollout_share` (rollout over the RL
+loop) and `tail10_share` (the decode steps in which only a batch's longest-running 10% of rows were active, over
+the rollout time; embedded engine); and
 whether the arm's learning matches AR's: its mean reward and held-out sampled accuracy within `spread` times the
 standard error of the difference of the two arms' means over seeds.
 Writes bench/e2e.json and bench/e2e.png (RL-loop wall time per arm, stacked by phase), prints tables.
@@ -50,8 +53,9 @@ DEFAULTS = dict(arms=list(ARMS), seeds=[0, 1, 2], overrides=[], run_dir="runs/be
 def phase_split(recs: list[dict]) -> dict:
     """A run's RL-loop wall time (sum of rl_step_s) split by phase: rollout, drafter work (capture, drafter steps,
     estimate, publish), measurement (reporting) and policy training with the rest (the remainder)."""
-    out = dict.fromkeys(("rl_wall_s", *PHASES), 0.0)
+    out = dict.fromkeys(("rl_wall_s", *PHASES, "tail10_s"), 0.0)
     for r in recs:
+        out["tail10_s"] += r.get("rollout_tail10_s") or 0.0
         drafter = sum(r.get(k) or 0.0 for k in ("drafter_train_s", "publish_s", "capture_s"))
         rollout, measure = r.get("rollout_wall_s") or 0.0, r.get("measure_s") or 0.0
         out["rl_wall_s"] += r["rl_step_s"]
@@ -59,6 +63,8 @@ def phase_split(recs: list[dict]) -> dict:
         out["drafter_s"] += drafter
         out["measure_s"] += measure
         out["policy_s"] += r["rl_step_s"] - rollout - drafter - measure
+    out["rollout_share"] = out["rollout_s"] / out["rl_wall_s"] if out["rl_wall_s"] else None
+    out["tail10_share"] = out["tail10_s"] / out["rollout_s"] if out["rollout_s"] else None
     return out
 
 
@@ -110,14 +116,19 @@ def run_one(cfg, arm: str, seed: int) -> dict:
 def summarize(runs: list[dict], arms: list[str], spread: float) -> dict:
     by = {a: sorted((r for r in runs if r["arm"] == a), key=lambda r: r["seed"]) for a in arms}
     ar = {r["seed"]: r for r in by.get("ar", [])}
+    frozen = {r["seed"]: r for r in by.get("frozen", [])}
     out = {}
     for a, rs in by.items():
         s = {}
-        for key in ("job_wall_s", "rl_wall_s", *PHASES, "reward_mean", "heldout_acc_after"):
-            s[key], s[f"{key}_sd"] = mean_sd([r[key] for r in rs])
+        for key in ("job_wall_s", "rl_wall_s", *PHASES, "rollout_share", "tail10_share", "reward_mean",
+                    "heldout_acc_after"):
+            s[key], s[f"{key}_sd"] = mean_sd([r.get(key) for r in rs])
         curves = [r["rewards"] for r in rs if r.get("rewards")]
         s["reward_curve"] = [statistics.fmean(c[i] for c in curves) for i in range(min(map(len, curves)))] \
             if curves else []  # the mean over seeds of each step's mean reward
+        if frozen and a not in ("ar", "frozen"):  # paired by seed, as against AR
+            s["speedup_over_frozen"], s["speedup_over_frozen_sd"] = mean_sd(
+                [frozen[r["seed"]]["rl_wall_s"] / r["rl_wall_s"] for r in rs if r["seed"] in frozen])
         if ar and a != "ar":  # paired by seed: the same prompts, run next to each other
             ratios = [ar[r["seed"]]["rl_wall_s"] / r["rl_wall_s"] for r in rs if r["seed"] in ar]
             no_meas = [(ar[r["seed"]]["rl_wall_s"] - ar[r["seed"]]["measure_s"]) / (r["rl_wall_s"] - r["measure_s"])
@@ -175,8 +186,9 @@ def main(cfg) -> dict:
     summary = summarize(runs, arms, cfg.spread)
     png = plot(summary, cfg.plot)
     rows = [{"arm": a, **{k: v for k, v in s.items() if not isinstance(v, (dict, list))}} for a, s in summary.items()]
-    print(format_table(rows, ["arm", "rl_wall_s", "rl_wall_s_sd", *PHASES, "job_wall_s", "speedup_over_ar",
-                              "speedup_over_ar_sd", "speedup_over_ar_no_measure"]))
+    print(format_table(rows, ["arm", "rl_wall_s", "rl_wall_s_sd", *PHASES, "rollout_share", "tail10_share",
+                              "job_wall_s", "speedup_over_ar", "speedup_over_ar_sd", "speedup_over_frozen",
+                              "speedup_over_frozen_sd", "speedup_over_ar_no_measure"]))
     learn = [{"arm": a, "reward_mean": s["reward_mean"], "heldout_acc_after": s["heldout_acc_after"],
               "reward_within": (s.get("reward_vs_ar") or {}).get("within_spread"),
               "heldout_within": (s.get("heldout_acc_vs_ar") or {}).get("within_spread")} for a, s in summary.items()]

@@ -4,7 +4,8 @@
     python scripts/bench_tracking.py seeds=[0,1] overrides=[rl.steps=8] oracle_steps=50   # quick look
 
 Runs the recipe (default eagle3_track) as it is shipped: no learning-rate or budget overrides unless given in
-`overrides` (recorded in the JSON). Per seed s (run.seed=s, rl.prompt_seed=1+s: seed 0 is the default run):
+`overrides` (recorded in the JSON), but for online.measure_every=1 (the live/frozen scoring at every step). Per seed
+s (run.seed=s, rl.prompt_seed=1+s: seed 0 is the default run):
 1. The run, resumed in its own folder up to each oracle checkpoint (oracle_points steps in the last quarter, the
    last one the run's end). Its own per-step record gives the live and the frozen step-0 drafter's teacher-forced
    MAL on the same rollouts: tracking_over_frozen is their ratio over the last quarter of steps.
@@ -214,8 +215,9 @@ def run_seed(cfg, seed: int) -> dict:
     run_dir = Path(cfg.run_dir) / f"seed-{seed}"
     if cfg.fresh and run_dir.exists():
         shutil.rmtree(run_dir)
-    base_over = [*cfg.overrides, f"run.seed={seed}", f"rl.prompt_seed={1 + seed}", f"run.out_dir={run_dir}",
-                 "run.resume=true"]
+    # the per-step live/frozen series (step 1's tracking_over_frozen) needs the scoring at every step
+    base_over = ["online.measure_every=1", *cfg.overrides, f"run.seed={seed}", f"rl.prompt_seed={1 + seed}",
+                 f"run.out_dir={run_dir}", "run.resume=true"]
     rc = load_recipe(cfg.recipe, base_over)
     k = max_draft_len(rc.engine)
     cfg = cfg.copy()

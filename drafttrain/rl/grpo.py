@@ -80,15 +80,16 @@ class GRPO:
 
     def evaluate(self) -> dict:
         """Held-out accuracy (mean reward) of the current policy on rl.eval_prompts fixed problems (rl.eval_seed), or
-        on data.path's held-out rows: sampled (sampling.temperature) and greedy, through the rollout engine (SD is
-        lossless), seeded."""
+        on data.path's held-out rows: sampled (sampling.temperature) and greedy, through the rollout engine, seeded;
+        decoded plainly or as the rollouts are (rl.eval_decode: SD is lossless, so only the time differs)."""
         rl, P = self.cfg.rl, self.prompts
         rows = P.eval_rows(rl.eval_prompts, seed=rl.eval_seed)
         prompts = [P.encode(r) for r in rows]
         out = {}
         for name, T in (("sampled", self.cfg.sampling.temperature), ("greedy", 0.0)):
             params = sampling_params(self.cfg, temperature=T, stop_token_ids=P.stop_ids, seed=rl.eval_seed)
-            batch = self.engine.generate(prompts, params, speculative=self.cfg.engine.speculative)
+            spec = self.cfg.engine.speculative and rl.eval_decode == "rollout"
+            batch = self.engine.generate(prompts, params, speculative=spec)
             out[f"eval_{name}_acc"] = statistics.fmean(P.reward(r, P.decode(t)) for r, t in zip(rows, batch.tokens))
         return out
 
@@ -108,22 +109,25 @@ class GRPO:
         r = torch.tensor(rewards).view(-1, G)  # [P, G]
         return ((r - r.mean(1, keepdim=True)) / (r.std(1, keepdim=True) + 1e-4)).view(-1)  # [P*G]
 
-    def train_step(self, ro: Rollouts) -> dict:
+    def train_step(self, ro: Rollouts, last: bool = False) -> dict:
         """One clipped policy-gradient update on a rollout batch (micro-batched, token-mean loss).
 
         Micro-batches hold sequences of similar length (less padding). A sequence whose advantage is 0 (its group's
-        rewards were all equal) adds no gradient, so those go last and run without autograd (their forward still
-        feeds the tracker)."""
+        rewards were all equal) adds no gradient, so those go last and run without autograd, and only where the
+        tracker reads their features (tracker.reads_rows): the policy's update itself needs no forward of them."""
         rl, T = self.cfg.rl, self.cfg.sampling.temperature or 1.0
         params = sampling_params(self.cfg, temperature=T)  # the rollouts' top-k / top-p (greedy rollouts: T = 1)
         adv = self.advantages(ro.rewards)  # [N]
         n_tok = sum(len(r) for r in ro.responses)
+        reads = self.tracker is not None and self.tracker.reads_rows(ro.step, last)
         order = sorted(range(len(ro.prompts)), key=lambda i: (not adv[i], len(ro.prompts[i]) + len(ro.responses[i])))
         self.model.train()
         losses, clipped = 0.0, 0
         for s in range(0, len(order), rl.micro_batch):
             idx = order[s: s + rl.micro_batch]
             grad = bool(adv[idx].any())
+            if not grad and not reads:
+                break  # the rest have advantage 0 too (they sort last)
             seqs = [ro.prompts[i] + ro.responses[i] for i in idx]
             L = max(map(len, seqs))
             ids = torch.zeros(len(seqs), L, dtype=torch.long)
@@ -137,7 +141,7 @@ class GRPO:
                 resp[j, p - 1: p + r - 1] = True
                 old[j, p - 1: p + r - 1] = torch.tensor(ro.logprobs[i])
             starts = torch.tensor([len(ro.prompts[i]) for i in idx])
-            ctx = self.tracker.capture(self.policy, response_start=starts) if self.tracker else contextlib.nullcontext()
+            ctx = self.tracker.capture(self.policy, response_start=starts) if reads else contextlib.nullcontext()
             with ctx, torch.set_grad_enabled(grad):
                 logits = self.model(input_ids=ids, attention_mask=mask).logits  # [b, L, V]
             # the distribution the engine sampled from (its top-k / top-p support too): ratio 1 on fresh rollouts
@@ -166,9 +170,9 @@ class GRPO:
         t0 = time.perf_counter()
         nxt = self._pool.submit(self.rollout, step + 1) if self._pool and not last else None  # step-t policy
         rec = rollout_metrics(ro)
-        rec.update(self.train_step(ro))  # its loss forward feeds the tracker's capture
-        if self.tracker is not None:
-            rec.update(self.tracker.measure())  # the drafter that generated ro vs the frozen step-0 drafter
+        rec.update(self.train_step(ro, last))  # its loss forward feeds the tracker's capture
+        if self.tracker is not None:  # the drafter that generated ro vs the frozen step-0 drafter, when due
+            rec.update(self.tracker.measure(step=step, last=last))
             rec.update(self.tracker.on_policy_update(self.policy, step))
         ro_next = nxt.result() if nxt is not None else None
         if self.tracker is not None:
@@ -192,7 +196,18 @@ def rollout_metrics(ro: Rollouts) -> dict:
             "resp_len_p90": lens[min(len(lens) - 1, math.ceil(0.9 * len(lens)) - 1)], "resp_len_max": lens[-1],
             "rollout_tokens_per_s": ro.batch.num_tokens / max(ro.batch.wall_s, 1e-9),
             "rollout_wall_s": ro.batch.wall_s, "rollout_prefill_s": ro.batch.timeline.prefill_s,
+            "rollout_tail10_s": tail_s(tl, len(ro.responses), 0.1),
             "live_mal": st.mean_accepted_length,
             "live_k": sum(b * k for b, k in drafted) / sum(b for b, _ in drafted) if drafted else None,
             "live_acc_pos": st.acceptance_per_position, "rollout_drafter_version": ro.batch.drafter_version}
 
+
+
+def tail_s(tl, rows: int, frac: float) -> float | None:
+    """Seconds of a batch's decode steps during which only its longest-running `frac` of rows were still active (the
+    tail: ceil(frac * rows) rows or fewer); None where the engine keeps no per-step batch (vLLM)."""
+    if not tl.batch or len(tl.ends) != len(tl.batch):
+        return None
+    cut, t0 = math.ceil(frac * rows), tl.ends[0] - (tl.ends[1] - tl.ends[0] if len(tl.ends) > 1 else 0.0)
+    starts = [t0, *tl.ends[:-1]]
+    return sum(e - s for s, e, b in zip(starts, tl.ends, tl.batch) if b <= cut)

@@ -44,7 +44,8 @@ class DraftTrackerCallback(TrainerCallback):
 
     def on_step_end(self, args, state, control, model=None, **kw):
         self.tracker.stop_capture()
-        rec = {"step": state.global_step - 1, **self.tracker.measure()}
+        last = state.max_steps > 0 and state.global_step >= state.max_steps  # measured at the cadence, and last
+        rec = {"step": state.global_step - 1, **self.tracker.measure(step=state.global_step - 1, last=last)}
         done = self.tracker.wait()  # the last step's background update ends before the engines change
         if self.history and done:
             self.history[-1].update(done)

@@ -95,6 +95,10 @@ class Scorer:
             return collate(self.heldout, self.steps)
         return rows(latest, self.steps, self.cfg.online.estimate_rows, self.gen["estimate"]) if latest else None
 
+    def due(self, step: int | None, last: bool = False) -> bool:
+        """measure() scores at step 0, every online.measure_every steps and the last (step None: always)."""
+        return step is None or last or step % self.cfg.online.measure_every == 0
+
     def measure(self, pending: list[dict], k: int, serving_form) -> dict:
         """Live (serving_form) vs frozen step-0 drafter on the rows captured since the last update: the held-out
         ones first, then a random sample of the rest, online.measure_rows in all. The served drafter's scores of

@@ -11,10 +11,9 @@ Orchestration only: capture (capture.py), the time bank (bank.py), scoring (scor
 publishing with a canary (hotswap.py), per auto member (members.py), agreement across processes (collective.py).
 online.mode=sync trains between RL steps within the time bank; online.mode=async trains and publishes in a
 background thread (wait() returns its record and raises what it raised; the next on_policy_update waits by itself).
-online.track=false keeps the drafter frozen but still captures for measurement. An update whose every step was
-non-finite publishes nothing; one that diverged is not published and training goes back to the last good weights.
-With online.publish_gate an update is published only if it beats the serving drafter on the same held-out rows;
-one significantly worse goes back to the serving weights.
+online.track=false keeps the drafter frozen but still captures for measurement. A non-finite or diverged update is
+not published (training goes back to the last good weights); online.publish_gate publishes one only if it beats the
+serving drafter on the same held-out rows.
 """
 from __future__ import annotations
 
@@ -361,11 +360,17 @@ class DraftTracker:
             self._last_update_t = self._now()
 
     # ---- measurement --------------------------------------------------------------------------------------
-    def measure(self, k: int | None = None) -> dict:
+    def reads_rows(self, step: int | None, last: bool = False) -> bool:
+        """Are step `step`'s captured features used (training, or a due measure())? If not, skip their forwards."""
+        trains = self.cfg.online.track and not self.self_drafter
+        return self.learns and not self.unused and (trains or self.scorer.due(step, last))
+
+    def measure(self, k: int | None = None, step: int | None = None, last: bool = False) -> dict:
         """Teacher-forced acceptance of the live (served) and the frozen step-0 drafter on the rollouts captured since
-        the last on_policy_update (call it before on_policy_update: live is then the drafter that generated them).
-        Its time (measure_s) is reporting: the time bank counts it neither as RL time nor as drafter work."""
-        if not self.learns:  # no teacher-forced scoring of an untrained kind; the same keys all the same
+        the last on_policy_update (call it before on_policy_update: live is then the drafter that generated them),
+        at the steps Scorer.due names (the keys with None at the others). Its time (measure_s) is reporting: the
+        time bank counts it neither as RL time nor as drafter work."""
+        if not self.learns or not self.scorer.due(step, last):  # the same keys all the same
             return {"live_tf_mal": None, "live_tf_acc_pos": None, "frozen_tf_mal": None, "frozen_tf_acc_pos": None,
                     "policy_minus_drafter_version": self.drafter_lag, "measure_s": 0.0}
         if not self.pending:

@@ -20,6 +20,14 @@ def test_phase_split_adds_up_to_the_rl_loop(e2e):
     assert (s["rollout_s"], s["drafter_s"], s["measure_s"]) == pytest.approx((1.5, 0.2, 0.3))
     assert s["policy_s"] == pytest.approx(5.0 - 1.5 - 0.2 - 0.3)
     assert sum(s[p] for p in e2e.PHASES) == pytest.approx(s["rl_wall_s"])
+    assert s["rollout_share"] == pytest.approx(1.5 / 5.0) and s["tail10_s"] == 0.0
+
+
+def test_tail_share_is_the_rollout_time_of_the_longest_running_rows(e2e):
+    recs = [{"rl_step_s": 4.0, "rollout_wall_s": 2.0, "rollout_tail10_s": 0.5},
+            {"rl_step_s": 4.0, "rollout_wall_s": 2.0, "rollout_tail10_s": 1.5}]
+    s = e2e.phase_split(recs)
+    assert s["tail10_share"] == pytest.approx(0.5) and s["rollout_share"] == pytest.approx(0.5)
 
 
 def _run(arm, seed, wall, measure=0.0, reward=0.5, acc=0.4):
@@ -37,6 +45,8 @@ def test_speedup_is_paired_by_seed_and_learning_is_judged_against_the_spread(e2e
     assert s["tracking"]["speedup_over_ar"] == pytest.approx((100 / 50 + 120 / 80) / 2)  # per seed, then the mean
     assert s["tracking"]["speedup_over_ar_no_measure"] == pytest.approx((100 / 40 + 120 / 60) / 2)
     assert "speedup_over_ar" not in s["ar"]
+    assert s["tracking"]["speedup_over_frozen"] == pytest.approx((90 / 50 + 100 / 80) / 2)  # paired by seed too
+    assert "speedup_over_frozen" not in s["frozen"] and "speedup_over_frozen" not in s["ar"]
     assert s["tracking"]["reward_vs_ar"]["within_spread"] is True
     assert s["frozen"]["reward_vs_ar"]["within_spread"] is False  # learned something else: flagged
     assert s["frozen"]["heldout_acc_vs_ar"]["diff"] == pytest.approx(0.91 - 0.42)

@@ -64,8 +64,43 @@ def test_update_is_the_policy_gradient_and_zero_advantage_rows_skip_autograd(set
     assert rec["clip_frac"] == 0.0  # fresh rollouts: ratio 1 everywhere
     for n, g in ref.items():
         torch.testing.assert_close(got[n], g, atol=1e-6, rtol=1e-4, msg=n)
-    # 8 rows with an advantage: two micro-batches of 4 with autograd; the 8 without run under no_grad
-    assert grad_rows == [(True, 4), (True, 4), (False, 4), (False, 4)]
+    # 8 rows with an advantage: two micro-batches of 4 with autograd; with no tracker to read them, the 8 without
+    # are not forwarded at all
+    assert grad_rows == [(True, 4), (True, 4)]
+
+
+class _Reader:
+    """A tracker stand-in that reads the rows of the steps in `steps` (and records the capture blocks)."""
+
+    def __init__(self, steps):
+        self.steps, self.captured = steps, 0
+
+    def reads_rows(self, step, last=False):
+        return step in self.steps
+
+    def capture(self, policy, response_start=None):
+        import contextlib
+
+        self.captured += 1
+        return contextlib.nullcontext()
+
+
+@pytest.mark.parametrize("reads", [True, False])
+def test_zero_advantage_rows_are_forwarded_only_where_the_tracker_reads_them(setup, monkeypatch, reads):
+    grpo, ro = setup
+    rows = []
+    h = grpo.policy.register_forward_hook(lambda m, a, kw, out: rows.append(torch.is_grad_enabled()),
+                                          with_kwargs=True)
+    monkeypatch.setattr(grpo.opt, "step", lambda: None)
+    reader = _Reader({ro.step} if reads else set())
+    monkeypatch.setattr(grpo, "tracker", reader)
+    try:
+        grpo.train_step(ro)
+    finally:
+        h.remove()
+        grpo.opt.zero_grad(set_to_none=True)
+    assert rows == ([True, True, False, False] if reads else [True, True])
+    assert reader.captured == (4 if reads else 0)  # no capture hooks at a step whose features nobody reads
 
 
 def test_evaluate_scores_fixed_held_out_problems(setup):
@@ -142,7 +177,10 @@ def test_engine_speculative_false_decodes_ar_and_the_unused_drafter_costs_nothin
     ro = grpo.rollout(0)
     grpo.evaluate()
     grpo.train_step(ro)
-    assert flags == [speculative] * 3  # the rollout, then the sampled and the greedy evaluation
+    assert flags == [speculative, False, False]  # the rollout, then the sampled and the greedy evaluation (AR)
+    cfg.rl.eval_decode = "rollout"
+    grpo.evaluate()
+    assert flags[3:] == [speculative] * 2  # rl.eval_decode=rollout: decoded as the rollouts are
     assert (ro.batch.stats.mean_accepted_length > 1) == speculative  # AR: no draft was ever accepted
     assert rollout_metrics(ro)["live_k"] == (cfg.engine.k if speculative else None)  # every SD step drafted k
     assert bool(tracker.pending) == speculative
@@ -188,3 +226,45 @@ def test_several_processes_average_the_policy_gradients(tmp_path):
     for r in range(2):
         got = torch.load(tmp_path / f"rank{r}.pt")
         assert torch.equal(got["weight"], torch.full((2, 3), 1.0)) and torch.equal(got["bias"], torch.full((2,), 0.5))
+
+
+@pytest.mark.parametrize("recipe", ["eagle3_frozen", "eagle3_track"])
+def test_the_live_frozen_scoring_runs_at_its_cadence_and_a_frozen_drafter_reads_only_those_steps(recipe):
+    """online.measure_every=3: scored at steps 0, 3, 6 and the last; the other steps' records carry the keys as None.
+    A tracking drafter reads every step's rows (it trains on them); a frozen one only those of the scored steps."""
+    from drafttrain.drafters import build_drafter
+    from drafttrain.engines import build_engine
+    from drafttrain.policy import build_policy
+    from drafttrain.tracking.tracker import DraftTracker
+
+    torch.manual_seed(0)
+    policy = build_policy({**TINY, "num_hidden_layers": 4}).eval()
+    cfg = load_recipe(recipe, ["drafter.path=null", "online.measure_every=3"])
+    drafter = build_drafter(cfg.drafter, policy)
+    tracker = DraftTracker(cfg, policy, [build_engine(cfg.engine, policy, drafter)], drafter)
+    assert [s for s in range(8) if tracker.scorer.due(s)] == [0, 3, 6]
+    assert tracker.scorer.due(7, last=True) and tracker.scorer.due(None)
+    reads = [s for s in range(8) if tracker.reads_rows(s)]
+    assert reads == (list(range(8)) if recipe == "eagle3_track" else [0, 3, 6])
+    tracker.pending = [{"not": "scored"}]  # an off-cadence step scores nothing, whatever was captured
+    off = tracker.measure(step=4)
+    assert off["live_tf_mal"] is None and off["frozen_tf_mal"] is None and off["measure_s"] == 0.0
+
+
+@pytest.mark.parametrize("over, msg", [("online.measure_every=0", r"^online\.measure_every: must be >= 1, got 0$"),
+                                       ("rl.eval_decode=fast", r"^rl\.eval_decode: must be ar or rollout, got 'fast'$")])
+def test_cadence_and_eval_decode_are_validated_in_one_line(over, msg):
+    from drafttrain.config import ConfigError
+
+    with pytest.raises(ConfigError, match=msg):
+        load_recipe("eagle3_track", [over])
+
+
+def test_tail_seconds_are_the_steps_with_only_the_longest_running_rows_active():
+    from drafttrain.engines.base import Timeline
+    from drafttrain.rl.grpo import tail_s
+
+    # 20 rows: ceil(0.1 * 20) = 2; steps of 1 s each (ends 1..6), the last three with 2 or 1 rows active
+    tl = Timeline(ends=[1.0, 2.0, 3.0, 4.0, 5.5, 6.0], batch=[20, 20, 5, 2, 2, 1])
+    assert tail_s(tl, 20, 0.1) == pytest.approx(1.0 + 1.5 + 0.5)
+    assert tail_s(Timeline(), 20, 0.1) is None  # an engine that keeps no per-step batch
