@@ -76,6 +76,8 @@ def _run(cfg, acc, out: Path, stopper: Stopper) -> list[dict]:
     policy, tok = load_policy(str(last / "policy") if last else str(resolve_path(cfg.policy.path)), cfg.engine.kind)
     say = (lambda m: tqdm.write(m)) if acc.is_main_process else (lambda m: None)
     prompts = Prompts(cfg, tok, stop_ids(policy, tok))  # bad data.* or reward.fn: one line, before any heavy set-up
+    for note in prompts.notes:
+        say(note)
     try:  # a drafter that does not fit the policy is bad input: one line, and nothing written yet
         drafter = build_drafter(cfg.drafter, policy)
         engine = build_engine(cfg.engine, policy, drafter)
@@ -150,8 +152,9 @@ def _run(cfg, acc, out: Path, stopper: Stopper) -> list[dict]:
         print(f"report: {png}  metrics: {logger.path}  config: {out / 'config.yaml'}")
     if cfg.rl.eval_prompts:
         after = grpo.evaluate()
-        write_json({"prompts": cfg.rl.eval_prompts, "seed": cfg.rl.eval_seed, "before": before, "after": after,
-                    "change": accuracy_change(before, after, cfg.rl.eval_prompts)}, out / "eval.json")
+        n = prompts.eval_count(cfg.rl.eval_prompts)  # data.path: at most its held-out rows
+        write_json({"prompts": n, "seed": cfg.rl.eval_seed, "before": before, "after": after,
+                    "change": accuracy_change(before, after, n)}, out / "eval.json")
         print(eval_table(before, after))
     ckpt.mark_finished()
     return logger.records
