@@ -134,6 +134,8 @@ class RLConfig:
     # (sampling.temperature) and greedy through the rollout engine; 0 = off
     eval_prompts: int = 512  # held-out problems scored before and after the run (0 = off)
     eval_seed: int = 999  # held-out problems' seed (training: prompt_seed * 1_000_003 + 101 * step + rank)
+    # a collapsed policy: every row's reward 0, or every response cut at sampling.max_new_tokens, step after step
+    collapse_steps: int = 3  # steps in a row of a collapse sign before a one-line warning (0 = off)
 
 
 @dataclass
@@ -278,6 +280,7 @@ def validate(cfg: Config) -> None:
         (cfg.online.buffer_half_life is None or cfg.online.buffer_half_life > 0, "online.buffer_half_life",
          f"must be > 0 or null (uniform), got {cfg.online.buffer_half_life}"),
         (cfg.rl.eval_prompts >= 0, "rl.eval_prompts", f"must be >= 0, got {cfg.rl.eval_prompts}"),
+        (cfg.rl.collapse_steps >= 0, "rl.collapse_steps", f"must be >= 0 (0 = off), got {cfg.rl.collapse_steps}"),
         (cfg.rl.group_size >= 2, "rl.group_size",
          f"must be >= 2 (group-normalized advantages), got {cfg.rl.group_size}"),
         (cfg.drafter.ttt_steps >= 1, "drafter.ttt_steps", f"must be >= 1, got {cfg.drafter.ttt_steps}"),

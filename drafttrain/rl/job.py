@@ -28,8 +28,9 @@ from drafttrain.policy import load_policy
 from drafttrain.report import RunLogger, accuracy_change, eval_table, plot_run, read_jsonl, summary_table, write_json
 from drafttrain.rl.grpo import GRPO
 from drafttrain.tracking.collective import Collective
-from drafttrain.tracking.runfolder import (CheckpointError, Checkpointer, Stopper, changed_settings, load_checkpoint,
-                                           lock_run_folder)
+from drafttrain.rl.watch import CollapseWatch, Diverged
+from drafttrain.tracking.runfolder import (CheckpointError, Checkpointer, RunStopped, Stopper, changed_settings,
+                                           load_checkpoint, lock_run_folder)
 from drafttrain.tracking.tracker import DraftTracker
 from drafttrain.tracking.trainer import make_accelerator
 
@@ -115,9 +116,16 @@ def _run(cfg, acc, out: Path, stopper: Stopper) -> list[dict]:
     bar = tqdm(range(start, cfg.rl.steps), desc=f"{cfg.recipe}", disable=not acc.is_main_process,
                initial=start, total=cfg.rl.steps)
     stopper.in_loop = True  # from here a SIGTERM/SIGINT waits for the step's checkpoint
+    watch = CollapseWatch(cfg, prompts.stop_ids, say)
     for step in bar:
         stopper.step = step
-        rec, ro = grpo.run_step(step, ro, last=step == cfg.rl.steps - 1)
+        watch.see(ro)
+        try:
+            rec, ro = grpo.run_step(step, ro, last=step == cfg.rl.steps - 1)
+        except Diverged as e:
+            bar.close()
+            raise RunStopped(f"{e}: the last checkpoint ({ckpt.latest() or 'none yet'}) stands; rerun with a lower "
+                             f"rl.lr into another run.out_dir (or with run.resume=false)") from None
         if step == start:  # the RL loop's wall time is the sum of rl_step_s: the first step's rollout belongs to it
             rec["rl_step_s"] += first_rollout_s
         with tracker.outside_rl_step():  # logging and checkpoints earn the drafter's time bank nothing

@@ -29,6 +29,11 @@ SAFE_GLOBALS = frozenset({"collections.OrderedDict", "torch._utils._rebuild_tens
                                                           "BFloat16", "Float", "Double"))})
 
 
+class RunStopped(RuntimeError):
+    """The run cannot go on: one line saying why, that the last checkpoint stands, and what to do (the main job's
+    error line)."""
+
+
 class CheckpointError(ValueError):
     """A checkpoint that cannot be read safely: truncated, corrupt, or holding a type outside SAFE_GLOBALS."""
 

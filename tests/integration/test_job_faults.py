@@ -1,0 +1,49 @@
+"""The main job under faults that are not the user's input: a policy that collapses or diverges, a full disk, and a
+rollout engine that dies (simulated in the embedded engine). Each ends in one line, or is recovered from, and the
+run folder stays resumable."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from drafttrain.report import read_jsonl
+from tests.integration.test_job import overrides
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def _cli_error(*args) -> str:
+    from drafttrain.online import cli
+
+    with pytest.raises(SystemExit) as e:
+        cli(["recipe=eagle3_track", *args])
+    msg = str(e.value.code)
+    assert msg.startswith("error: ") and "\n" not in msg, msg
+    return msg
+
+
+# ---- a policy that collapses or diverges ----------------------------------------------------------------------
+def test_a_reward_of_0_on_every_row_is_warned_in_one_line(policy_dir, tmp_path, capsys):
+    from drafttrain.online import cli
+
+    cli(["recipe=eagle3_track", *overrides(policy_dir, tmp_path, "rl.steps=2", "rl.collapse_steps=2",
+                                           "rl.eval_prompts=0")])  # a random policy: never the right answer
+    lines = [s for s in capsys.readouterr().out.splitlines() if "reward has been 0 on every row" in s]
+    assert len(lines) == 1 and "rl.collapse_steps=2 steps (steps 0-1)" in lines[0], lines
+
+
+def test_a_non_finite_gradient_stops_at_the_last_checkpoint_in_one_line(policy_dir, tmp_path, monkeypatch):
+    calls, clip = [], torch.nn.utils.clip_grad_norm_
+
+    def nan_at_step_1(params, *a, **kw):
+        calls.append(1)
+        norm = clip(params, *a, **kw)
+        return torch.tensor(math.nan) if len(calls) == 2 else norm
+
+    monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", nan_at_step_1)
+    msg = _cli_error(*overrides(policy_dir, tmp_path, "rl.steps=3", "rl.eval_prompts=0"))
+    assert msg.startswith("error: rl.lr: the policy's gradient norm is nan at step 1") and "not taken" in msg, msg
+    assert f"the last checkpoint ({tmp_path / 'ckpt' / 'step-1'}) stands" in msg, msg
+    assert [r["step"] for r in read_jsonl(tmp_path / "metrics.jsonl")] == [0]
