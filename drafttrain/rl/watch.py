@@ -17,7 +17,7 @@ class Diverged(RuntimeError):
 
 
 def check_finite(what: str, value, step: int, lr: float) -> None:
-    v = float(value)
+    v = float(value.detach()) if hasattr(value, "detach") else float(value)
     if not math.isfinite(v):
         raise Diverged(f"rl.lr: the policy's {what} is {v} at step {step} (rl.lr={lr} too high?); its update was "
                        f"not taken")

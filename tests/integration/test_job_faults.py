@@ -47,3 +47,37 @@ def test_a_non_finite_gradient_stops_at_the_last_checkpoint_in_one_line(policy_d
     assert msg.startswith("error: rl.lr: the policy's gradient norm is nan at step 1") and "not taken" in msg, msg
     assert f"the last checkpoint ({tmp_path / 'ckpt' / 'step-1'}) stands" in msg, msg
     assert [r["step"] for r in read_jsonl(tmp_path / "metrics.jsonl")] == [0]
+
+
+# ---- a full disk --------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("how", ["enospc", "torch"])
+def test_a_full_disk_is_one_line_and_leaves_no_partial_checkpoint(policy_dir, tmp_path, monkeypatch, how):
+    """At step 2's checkpoint the disk fills: as OSError ENOSPC (safetensors, open, write) or as torch.save's own
+    RuntimeError, with the free space below a checkpoint's size. A rerun, space freed, resumes exactly."""
+    import errno
+    import shutil
+
+    from drafttrain.online import cli
+
+    save, usage = torch.save, shutil.disk_usage
+
+    def full_at_step_2(obj, f, *a, **kw):
+        if ".tmp-step-2" in str(f):
+            open(f, "wb").write(b"partial")
+            if how == "enospc":
+                raise OSError(errno.ENOSPC, "No space left on device")
+            raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 576 vs 534")
+        return save(obj, f, *a, **kw)
+
+    monkeypatch.setattr(torch, "save", full_at_step_2)
+    if how == "torch":
+        monkeypatch.setattr(shutil, "disk_usage", lambda p: usage(p)._replace(free=4096))
+    args = overrides(policy_dir, tmp_path, "rl.steps=3", "rl.eval_prompts=0")
+    msg = _cli_error(*args)
+    ckpt = tmp_path / "ckpt"
+    assert msg.startswith(f"error: run.out_dir: no space left on the device of {ckpt} writing step-2"), msg
+    assert "bytes" in msg and f"the last one ({ckpt / 'step-1'}) stands" in msg and "free space and rerun" in msg
+    assert sorted(p.name for p in ckpt.iterdir()) == ["latest", "step-1"]  # the partial folder is gone
+    monkeypatch.undo()
+    cli(["recipe=eagle3_track", *args])
+    assert [r["step"] for r in read_jsonl(tmp_path / "metrics.jsonl")] == [0, 1, 2]  # each step once
