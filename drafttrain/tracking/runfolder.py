@@ -30,9 +30,9 @@ SAFE_GLOBALS = frozenset({"collections.OrderedDict", "torch._utils._rebuild_tens
                                                           "BFloat16", "Float", "Double"))})
 
 
-class RunStopped(RuntimeError):
+class RunStopped(Exception):
     """The run cannot go on: one line saying why, that the last checkpoint stands, and what to do (the main job's
-    error line)."""
+    error line). Not a RuntimeError: nothing that handles an engine's or a drafter's RuntimeError may take it."""
 
 
 class CheckpointError(ValueError):

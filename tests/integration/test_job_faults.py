@@ -81,3 +81,81 @@ def test_a_full_disk_is_one_line_and_leaves_no_partial_checkpoint(policy_dir, tm
     monkeypatch.undo()
     cli(["recipe=eagle3_track", *args])
     assert [r["step"] for r in read_jsonl(tmp_path / "metrics.jsonl")] == [0, 1, 2]  # each step once
+
+
+# ---- a rollout engine that dies -------------------------------------------------------------------------------
+class Dying:
+    """An engine whose process 'dies' at the at-th call of `method`: that call and every later one raise
+    EngineDied, as the vLLM engine's calls do once its worker is killed."""
+
+    def __init__(self, engine, method: str, at: int):
+        self.inner, self.method, self.at, self.calls, self.dead = engine, method, at, 0, False
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    @property
+    def drafter_version(self):
+        return self.inner.drafter_version
+
+    def _call(self, name, *args, **kwargs):
+        from drafttrain.engines import EngineDied
+
+        self.calls += name == self.method
+        self.dead |= self.calls == self.at and name == self.method
+        if self.dead:
+            raise EngineDied("simulated: the engine's process was killed")
+        return getattr(self.inner, name)(*args, **kwargs)
+
+    def generate(self, *a, **kw):
+        return self._call("generate", *a, **kw)
+
+    def load_drafter(self, *a, **kw):
+        return self._call("load_drafter", *a, **kw)
+
+    def update_policy(self, *a, **kw):
+        return self._call("update_policy", *a, **kw)
+
+
+def _dying_engines(monkeypatch, method: str, at: int, again: bool = False) -> list:
+    """The job's engine dies at the at-th call of `method`; each rebuilt one (listed) is healthy, or, with `again`,
+    dies at its first call of `method`."""
+    from drafttrain.rl import job, restart
+
+    built, build = [], job.build_engine
+    monkeypatch.setattr(job, "build_engine", lambda *a, **kw: Dying(build(*a, **kw), method, at))
+    monkeypatch.setattr(restart, "build_engine",
+                        lambda *a, **kw: built.append(Dying(build(*a, **kw), method, 1 if again else 0)) or built[-1])
+    return built
+
+
+@pytest.mark.parametrize("method, at", [("update_policy", 2), ("generate", 3), ("load_drafter", 1)])
+def test_a_dead_engine_is_restarted_and_the_run_is_the_same(policy_dir, tmp_path, monkeypatch, capsys, method, at):
+    """The engine dies in step 1 (pushing the policy, generating step 2's rollouts) or at the first drafter swap:
+    a new engine serves the current policy and the served drafter version, the call runs again, one line says so,
+    the step's record counts 1 restart, and the run ends as one with no death."""
+    from drafttrain.config import load_recipe
+    from drafttrain.rl.job import main
+
+    keys = ["rl.steps=3", "rl.eval_prompts=0", "online.budget_frac=0"]
+    ref = main(load_recipe("eagle3_track", overrides(policy_dir, tmp_path / "ref", *keys)))
+    ref_policy = torch.load(tmp_path / "ref" / "ckpt" / "step-3" / "state.pt", weights_only=True)["opt"]
+    built = _dying_engines(monkeypatch, method, at)
+    recs = main(load_recipe("eagle3_track", overrides(policy_dir, tmp_path / "run", *keys)))
+    lines = [s for s in capsys.readouterr().out.splitlines() if "engine died" in s]
+    assert len(built) == 1 and len(lines) == 1, lines
+    assert f"the torch engine died during {method} in step" in lines[0] and "restarted" in lines[0]
+    assert sum(r["restarts"] for r in recs) == 1 and all(r["restarts"] in (0, 1) for r in recs)
+    assert [r["reward_mean"] for r in recs] == [r["reward_mean"] for r in ref]
+    assert [r["drafter_version"] for r in recs] == [r["drafter_version"] for r in ref]
+    assert built[0].drafter_version == recs[-1]["drafter_version"]  # the served version, swapped into the new one
+    got = torch.load(tmp_path / "run" / "ckpt" / "step-3" / "state.pt", weights_only=True)["opt"]
+    assert all(torch.equal(a["exp_avg"], b["exp_avg"]) for a, b in zip(got["state"].values(),
+                                                                       ref_policy["state"].values()))
+
+
+def test_a_second_death_in_the_same_step_stops_in_one_line(policy_dir, tmp_path, monkeypatch):
+    _dying_engines(monkeypatch, "update_policy", 2, again=True)
+    msg = _cli_error(*overrides(policy_dir, tmp_path, "rl.steps=3", "rl.eval_prompts=0"))
+    assert msg.startswith("error: engine.kind=torch: the torch engine died again in step 1"), msg
+    assert f"the last checkpoint ({tmp_path / 'ckpt' / 'step-1'}) stands" in msg
