@@ -13,8 +13,8 @@ from drafttrain.policy import load_policy
 from tests.integration.test_own_model import keys, own  # noqa: F401  (own: a fixture)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-TINY = ["drafter.path=null", "rl.steps=1", "rl.prompts_per_step=2", "rl.group_size=2", "sampling.max_new_tokens=8", "rl.eval_prompts=4",
-        "online.publish_gate=false", "run.tensorboard=false"]
+TINY = ["drafter.path=null", "rl.steps=1", "rl.prompts_per_step=2", "rl.group_size=2", "sampling.max_new_tokens=8",
+        "rl.eval_prompts=4", "online.publish_gate=false", "run.tensorboard=false"]
 
 
 def _write(path, rows) -> None:
