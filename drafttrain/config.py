@@ -2,9 +2,11 @@
 
     cfg = load_recipe("eagle3_track", ["rl.steps=5", "engine.kind=vllm"])
 
-A recipe name resolves to recipes/<name>.yaml in the project root; a path to a .yaml file is used as given.
-Unknown keys and wrong types fail at load time with a one-line `ConfigError` naming the key. Relative input paths
-(policy.path, drafter.path) resolve against the project root; run.out_dir resolves against the working directory.
+A recipe name resolves to recipes/<name>.yaml of the installed copy; a path to a .yaml file is used as given.
+Unknown keys and wrong types fail at load time with a one-line `ConfigError` naming the key. Relative paths
+(policy.path, drafter.path, data.path, run.out_dir, a recipe's .yaml path) resolve against the working directory;
+one into the shipped assets (checkpoints/..., recipes/...) that the working directory does not hold resolves to
+the installed copy's, so the defaults work from any folder (resolve_path).
 A field's trailing `# ...` comment is its key's one-line doc (key_docs): the main job's --help prints it.
 """
 from __future__ import annotations
@@ -26,6 +28,7 @@ from drafttrain.drafter_config import DrafterConfig, drafter_checks
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 RECIPES_DIR = PROJECT_ROOT / "recipes"
+SHIPPED = ("checkpoints", "recipes")  # the installed copy's asset folders (resolve_path)
 
 
 class ConfigError(ValueError):
@@ -136,6 +139,8 @@ class RLConfig:
     eval_seed: int = 999  # held-out problems' seed (training: prompt_seed * 1_000_003 + 101 * step + rank)
     # lossless either way: at the evaluation's batch (engine.max_batch rows) plain decoding is the faster here
     eval_decode: str = "ar"  # ar: the evaluation decodes without the drafter | rollout: as the rollouts decode
+    # a collapsed policy: every row's reward 0, or every response cut at sampling.max_new_tokens, step after step
+    collapse_steps: int = 3  # steps in a row of a collapse sign before a one-line warning (0 = off)
 
 
 @dataclass
@@ -183,17 +188,23 @@ def _one_line(e: OmegaConfBaseException) -> str:
 
 
 def resolve_path(p: str | None) -> Path | None:
-    """Input paths: absolute as given, relative against the project root."""
+    """An input path, absolute: a relative one against the working directory, unless it names a shipped asset
+    (its first part in SHIPPED) that the working directory does not hold and the installed copy does."""
     if p is None:
         return None
-    path = Path(p)
-    return path if path.is_absolute() else PROJECT_ROOT / path
+    path = Path(p).expanduser()
+    if path.is_absolute():
+        return path
+    here, shipped = Path.cwd() / path, PROJECT_ROOT / path
+    if not here.exists() and path.parts[0] in SHIPPED and shipped.exists():
+        return shipped
+    return here
 
 
 def recipe_path(name_or_path: str) -> Path:
     p = Path(name_or_path)
     if p.suffix in (".yaml", ".yml"):
-        path = p
+        path = resolve_path(name_or_path)
     else:
         path = RECIPES_DIR / f"{name_or_path}.yaml"
     if not path.is_file():
@@ -278,6 +289,7 @@ def validate(cfg: Config) -> None:
         (cfg.rl.eval_prompts >= 0, "rl.eval_prompts", f"must be >= 0, got {cfg.rl.eval_prompts}"),
         (cfg.rl.eval_decode in ("ar", "rollout"), "rl.eval_decode",
          f"must be ar or rollout, got {cfg.rl.eval_decode!r}"),
+        (cfg.rl.collapse_steps >= 0, "rl.collapse_steps", f"must be >= 0 (0 = off), got {cfg.rl.collapse_steps}"),
         (cfg.rl.group_size >= 2, "rl.group_size",
          f"must be >= 2 (group-normalized advantages), got {cfg.rl.group_size}"),
         (cfg.drafter.ttt_steps >= 1, "drafter.ttt_steps", f"must be >= 1, got {cfg.drafter.ttt_steps}"),

@@ -10,7 +10,9 @@ data.path is read with `datasets`: a folder written by save_to_disk with load_fr
 file with load_dataset; data.split picks the split. data.eval_size rows, drawn once with a fixed seed, are held out
 of training for eval.json. reward.fn = "module:function", called as fn(prompt, response, row) -> float; unset, the
 shipped task scores its `A:` answer and user data the exact match of the stripped response with data.answer_field.
-A reward that raises or is not a finite number stops the run with one line naming reward.fn and the row.
+A reward that raises or is not a finite number stops the run with one line naming reward.fn and the row. A file
+with no rows is refused; rows with an empty prompt are skipped, and that and a data.eval_size the data cannot
+hold are said once each (Prompts.notes, printed by the job).
 """
 from __future__ import annotations
 
@@ -38,6 +40,8 @@ def load_rows(data_cfg):
     path = resolve_path(data_cfg.path)
     if not path.exists():
         raise ConfigError(f"data.path: no such file or folder: {path}")
+    if _blank(path):  # datasets' readers fail on it with a bare StopIteration
+        raise ConfigError(f"data.path: {path}: no rows")
     datasets.disable_progress_bars()
     try:
         if path.is_dir():
@@ -59,9 +63,35 @@ def load_rows(data_cfg):
     if data_cfg.prompt_field not in ds.column_names:
         raise ConfigError(f"data.prompt_field: no column {data_cfg.prompt_field!r} in {path} (columns: "
                           f"{', '.join(ds.column_names)})")
-    if len(ds) < 2:
-        raise ConfigError(f"data.path: {path} holds {len(ds)} rows; at least 2 are needed (one is held out)")
+    if len(ds) == 0:
+        raise ConfigError(f"data.path: {path}: no rows")
     return ds
+
+
+def _blank(path) -> bool:
+    """A file holding nothing but whitespace (read until the first other byte)."""
+    if not path.is_file():
+        return False
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 16):
+            if chunk.strip():
+                return False
+    return True
+
+
+def drop_empty_prompts(ds, field: str, path) -> tuple[object, str | None]:
+    """The rows whose prompt is a non-empty string, and a one-line note counting the others (None if none); fewer
+    than 2 left (one is held out) is a ConfigError."""
+    keep = [i for i, p in enumerate(ds[field]) if isinstance(p, str) and p.strip()]
+    note = None
+    if len(keep) < len(ds):
+        note = (f"[drafttrain] data.prompt_field: skipped {len(ds) - len(keep)} of {len(ds)} rows of {path} whose "
+                f"{field!r} is empty or not text")
+        ds = ds.select(keep)
+    if len(ds) < 2:
+        raise ConfigError(f"data.path: {path} holds {len(ds)} rows with a non-empty {field!r}; at least 2 are "
+                          f"needed (one is held out)")
+    return ds, note
 
 
 def stop_ids(policy, tok) -> tuple[int, ...]:
@@ -94,9 +124,11 @@ class Prompts:
         self.fn = load_reward(cfg.reward.fn) if cfg.reward.fn else None
         self.stop_ids = tuple(stop_ids) if stop_ids else (tok.eos_token_id,)
         self.chat = False
+        self.notes: list[str] = []  # one-line warnings about the data, for the job to print once
         if not self.own:
             return
-        ds = load_rows(d)
+        ds, note = drop_empty_prompts(load_rows(d), d.prompt_field, resolve_path(d.path))
+        self.notes += [note] if note else []
         if self.fn is None and (d.answer_field is None or d.answer_field not in ds.column_names):
             raise ConfigError(f"data.answer_field: no column {d.answer_field!r} in {d.path} to score responses "
                               f"against; name it, or give reward.fn")
@@ -106,6 +138,9 @@ class Prompts:
         order = list(range(len(ds)))
         random.Random(HOLDOUT_SEED).shuffle(order)
         n_eval = min(d.eval_size, len(ds) - 1)
+        if n_eval < d.eval_size:
+            self.notes.append(f"[drafttrain] data.eval_size: {d.eval_size}, but {d.path} holds {len(ds)} usable rows: "
+                              f"{n_eval} held out for eval.json, {len(ds) - n_eval} left for training")
         self.held, self.train = [ds[i] for i in order[:n_eval]], [ds[i] for i in order[n_eval:]]
         # every prompt tokenized once, here, batched through datasets' map: encode looks them up, and the longest
         # sizes the engine's rows
@@ -136,6 +171,10 @@ class Prompts:
         if not self.own:
             return self._task_rows(n, seed)
         return [self._row(r) for r in self.held[:n]]
+
+    def eval_count(self, n: int) -> int:
+        """How many prompts eval_rows(n, ...) holds: what eval.json really scores."""
+        return n if not self.own else min(n, len(self.held))
 
     def encode(self, row: dict) -> list[int]:
         """A row's prompt token ids (the user's: tokenized at load)."""

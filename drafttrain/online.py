@@ -10,6 +10,7 @@ import sys
 from drafttrain.config import RECIPES_DIR, ConfigError, key_docs, load_recipe
 from drafttrain.data import RewardError
 from drafttrain.rl.job import main
+from drafttrain.tracking.runfolder import RunStopped
 
 
 def recipe_summaries() -> list[tuple[str, str]]:
@@ -57,7 +58,7 @@ def cli(argv: list[str] | None = None) -> None:
     try:
         cfg = load_recipe(recipe[-1] if recipe else "eagle3_track", overrides)
         main(cfg)
-    except (ConfigError, FileNotFoundError, RewardError) as e:
+    except (ConfigError, FileNotFoundError, RewardError, RunStopped) as e:
         raise SystemExit(f"error: {e}") from None
 
 

@@ -1,5 +1,5 @@
 """Rollout engines behind one contract: the embedded PyTorch engine and the vLLM adapter."""
-from drafttrain.engines.base import RolloutBatch, RolloutEngine, StaleVersionError
+from drafttrain.engines.base import EngineDied, RolloutBatch, RolloutEngine, StaleVersionError
 from drafttrain.engines.torch_engine import TorchEngine
 
 
@@ -16,4 +16,4 @@ def build_engine(cfg, policy, drafter=None) -> RolloutEngine:
     raise ValueError(f"engine.kind: unknown engine {cfg.kind!r} (known: torch, vllm)")
 
 
-__all__ = ["RolloutBatch", "RolloutEngine", "StaleVersionError", "build_engine"]
+__all__ = ["EngineDied", "RolloutBatch", "RolloutEngine", "StaleVersionError", "build_engine"]

@@ -56,5 +56,10 @@ class RolloutEngine(Protocol):
     def update_policy(self, policy=None) -> None: ...
 
 
+class EngineDied(Exception):
+    """The engine's process is gone (killed, crashed): it will not serve again, and a new engine must be built. Not a
+    RuntimeError: the canary, which takes an engine's RuntimeError for its drafter's fault, must not see it."""
+
+
 class StaleVersionError(ValueError):
     """load_drafter with a version that is not newer than the one being served."""

@@ -21,6 +21,7 @@ How the contract maps onto vLLM 0.32:
 - SpecStats: vLLM's per-request spec-decode metrics (accepted and drafted per verify step per row);
   target_forwards counts engine steps that decoded at least one row.
 - Weight pushes and their read-back: vllm_transfer.py. Processes: vllm_procs.py. vLLM-CPU bugs: vllm_cpu.py.
+- A call that fails because one of the engine's processes is gone raises EngineDied (the job builds a new engine).
 Simplifications: one vLLM instance on this host; generate and swaps are serialized by a lock, so a swap lands
 between batches; the prefix cache is reset on every swap, policy update and AR/SD switch.
 """
@@ -39,7 +40,7 @@ from types import SimpleNamespace
 import torch
 
 from drafttrain.engines.base import RolloutBatch, StaleVersionError, Timeline
-from drafttrain.engines.vllm_procs import children, shutdown
+from drafttrain.engines.vllm_procs import children, dies_as_engine_died, shutdown
 from drafttrain.engines.vllm_transfer import checkpoint_shapes, push_weights, read_back, spec_stats
 from drafttrain.engines.vllm_worker import EXTENSION, TRANSFER_BACKEND
 from drafttrain.spec import SamplingParams
@@ -193,6 +194,7 @@ class VllmEngine:
     def drafter_version(self) -> int:
         return self._version
 
+    @dies_as_engine_died
     def load_drafter(self, weights: dict, version: int) -> None:
         """Atomic, versioned swap into the running engine. Validated first (names, shapes, finite: one-line
         ValueError), a version not newer than the served one is refused (StaleVersionError), and the weights
@@ -252,6 +254,7 @@ class VllmEngine:
         push_weights(self, weights, draft)  # one update session over this package's transport
 
     # ---- policy updates -------------------------------------------------------------------------------------
+    @dies_as_engine_died
     def update_policy(self, policy=None) -> None:
         """Push new policy weights (an HF module, a state dict, or None = the module this engine was built from)
         into the running engine: names and shapes are checked first (one-line ValueError), every tensor is read
@@ -315,6 +318,7 @@ class VllmEngine:
                    stop_token_ids=[t for t in params.stop_token_ids if 0 <= t < self.vocab_size],  # others never occur
                    seed=seed, logprobs=0, detokenize=False, output_kind=RequestOutputKind.DELTA)
 
+    @dies_as_engine_died
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], params: SamplingParams, speculative: bool = True) -> RolloutBatch:
         self._check_prompts(prompts)

@@ -44,3 +44,45 @@ def shutdown(llm, tmp: Path, procs: list) -> None:
         multiprocessing.active_children()  # reap the exited engine processes (no zombies left behind)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def dead_process(procs: list) -> str | None:
+    """'its NAME process (PID n)' for the first of the engine's processes that is gone (exited, killed, a zombie);
+    None while all run."""
+    import psutil
+
+    for p in procs:
+        try:
+            if p.is_running() and p.status() != psutil.STATUS_ZOMBIE:
+                continue
+        except psutil.Error:
+            pass
+        try:
+            name = p.name()
+        except psutil.Error:
+            name = "engine"
+        return f"its {name} process (PID {p.pid})"
+    return None
+
+
+def dies_as_engine_died(method):
+    """An engine method whose failure, when one of the engine's processes is gone (or vLLM says its engine is dead),
+    is EngineDied: the run may build a new engine (rl/restart.py). Other failures pass as they are."""
+    import functools
+
+    from drafttrain.engines.base import EngineDied
+
+    @functools.wraps(method)
+    def call(self, *args, **kwargs):
+        try:
+            return method(self, *args, **kwargs)
+        except EngineDied:
+            raise
+        except Exception as e:
+            gone = dead_process(self._procs) or ("its engine core" if type(e).__name__ == "EngineDeadError" else None)
+            if gone is None:
+                raise
+            why = (str(e).strip().splitlines() or [""])[0][:160]
+            raise EngineDied(f"vLLM engine: {gone} died ({type(e).__name__}: {why})") from e
+
+    return call

@@ -22,6 +22,7 @@ import torch
 
 from drafttrain.config import ConfigError, sampling_params
 from drafttrain.data import Prompts, stop_ids
+from drafttrain.rl.watch import check_finite
 from drafttrain.spec import processed_logprobs
 
 
@@ -151,14 +152,13 @@ class GRPO:
             a = adv[idx].view(-1, 1)
             obj = torch.minimum(ratio * a, ratio.clamp(1 - rl.clip_eps, 1 + rl.clip_eps) * a)
             loss = -(obj * m).sum() / n_tok
-            if not torch.isfinite(loss):
-                raise FloatingPointError(f"rl loss is NaN/inf at step {ro.step} (rl.lr={rl.lr} too high?)")
+            check_finite("loss", loss, ro.step, rl.lr)
             if grad:
                 loss.backward()
             losses += float(loss.detach())
             clipped += int((((ratio - 1).abs() > rl.clip_eps) & m).sum())
         self.average_grads()
-        torch.nn.utils.clip_grad_norm_(self.policy.parameters(), 1.0)
+        check_finite("gradient norm", torch.nn.utils.clip_grad_norm_(self.policy.parameters(), 1.0), ro.step, rl.lr)
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
         self.model.eval()

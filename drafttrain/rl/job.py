@@ -27,9 +27,11 @@ from drafttrain.engines import build_engine
 from drafttrain.policy import load_policy
 from drafttrain.report import RunLogger, accuracy_change, eval_table, plot_run, read_jsonl, summary_table, write_json
 from drafttrain.rl.grpo import GRPO
+from drafttrain.rl.restart import RestartingEngine, rebuild_engine
 from drafttrain.tracking.collective import Collective
-from drafttrain.tracking.runfolder import (CheckpointError, Checkpointer, Stopper, changed_settings, load_checkpoint,
-                                           lock_run_folder)
+from drafttrain.rl.watch import CollapseWatch, Diverged
+from drafttrain.tracking.runfolder import (CheckpointError, Checkpointer, RunStopped, Stopper, changed_settings,
+                                           load_checkpoint, lock_run_folder)
 from drafttrain.tracking.tracker import DraftTracker
 from drafttrain.tracking.trainer import make_accelerator
 
@@ -76,9 +78,13 @@ def _run(cfg, acc, out: Path, stopper: Stopper) -> list[dict]:
     policy, tok = load_policy(str(last / "policy") if last else str(resolve_path(cfg.policy.path)), cfg.engine.kind)
     say = (lambda m: tqdm.write(m)) if acc.is_main_process else (lambda m: None)
     prompts = Prompts(cfg, tok, stop_ids(policy, tok))  # bad data.* or reward.fn: one line, before any heavy set-up
+    for note in prompts.notes:
+        say(note)
     try:  # a drafter that does not fit the policy is bad input: one line, and nothing written yet
         drafter = build_drafter(cfg.drafter, policy)
-        engine = build_engine(cfg.engine, policy, drafter)
+        engine = RestartingEngine(build_engine(cfg.engine, policy, drafter),
+                                  rebuild_engine(cfg.engine, policy, drafter), lambda: tracker.publisher.served(),
+                                  cfg.engine.kind, ckpt.latest, say)  # a dead engine is rebuilt (rl/restart.py)
         tracker = DraftTracker(cfg, policy, [engine], drafter, acc, log=say)
     except ValueError as e:
         raise ConfigError(str(e)) from None
@@ -108,14 +114,25 @@ def _run(cfg, acc, out: Path, stopper: Stopper) -> list[dict]:
     if logger and cfg.rl.eval_prompts and state is None:
         before = grpo.evaluate()
     t_ro = time.perf_counter()
+    engine.new_step(start)
     ro = grpo.rollout(start) if start < cfg.rl.steps else None
     first_rollout_s = time.perf_counter() - t_ro  # each later rollout is timed inside the step before it
     bar = tqdm(range(start, cfg.rl.steps), desc=f"{cfg.recipe}", disable=not acc.is_main_process,
                initial=start, total=cfg.rl.steps)
     stopper.in_loop = True  # from here a SIGTERM/SIGINT waits for the step's checkpoint
+    watch = CollapseWatch(cfg, prompts.stop_ids, say)
     for step in bar:
         stopper.step = step
-        rec, ro = grpo.run_step(step, ro, last=step == cfg.rl.steps - 1)
+        watch.see(ro)
+        if step != start:  # the first step's restarts count its rollout's too
+            engine.new_step(step)
+        try:
+            rec, ro = grpo.run_step(step, ro, last=step == cfg.rl.steps - 1)
+        except Diverged as e:
+            bar.close()
+            raise RunStopped(f"{e}: the last checkpoint ({ckpt.latest() or 'none yet'}) stands; rerun with a lower "
+                             f"rl.lr into another run.out_dir (or with run.resume=false)") from None
+        rec["restarts"] = engine.restarts  # dead engines rebuilt in this step
         if step == start:  # the RL loop's wall time is the sum of rl_step_s: the first step's rollout belongs to it
             rec["rl_step_s"] += first_rollout_s
         with tracker.outside_rl_step():  # logging and checkpoints earn the drafter's time bank nothing
@@ -149,9 +166,11 @@ def _run(cfg, acc, out: Path, stopper: Stopper) -> list[dict]:
         print(summary_table(logger.records))
         print(f"report: {png}  metrics: {logger.path}  config: {out / 'config.yaml'}")
     if cfg.rl.eval_prompts:
+        engine.new_step(None)
         after = grpo.evaluate()
-        write_json({"prompts": cfg.rl.eval_prompts, "seed": cfg.rl.eval_seed, "before": before, "after": after,
-                    "change": accuracy_change(before, after, cfg.rl.eval_prompts)}, out / "eval.json")
+        n = prompts.eval_count(cfg.rl.eval_prompts)  # data.path: at most its held-out rows
+        write_json({"prompts": n, "seed": cfg.rl.eval_seed, "before": before, "after": after,
+                    "change": accuracy_change(before, after, n)}, out / "eval.json")
         print(eval_table(before, after))
     ckpt.mark_finished()
     return logger.records

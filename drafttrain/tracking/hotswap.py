@@ -93,6 +93,13 @@ class Publisher:
             if pending is not None:
                 self.pending = {**pending, "version": back}
 
+    def served(self) -> tuple[dict, int]:
+        """(the weights the engines serve, their version): the version on probation's, or the last good ones, as
+        load_state_dict puts back; what a restarted engine is given."""
+        with self._lock:
+            p = self.pending
+            return (p["weights"] if p is not None else self.good_weights), self.version
+
     def _load_all(self, weights: dict, version: int) -> float:
         """Swap into every engine; returns the slowest engine's swap time (s)."""
         worst = 0.0

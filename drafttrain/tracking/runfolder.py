@@ -7,6 +7,7 @@ last complete one behind: stopping at once is always safe, stopping at a step bo
 """
 from __future__ import annotations
 
+import errno
 import io
 import os
 import shutil
@@ -27,6 +28,11 @@ from drafttrain.config import ConfigError, key_docs
 SAFE_GLOBALS = frozenset({"collections.OrderedDict", "torch._utils._rebuild_tensor_v2",
                           *(f"torch.{t}Storage" for t in ("Bool", "Byte", "Char", "Short", "Int", "Long", "Half",
                                                           "BFloat16", "Float", "Double"))})
+
+
+class RunStopped(Exception):
+    """The run cannot go on: one line saying why, that the last checkpoint stands, and what to do (the main job's
+    error line). Not a RuntimeError: nothing that handles an engine's or a drafter's RuntimeError may take it."""
 
 
 class CheckpointError(ValueError):
@@ -260,14 +266,46 @@ class Checkpointer:
             _write_atomic(self.root / "finished", last.name)
 
     def save(self, step: int, grpo, tracker, cfg, eval_before: dict | None) -> None:
-        from drafttrain.policy import save_policy
-
-        d = self.root / f"step-{step}"
+        """Writes step-N whole, or not at all; a full disk is RunStopped, in one line, with the partial folder gone."""
         tmp = self.root / f".tmp-step-{step}"
         if self.acc.is_main_process:
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir(parents=True)
         self.acc.wait_for_everyone()
+        try:
+            self._write(step, tmp, grpo, tracker, cfg, eval_before)
+        except Exception as e:
+            written = _du(tmp)
+            shutil.rmtree(tmp, ignore_errors=True)  # a partial checkpoint is never left behind
+            full = self._no_space(e, step, written)
+            if full:
+                raise RunStopped(full) from None
+            raise
+        self.acc.wait_for_everyone()
+
+    def _no_space(self, e: BaseException, step: int, written: int) -> str | None:
+        """The one line for a write that failed because the disk is full (ENOSPC anywhere in the chain, or less free
+        than a checkpoint takes: torch.save reports a full disk as a bare RuntimeError); None for other failures."""
+        chain, x = [], e
+        while x is not None and len(chain) < 8:
+            chain.append(x)
+            x = x.__cause__ or x.__context__
+        last = self.latest()
+        need = _du(last) if last is not None else written  # the last one's size, or at least what was written
+        free = shutil.disk_usage(self.root).free
+        enospc = any(getattr(c, "errno", None) == errno.ENOSPC or "No space left" in str(c) for c in chain)
+        if not enospc and free >= max(need, 1 << 20):
+            return None
+        about = f"about {need / 2 ** 20:.0f} MB ({need} bytes)" if last is not None else f"more than {need} bytes"
+        return (f"run.out_dir: no space left on the device of {self.root} writing step-{step}: a checkpoint needs "
+                f"{about}, {free} bytes are free; the partial checkpoint was removed and the last one "
+                f"({last if last is not None else 'none yet'}) stands: free space and rerun the same command to "
+                f"resume")
+
+    def _write(self, step: int, tmp: Path, grpo, tracker, cfg, eval_before: dict | None) -> None:
+        from drafttrain.policy import save_policy
+
+        d = self.root / f"step-{step}"
         if tracker.trainer is not None:  # self-drafters have no training state
             tracker.trainer.save(tmp / "trainer.pt")  # every process: its buffer shard
         if self.acc.is_main_process:
@@ -281,7 +319,11 @@ class Checkpointer:
             for old in self.root.glob("step-*"):
                 if old != d:
                     shutil.rmtree(old, ignore_errors=True)
-        self.acc.wait_for_everyone()
+
+
+def _du(folder: Path) -> int:
+    """Bytes of the files under a folder."""
+    return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
 
 
 def _write_atomic(path: Path, text: str) -> None:

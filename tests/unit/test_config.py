@@ -245,3 +245,24 @@ def test_usage_lists_launch_recipes_and_every_key():
         assert any(line.strip().startswith(f"{key}=") and line.rstrip().endswith(doc) for line in lines), key
     # as overrides write them
     assert "  engine.ladder=[2,3,4,6,8]" in text and "  drafter.eagle3.aux_layer_ids=null" in text
+
+
+# ---- relative paths: the working directory, the shipped assets from anywhere ---------------------------------
+def test_a_relative_path_resolves_against_the_working_directory(tmp_path, monkeypatch):
+    from drafttrain.config import resolve_path
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "prompts.jsonl").write_text("{}\n")
+    assert resolve_path("prompts.jsonl") == tmp_path / "prompts.jsonl"
+    assert resolve_path("missing.jsonl") == tmp_path / "missing.jsonl"  # the error then names where it looked
+
+
+def test_the_shipped_assets_resolve_to_the_installed_copy_from_any_folder(tmp_path, monkeypatch):
+    from drafttrain.config import PROJECT_ROOT, resolve_path
+
+    monkeypatch.chdir(tmp_path)
+    assert resolve_path(Config().policy.path) == PROJECT_ROOT / "checkpoints/policy"
+    assert resolve_path("checkpoints/eagle3") == PROJECT_ROOT / "checkpoints/eagle3"
+    assert load_recipe("recipes/eagle3_track.yaml").recipe == "eagle3_track"
+    (tmp_path / "checkpoints/policy").mkdir(parents=True)  # the user's own copy, where they stand, wins
+    assert resolve_path("checkpoints/policy") == tmp_path / "checkpoints/policy"
