@@ -6,6 +6,7 @@
     form.accept(template, weights) -> tensors    a swap's weights, validated, in the form the worker holds
     form.tensors(template)                       the template's weights in that form
     form.started(engine, template), form.before_generate(engine)   optional: set-up after start, before a generation
+    form.needs_engine                            optional: why plain vLLM cannot serve the written form
 """
 from __future__ import annotations
 
@@ -110,6 +111,8 @@ class SuffixForm:
     in its worker from its import path; this form configures it at start and starts a generation per generate() call.
     No weights: a swap carries none."""
     method = "custom_class"
+    # plain vLLM (vllm serve, a user's vllm.LLM) never calls started(): the proposer stays unconfigured there
+    needs_engine = "it runs only inside drafttrain's vLLM engine, which configures its index at start"
     PROPOSER = "drafttrain.engines.vllm_suffix.SuffixProposer"
 
     def write(self, drafter, policy_dir: Path, out: Path, k: int, target) -> str:

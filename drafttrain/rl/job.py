@@ -2,8 +2,9 @@
 through drafttrain/online.py).
 
 Writes into run.out_dir: config.yaml (resolved), metrics.jsonl (+ tb/), ckpt/ (resumable after any kill: the
-latest complete step wins), report.png and a summary table at the end, and eval.json with its table: the policy's
-held-out accuracy before and after the run (rl.eval_prompts fixed problems, sampled and greedy). Under
+latest complete step wins), report.png and a summary table at the end, eval.json with its table: the policy's
+held-out accuracy before and after the run (rl.eval_prompts fixed problems, sampled and greedy), and export/: the
+final policy with its served drafter, ready for vLLM (tracking/deliverable.py; the `vllm serve` line printed). Under
 `accelerate launch` with N processes every process generates its own rollouts; the policy's gradients are averaged
 over the processes, and the drafter's by DDP, or by DeepSpeed ZeRO under a DeepSpeed accelerate config.
 
@@ -28,8 +29,9 @@ from drafttrain.policy import load_policy
 from drafttrain.report import RunLogger, accuracy_change, eval_table, plot_run, read_jsonl, summary_table, write_json
 from drafttrain.rl.grpo import GRPO
 from drafttrain.rl.restart import RestartingEngine, rebuild_engine
-from drafttrain.tracking.collective import Collective
 from drafttrain.rl.watch import CollapseWatch, Diverged
+from drafttrain.tracking.collective import Collective
+from drafttrain.tracking.deliverable import export_run
 from drafttrain.tracking.runfolder import (CheckpointError, Checkpointer, RunStopped, Stopper, changed_settings,
                                            load_checkpoint, lock_run_folder)
 from drafttrain.tracking.tracker import DraftTracker
@@ -172,6 +174,7 @@ def _run(cfg, acc, out: Path, stopper: Stopper) -> list[dict]:
         write_json({"prompts": n, "seed": cfg.rl.eval_seed, "before": before, "after": after,
                     "change": accuracy_change(before, after, n)}, out / "eval.json")
         print(eval_table(before, after))
+    export_run(out, out / "export", log=print)  # before `finished`: a run killed before it is written reruns it
     ckpt.mark_finished()
     return logger.records
 

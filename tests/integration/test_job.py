@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from drafttrain.config import PROJECT_ROOT, load_recipe
+from drafttrain.export import load_drafter
 from drafttrain.report import read_jsonl
 from tests.integration.conftest import kill_at_checkpoint
 
@@ -65,6 +66,8 @@ def test_one_rl_step_with_hot_swap(policy_dir, tmp_path, monkeypatch, mode):
     ev = json.loads((tmp_path / "eval.json").read_text())  # held-out accuracy before and after the run
     assert ev["prompts"] == 4 and set(ev["before"]) == set(ev["after"]) == {"eval_sampled_acc", "eval_greedy_acc"}
     assert state["eval_before"] == ev["before"]  # carried through a resume
+    served = load_drafter(tmp_path / "export" / "drafter").state_dict()  # the deliverable: the drafter it served
+    assert all(torch.equal(served[n], t) for n, t in state["tracker"]["good_weights"].items())
 
 
 def test_rl_step_time_includes_the_steps_own_rollout(policy_dir, tmp_path, monkeypatch):
@@ -137,6 +140,9 @@ def test_kill_and_resume(policy_dir, tmp_path, recipe):
     assert [x["drafter_version"] for x in recs] == sorted(x["drafter_version"] for x in recs)
     assert (out / "report.png").is_file()
     assert json.loads((out / "eval.json").read_text())["before"] == state["eval_before"] is not None
+    serve = json.loads((out / "export" / "serve.json").read_text())  # the deliverable, written by the rerun
+    assert (out / "export" / "policy" / "config.json").is_file()
+    assert ("speculative_config" in serve) == (recipe not in ("suffix_track", "auto_track"))
 
 
 # ---- bad input: one clear line, nothing written so far lost ---------------------------------------------------

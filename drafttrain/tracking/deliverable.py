@@ -1,0 +1,124 @@
+"""A run's deliverable: the policy with the drafter that served it, in the folders vLLM loads.
+
+    export_run("runs/eagle3_track", "runs/eagle3_track/export")        # the latest checkpoint, or step=N
+    python -m drafttrain.export RUN_DIR [--step N] OUT                 # the same from a shell
+
+OUT/policy is the checkpoint's HF folder (with its tokenizer), OUT/drafter the served drafter (the tracker's last good
+weights) in its kind's vLLM form (engines/vllm_forms.py: the form engine.kind=vllm serves), and OUT/serve.json holds
+what vllm.LLM(model=..., speculative_config=...) takes, paths relative to OUT. OUT is written whole under a temporary
+name and renamed into place (atomic.replace_dir). A kind plain vLLM cannot serve (auto, suffix) gets the policy and a
+serve.json without speculative_config, and the reason in one line.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import shutil
+import tempfile
+from pathlib import Path
+
+from omegaconf import OmegaConf
+
+from drafttrain.atomic import recover_dir, replace_dir
+from drafttrain.config import Config, ConfigError, max_draft_len
+from drafttrain.drafters.base import DRAFTERS, build_drafter
+from drafttrain.tracking.runfolder import load_checkpoint
+
+
+def unservable(kind: str) -> str | None:
+    """Why plain vLLM cannot serve this drafter kind, or None when it can."""
+    entry = DRAFTERS.get(kind)
+    if entry is None or entry.vllm is None:
+        return f"drafter.kind={kind} has no vLLM form"
+    why = getattr(entry.vllm_form(kind), "needs_engine", None)
+    return f"drafter.kind={kind}: {why}" if why else None
+
+
+def write_pair(policy_dir: str | Path, drafter, kind: str, k: int, out: str | Path) -> dict:
+    """OUT/policy (a copy of the HF folder policy_dir), OUT/drafter and OUT/serve.json, atomically.
+    Returns {"serve": serve.json's dict, "unservable": the reason or None, "out": OUT (absolute)}."""
+    policy_dir, out = Path(policy_dir), Path(out).absolute()
+    if not (policy_dir / "config.json").is_file():
+        raise FileNotFoundError(f"policy: {policy_dir} is not an HF checkpoint folder (no config.json)")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    recover_dir(out)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    try:
+        os.chmod(tmp, 0o755)
+        shutil.copytree(policy_dir, tmp / "policy")
+        serve, why = {"model": "policy"}, unservable(kind)
+        if why is None:
+            form = DRAFTERS[kind].vllm_form(kind)
+            target = json.loads((tmp / "policy" / "config.json").read_text())
+            form.write(drafter, policy_dir, tmp / "drafter", int(k), target)
+            serve["speculative_config"] = {"model": "drafter", "method": form.method, "num_speculative_tokens": int(k)}
+        (tmp / "serve.json").write_text(json.dumps(serve, indent=2) + "\n")
+        replace_dir(tmp, out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return {"serve": serve, "unservable": why, "out": out}
+
+
+def serve_kwargs(out: str | Path) -> dict:
+    """serve.json as vllm.LLM keyword arguments, its relative paths made absolute (vLLM reads them from the cwd)."""
+    out = Path(out).absolute()
+    s = json.loads((out / "serve.json").read_text())
+    kw = {"model": str(out / s["model"])}
+    if "speculative_config" in s:
+        kw["speculative_config"] = {**s["speculative_config"], "model": str(out / s["speculative_config"]["model"])}
+    return kw
+
+
+def serve_command(out: str | Path) -> str:
+    """The one-line `vllm serve` command for an export folder."""
+    kw = serve_kwargs(out)
+    cmd = f"vllm serve {shlex.quote(kw['model'])}"
+    if "speculative_config" in kw:
+        cmd += f" --speculative-config {shlex.quote(json.dumps(kw['speculative_config']))}"
+    return cmd
+
+
+def checkpoint_dir(run_dir: str | Path, step: int | None = None) -> Path:
+    """RUN_DIR/ckpt/step-N (the latest complete one when step is None); a missing one is a one-line error."""
+    run = Path(run_dir)
+    if not run.is_dir():
+        raise FileNotFoundError(f"RUN_DIR: {run} is not a folder")
+    root = run / "ckpt"
+    if step is None:
+        latest = root / "latest"
+        if not latest.is_file():
+            raise FileNotFoundError(f"RUN_DIR: {run} holds no checkpoint (no ckpt/latest): not a drafttrain run folder")
+        d = root / latest.read_text().strip()
+    else:
+        d = root / f"step-{step}"
+    if not (d / "state.pt").is_file() or not (d / "policy" / "config.json").is_file():
+        kept = ", ".join(sorted(p.name for p in root.glob("step-*"))) or "none"
+        raise FileNotFoundError(f"--step: {run} has no complete checkpoint {d.name} (kept: {kept})")
+    return d
+
+
+def export_run(run_dir: str | Path, out: str | Path, step: int | None = None, log=print) -> dict:
+    """write_pair for a run folder's checkpoint: its policy and the drafter its tracker served (good_weights),
+    rebuilt from the checkpoint's own config. Logs the `vllm serve` line, or why there is none."""
+    from drafttrain.policy import load_policy
+
+    ckpt = checkpoint_dir(run_dir, step)
+    state = load_checkpoint(ckpt / "state.pt")
+    try:
+        cfg = OmegaConf.merge(OmegaConf.structured(Config), state["config"])
+    except Exception as e:  # noqa: BLE001  a checkpoint of another drafttrain version
+        raise ConfigError(f"RUN_DIR: {ckpt / 'state.pt'} holds a config this version cannot read ({e})") from None
+    kind, k = cfg.drafter.kind, max_draft_len(cfg.engine)
+    drafter = None
+    if unservable(kind) is None:
+        policy, _ = load_policy(str(ckpt / "policy"), "vllm")
+        drafter = build_drafter(cfg.drafter, policy)
+        drafter.load_state_dict(state["tracker"]["good_weights"])
+    res = write_pair(ckpt / "policy", drafter, kind, k, out)
+    if res["unservable"]:
+        log(f"[drafttrain] export: {res['unservable']}, so vLLM cannot serve it: wrote the policy only, to "
+            f"{res['out']}")
+    else:
+        log(f"[drafttrain] serve the policy with its drafter: {serve_command(res['out'])}")
+    return res
