@@ -123,7 +123,7 @@ class GRPO:
         reads = self.tracker is not None and self.tracker.reads_rows(ro.step, last)
         order = sorted(range(len(ro.prompts)), key=lambda i: (not adv[i], len(ro.prompts[i]) + len(ro.responses[i])))
         self.model.train()
-        losses, clipped = 0.0, 0
+        losses, clipped, graded = 0.0, 0, 0
         for s in range(0, len(order), rl.micro_batch):
             idx = order[s: s + rl.micro_batch]
             grad = bool(adv[idx].any())
@@ -156,13 +156,15 @@ class GRPO:
             if grad:
                 loss.backward()
             losses += float(loss.detach())
-            clipped += int((((ratio - 1).abs() > rl.clip_eps) & m).sum())
+            if grad:  # the share of the tokens the update learns from whose ratio was clipped
+                clipped += int((((ratio - 1).abs() > rl.clip_eps) & m & (a != 0)).sum())
+                graded += int((m & (a != 0)).sum())
         self.average_grads()
         check_finite("gradient norm", torch.nn.utils.clip_grad_norm_(self.policy.parameters(), 1.0), ro.step, rl.lr)
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
         self.model.eval()
-        return {"rl_loss": losses, "clip_frac": clipped / max(n_tok, 1)}
+        return {"rl_loss": losses, "clip_frac": clipped / max(graded, 1)}
 
     def run_step(self, step: int, ro: Rollouts, last: bool = False) -> tuple[dict, Rollouts | None]:
         """Train on `ro` (this step's rollouts), update the engine's policy and the drafter; return the metrics
