@@ -21,7 +21,7 @@ def linear(x: torch.Tensor, w, b: torch.Tensor | None = None) -> torch.Tensor:
 
 
 ONEDNN = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
-# the overload itself: calling the op packet re-resolves it on every call (~2 us, ~25 calls per forward)
+# the overload itself: calling the op packet re-resolves it on every call, and a forward makes many calls
 _LINEAR_POINTWISE = torch.ops.mkldnn._linear_pointwise.default if ONEDNN else None
 
 
@@ -56,8 +56,9 @@ def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
 
 def rms_unit(x: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
     """rms_norm without its weight, up to a constant: rms_norm(x, w, eps) == rms_unit(x, c) * (w * sqrt(H)) with
-    c = sqrt(H eps) (a 0-d tensor): x / sqrt(||x||^2 + H eps) in 3 ops, against F.rms_norm's ~8 (2-3x slower at
-    decode sizes on this CPU). The inference forms fold w * sqrt(H) into the columns of the linear that follows."""
+    c = sqrt(H eps) (a 0-d tensor): x / sqrt(||x||^2 + H eps) in 3 ops, against F.rms_norm's ~8 (slower at decode
+    sizes on this CPU: bench/NOTES.md, Embedded engine). The inference forms fold w * sqrt(H) into the columns of the
+    linear that follows."""
     return x / torch.hypot(torch.linalg.vector_norm(x, dim=-1, keepdim=True), c)
 
 
@@ -212,10 +213,8 @@ def attend(q: torch.Tensor, cache: KVCache, layer: int, mask: torch.Tensor | Non
     """q [B, H, m, D] against the first `length` cache positions -> [B, H, m, D].
 
     Two kernels, picked by shape. SDPA's CPU kernel (flash) is the faster one for a few queries, but with several
-    queries per row over several rows (a verify or a prefill past batch 2) it runs 1.1-4x slower here than the
-    plain matmul-softmax-matmul, and at batch >= 32 even for one query (microbenchmarks over contexts 30-300:
-    2-4x at context 30 and batch 8-64, 1.1-1.5x at 300). On the long-tail workload (bench_longtail's batch)
-    AR and SD rollouts both ran 3-4% faster."""
+    queries per row over several rows (a verify or a prefill past batch 2) it runs slower here than the plain
+    matmul-softmax-matmul, and at batch >= 32 even for one query (measured: bench/NOTES.md, Embedded engine)."""
     k, v = cache.k[layer][:, :, :length], cache.v[layer][:, :, :length]
     B, H, m, D = q.shape
     if H == k.shape[1] and (m > 1 and B >= 4 or B >= 32):

@@ -97,7 +97,7 @@ MODELS = {
 DRAFT_VOCAB = 32000  # EAGLE-3's reduced draft vocabulary (its lm_head rows)
 DRAFT_MODEL_LAYERS = 1  # drafter.draft_model.layers, as shipped
 # The suffix drafter drafts on the host (its n-gram index, pure Python): no GPU forward. Per row and drafted token,
-# measured here (bench/drafters.json: ~0.02 of a decode step at batch 64, ~8 us a row-token), kept as it is at scale
+# measured here (bench/drafters.json's suffix drafting cost; bench/NOTES.md, Simulator), kept as it is at scale
 SUFFIX_ROW_S = 8e-6
 WEIGHT_BYTES = {"bf16": 2.0, "int8": 1.0 + 2 / 128, "int4": 0.5 + 2 / 64}  # + a bf16 scale per group (128 / 64)
 

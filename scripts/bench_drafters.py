@@ -15,9 +15,9 @@ member kind, and AR's, interleaved over `repeats` batches, each with its own pro
 (bench_longtail's method and workload; same_problems=true: the same problems in every batch, as prompts revisited
 over a dataset's epochs; pool=N: drawn from a fixed set of N problems, as over a dataset), after `warmup` batches
 each (a running job's engine has seen the earlier steps' batches: the schedule and the chooser have learnt);
-auto_over_best = auto's mean wall time over the best single kind's (wall_s_sd: each one's spread over the seeds; a batch
-is ~0.2 s and varies ~10% from seed to seed, so 20 seeds); suffix_speedup_over_ar = AR's over the suffix
-drafter's.
+auto_over_best = auto's mean wall time over the best single kind's (wall_s_sd: each one's spread over the seeds; a
+batch's wall time varies from seed to seed, hence 20 seeds: bench/NOTES.md, Auto); suffix_speedup_over_ar = AR's over
+the suffix drafter's.
 Tracking (tracking=true): the main job's default run for each trainable kind (its recipe, `track_steps` RL steps;
 null = the recipe's; track_overrides: more recipe keys), and live over frozen teacher-forced MAL over the run's last
 quarter; track_ceiling=true (default) also runs it with no time budget (online.budget_frac=0): ceiling_live_over_frozen,

@@ -14,18 +14,18 @@ batch starts large (SD loses: verify costs ~ linearly more tokens on this CPU) a
 (SD wins). Modes, for each drafter (EAGLE-3 from checkpoints/eagle3, selfquant int8 and int4):
 AR | SD-always at fixed k | SD + toggle (fixed k) | SD + toggle + auto k | SD + toggle + ladder. Each engine
 is warmed up on a batch of the workload, then every engine runs `repeats` batches of it, interleaved, each repeat
-with its own problems and sampling seed (the same for every engine); the mean wall time counts. One seed for every
-repeat (until 2026-11-30) timed one draw of the batch per engine, and AR and SD draw differently (exact in
-distribution only): the draw's longest rows, not the engine, then set much of the difference.
+with its own problems and sampling seed (the same for every engine); the mean wall time counts. Why fresh seeds:
+AR and SD draw differently (exact in distribution only), so one draw's longest rows, not the engine, would set
+much of the difference.
 Sweep: tokens/s at an active batch B for AR, SD-always and SD + toggle: real rollouts of the workload's prompts
 (stop token on), counting the decode steps with at least 3/4 of B rows still active, over
-max(sweep_min_batches, sweep_rows // B) batches per repeat (a batch of 64 keeps 3/4 of its rows for only ~2 SD
-steps: one batch per repeat measured noise, and four still left the toggle, running SD in every one of those steps,
-at 0.92-1.09 of SD-always from B = 8 up); the median of sweep_repeats interleaved repeats, and the share of those
+max(sweep_min_batches, sweep_rows // B) batches per repeat (a large batch keeps 3/4 of its rows for only a few SD
+steps, so one batch per repeat measures noise: bench/NOTES.md, Embedded engine); the median of sweep_repeats
+interleaved repeats, and the share of those
 steps the toggle ran SD in. toggle_over_best is the median over repeats of each repeat's toggle / max(AR, SD-always)
-(paired within the repeat); toggle_over_best_of_medians, the ratio of the medians, is kept beside it. (Until
-2026-11-30 the sweep ran without a stop token at a constant batch: past its end of text the policy writes junk that
-no drafter predicts, mean accepted length ~2 against ~4.3, which misstated SD at every batch.)
+(paired within the repeat); toggle_over_best_of_medians, the ratio of the medians, is kept beside it. The stop
+token is on: past its end of text the policy writes junk that no drafter predicts, which would misstate SD at every
+batch.
 Ceiling: the AR runs re-priced step by step at the sweep's best of AR and SD-always at each step's active batch
 (ceiling_wall): about what a perfect toggle at k = `k` would take on this machine, next to the toggle's own time.
 Prints tables; writes bench/longtail.json and bench/longtail_trace.png (active batch, SD on/off and k per step).
@@ -95,9 +95,9 @@ def interleaved(engines: dict, prompts, params, repeats: int, shift: int = 0) ->
 def workload(tok, n: int, group: int, seed0: int, same: bool, pool: int = 0):
     """-> batch(seed): a GRPO batch of n problems x `group` samples, the problems drawn at `seed` (each RL step draws
     new ones), or with same=True always those drawn at seed0 (problems revisited, as in epochs over a dataset: what
-    the suffix drafter, which drafts from earlier rollouts, thrives on). Until 2026-12-04 every warm-up and repeat
-    re-generated the same problems: the suffix drafter's index then held earlier rollouts of the very problems it
-    drafted (mean accepted length at k=4 3.55, against 1.82 after rollouts of other problems: bench/NOTES.md).
+    the suffix drafter, which drafts from earlier rollouts, thrives on). New problems by default because an RL run
+    draws them: on revisited problems the suffix drafter's index holds earlier rollouts of the very problems it
+    drafts, which it accepts far more of (bench/NOTES.md, Suffix).
     pool > 0: n of a fixed set of `pool` problems (drawn at seed0), sampled at `seed` without replacement, as an RL
     run over a dataset draws its steps' prompts (drafttrain/data.py): each comes back every ~pool/n batches."""
     fixed = make_prompts(pool, seed=seed0) if pool else None
@@ -114,10 +114,9 @@ def workload(tok, n: int, group: int, seed0: int, same: bool, pool: int = 0):
 
 def run_order(keys: list, rep: int) -> list:
     """The engines' order in repeat `rep`: a permutation drawn from a generator seeded by rep, so that over the
-    repeats each engine runs first, last and right after every other one about equally often. Until 2026-12-04 the
-    order rotated by one per repeat, which keeps each engine's predecessor: SD-always ran right after AR in four
-    repeats of five (it read 10-28% slower than the toggle at the same k in four runs, two of them with the same
-    steps)."""
+    repeats each engine runs first, last and right after every other one about equally often. An order rotated by
+    one per repeat keeps each engine's predecessor, and an engine's time moved with what ran before it
+    (bench/NOTES.md, Embedded engine)."""
     keys = list(keys)
     random.Random(rep).shuffle(keys)
     return keys

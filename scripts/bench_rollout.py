@@ -33,8 +33,7 @@ from drafttrain.policy import encode_prompt, load_policy, make_prompts
 from drafttrain.report import format_table, write_json
 from drafttrain.spec import SamplingParams
 
-# n_prompts=128: on 64 the batch-1 SD/AR moved with the prompt set (1.64-1.95 over four sets; the default set read
-# 5-8% above the others)
+# n_prompts=128: on fewer prompts the batch-1 SD/AR moved with the prompt set (bench/NOTES.md, Embedded engine)
 DEFAULTS = dict(recipe="eagle3_track", overrides=[], batches=[1, 4, 16, 64], n_prompts=128, max_new_tokens=256,
                 seed=1234,
                 out="bench/rollout.json", hf=True, threads=2, vllm=False, vllm_batches=[1], vllm_swaps=10,

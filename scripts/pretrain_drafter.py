@@ -22,9 +22,8 @@ there exactly (other settings: a one-line error). At the end the drafter is
 scored on fresh rollouts (speculative, the recipe's engine and k) and the mean accepted length is printed and
 stored under drafttrain.extra in the saved config.json.
 
-Shipped checkpoints/eagle3 (the defaults, `threads=2`): 8192 rollouts, 3 epochs, 1536 steps of a 5-step
-training-time test, 10.3 min on 2 CPU threads (part of it beside another job); mean accepted length 4.20 at k=5
-on its 128 batched eval rollouts (acceptance per position 0.90/0.83/0.89/0.96/0.98).
+Shipped checkpoints/eagle3 is this script at its defaults with `threads=2` (8192 rollouts, 3 epochs, 1536 steps of
+a 5-step training-time test); its time and its mean accepted length: bench/NOTES.md, EAGLE-3.
 
 Simplifies on purpose: no validation split (the acceptance measurement on fresh prompts is the validation).
 """

@@ -3,8 +3,8 @@ member that drafts, or none.
 
 Each generation serves the members the chooser planned for it (plan(); all of them until it has tried each): only
 those get a state and a backlog, and the policy's forward returns only what they read (generation_reads), so a
-member the chooser has set aside costs nothing while it is (its KV cache, its backlog copies, an EAGLE-3's aux layers:
-~10% of a long-tail batch with four members, every step drafted by one). Every planned member sees every verified
+member the chooser has set aside costs nothing while it is (its KV cache, its backlog copies, an EAGLE-3's aux layers;
+measured: bench/NOTES.md, Auto). Every planned member sees every verified
 position: the engine hands this drafter each step's new positions, each planned member keeps its own backlog of the
 positions it has not consumed (Pending), and the member that drafts catches up on its whole backlog in that one
 call, as a drafter does after AR steps. What they read from the policy's forward is the union of their Reads (aux

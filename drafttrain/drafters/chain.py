@@ -43,8 +43,8 @@ class ChainDrafter(nn.Module):
         """The layer's attention input x [B, m, X] at positions pos [B, m] (top: an upper bound of pos, if known) ->
         q [B, Hq, m, D], k, v [B, Hkv, m, D]: layers[0].self_attn's q/k/v projections, q and k rotated.
         q_at [S] (positions shared by the rows): q at those positions only, [B, Hq, S, D]. The training form
-        projects q there alone (a quarter of the positions at the default query_frac: ~9% of a drafter step); the
-        runtime form runs its one fused q|k|v matmul and rotates q and k in one pass."""
+        projects q there alone (a quarter of the positions at the default query_frac; the saving: bench/NOTES.md,
+        EAGLE-3); the runtime form runs its one fused q|k|v matmul and rotates q and k in one pass."""
         c = self.config
         B, m, _ = x.shape
         Hq, Hkv, D = c.num_attention_heads, c.num_key_value_heads, c.head_dim

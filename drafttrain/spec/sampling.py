@@ -93,7 +93,7 @@ def sample(weights: torch.Tensor, generator: torch.Generator | None = None,
            noise: torch.Tensor | None = None) -> torch.Tensor:
     """One index per row of weights [..., V] (non-negative, any scale), drawn with probability weights / sum:
     the exponential race argmax(w_v / E_v), E_v ~ Exp(1) iid, which is exact and costs 3 small ops (torch.multinomial
-    costs 2-3x more per call on this CPU, and it is called k+1 times per decode step). `noise`: E drawn beforehand
+    costs more per call on this CPU, and it is called k+1 times per decode step). `noise`: E drawn beforehand
     (race_noise, weights' shape), fresh for this draw."""
     e = race_noise(weights.shape, generator) if noise is None else noise
     return (weights / e).argmax(-1)

@@ -111,7 +111,7 @@ def teacher_forced_acceptance(drafter, batch: dict[str, torch.Tensor], k: int) -
     gate pairs drafters row by row) and expected verify steps [B] (0: none). MAL is 1.0 when no row has a second
     response token.
     Rows are scored in length_chunks, from their first response position on: the same pooled counts as the whole
-    padded batch at every position (a 64-rollout batch padded to its longest row computed ~4x the positions)."""
+    padded batch at every position, at a fraction of its cost (bench/NOTES.md, Tracking)."""
     _check_steps(batch, k)  # before length_chunks, whose cuts would hide too few steps
     st = SpecStats()
     row_mal, row_steps = torch.full((batch["aux"].shape[0],), math.nan), torch.zeros(batch["aux"].shape[0])

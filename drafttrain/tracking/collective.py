@@ -49,7 +49,7 @@ class Collective:
     def settle(self, grace_s: float = 0.2) -> None:
         """A process's last act after its last collective (several processes): a short pause, holding no lock, so
         gloo's worker threads free that collective's tensors while the interpreter still runs. Exiting at once, a
-        worker could still be freeing one at interpreter shutdown, which aborts the process (SIGABRT at exit: 2 of 40
-        two-process ends; bench/NOTES.md, session 31). Not a collective: processes settle on their own."""
+        worker could still be freeing one at interpreter shutdown, which aborts the process (SIGABRT at exit;
+        measured: bench/NOTES.md, Scale). Not a collective: processes settle on their own."""
         if self.n > 1:
             time.sleep(grace_s)

@@ -18,7 +18,7 @@ from __future__ import annotations
 import math
 
 import torch
-# Student-t quantile, stdtrit(df, p). Imported at start-up: a lazy scipy import inside the first decision (~2 s)
+# Student-t quantile, stdtrit(df, p). Imported at start-up: a lazy scipy import inside the first decision (seconds)
 # was charged to the drafter's time bank, which could then stay in debt for many RL steps
 from scipy.special import stdtrit
 

@@ -32,7 +32,7 @@ class Scorer:
         return self.publisher.version
 
     def runtime_form(self, drafter, owned: bool = False):
-        """`drafter` as the torch engine runs it (int8 linears if engine.drafter_int8, also 1.7x cheaper to score).
+        """`drafter` as the torch engine runs it (int8 linears if engine.drafter_int8, also cheaper to score).
         vLLM runs the fp32 head: fp32 there."""
         int8 = self.cfg.engine.kind == "torch" and bool(self.cfg.engine.drafter_int8)
         return runtime_copy(drafter, int8, owned)

@@ -92,7 +92,7 @@ class DrafterTrainer:
                 and hasattr(drafter, "freeze_scores")):
             drafter.freeze_scores()
         params = [p for p in drafter.parameters() if p.requires_grad]  # embed_tokens is frozen
-        # fused: one kernel over all parameters, 1.1 ms a step against foreach's 2.6 (DeepSpeed brings its own step)
+        # fused: one kernel over all parameters, cheaper than foreach (bench/NOTES.md; DeepSpeed brings its own step)
         opt = torch.optim.AdamW(params, lr=cfg_train.lr, weight_decay=cfg_train.weight_decay,
                                 fused=not self.deepspeed)
         qf = float(getattr(cfg_train, "query_frac", 1.0))
