@@ -18,15 +18,12 @@ from __future__ import annotations
 
 import copy
 import json
-import os
-import shutil
-import tempfile
 from pathlib import Path
 
 import torch
 import torch.nn as nn
 
-from drafttrain.atomic import replace_dir
+from drafttrain.atomic import atomic_dir
 from drafttrain.drafters import ttt
 from drafttrain.drafters.contract import Reads
 from drafttrain.drafters.selfquant import SelfQuantDrafter
@@ -148,15 +145,9 @@ def load(cfg, policy) -> DraftModelDrafter:
 def save(d: DraftModelDrafter, path, verifier="", k: int = 4, extra: dict | None = None) -> Path:
     """Atomic write of the HF folder (config.json with a drafttrain block, model.safetensors)."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
-    try:
+    with atomic_dir(path) as tmp:
         d.model.save_pretrained(str(tmp))
         cfg = json.loads((tmp / "config.json").read_text())
         cfg["drafttrain"] = {"kind": KIND, "verifier": str(verifier), "k": k, **({"extra": extra} if extra else {})}
         (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
-        os.chmod(tmp, 0o755)
-        replace_dir(tmp, path)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     return path

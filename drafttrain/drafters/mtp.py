@@ -25,9 +25,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
-import shutil
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -36,7 +33,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from safetensors.torch import save_file
 
-from drafttrain.atomic import replace_dir
+from drafttrain.atomic import atomic_dir
 from drafttrain.drafters.chain import ChainDrafter
 from drafttrain.drafters.contract import Reads
 from drafttrain.drafters.eagle3 import _rope_theta
@@ -246,15 +243,8 @@ def save(d: MtpDrafter, path, verifier="", k: int = 4, extra: dict | None = None
            "drafttrain": {"kind": KIND, "config": dataclasses.asdict(c), "verifier": str(verifier), "k": k,
                           **({"extra": extra} if extra else {})}}
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
-    try:
+    with atomic_dir(path, file_modes={"model.safetensors": 0o644}) as tmp:
         weights = {n: t.detach().contiguous().cpu() for n, t in d.state_dict().items()}
         save_file(weights, str(tmp / "model.safetensors"))
         (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
-        for p, mode in ((tmp, 0o755), (tmp / "model.safetensors", 0o644)):
-            os.chmod(p, mode)
-        replace_dir(tmp, path)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     return path

@@ -13,16 +13,13 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
-import shutil
-import tempfile
 from pathlib import Path
 
 import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from drafttrain.atomic import recover_dir, replace_dir
+from drafttrain.atomic import atomic_dir, recover_dir
 from drafttrain.drafters import eagle3
 
 FORMAT_VERSION = 1
@@ -63,23 +60,16 @@ def save_drafter(d: eagle3.Eagle3Drafter, path: str | Path, verifier: str | Path
     """Atomic write of config.json + model.safetensors (+ optional extra JSON under drafttrain.extra), in
     speculators' tensor names (the drafter's state_dict: layers.0.*)."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
     cfg = speculators_config(d, str(verifier), k)
     if extra:
         cfg["drafttrain"]["extra"] = extra
-    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
-    try:
+    with atomic_dir(path, file_modes={"model.safetensors": 0o644}) as tmp:  # safetensors writes 0600
         weights = {n: t.detach().contiguous().cpu() for n, t in d.state_dict().items()}
         if _identity_vocab_map(d):  # vLLM refuses d2t when the draft vocabulary is the whole vocabulary
             weights.pop("d2t")
             weights.pop("t2d")
         save_file(weights, str(tmp / "model.safetensors"))
         (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
-        for p, mode in ((tmp, 0o755), (tmp / "model.safetensors", 0o644)):  # mkdtemp/safetensors give 0700/0600
-            os.chmod(p, mode)
-        replace_dir(tmp, path)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     return path
 
 
