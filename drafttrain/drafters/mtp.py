@@ -36,7 +36,7 @@ from safetensors.torch import save_file
 from drafttrain.atomic import atomic_dir
 from drafttrain.drafters.chain import ChainDrafter
 from drafttrain.drafters.contract import Reads
-from drafttrain.drafters.eagle3 import _rope_theta
+from drafttrain.drafters.eagle3 import rope_theta_of
 from drafttrain.drafters.weights import check_tensors
 from drafttrain.modeling import PackedLinear, Rope, fold_norm, linear, rms_norm, rms_unit
 from drafttrain.quant import AoInt8
@@ -184,7 +184,7 @@ def config_from_policy(pc, intermediate_size=None) -> MtpConfig:
                      num_key_value_heads=getattr(pc, "num_key_value_heads", None) or n_heads,
                      head_dim=getattr(pc, "head_dim", None) or pc.hidden_size // n_heads,
                      intermediate_size=intermediate_size or pc.intermediate_size, vocab_size=pc.vocab_size,
-                     rms_norm_eps=pc.rms_norm_eps, rope_theta=float(_rope_theta(pc)),
+                     rms_norm_eps=pc.rms_norm_eps, rope_theta=float(rope_theta_of(pc)),
                      max_position_embeddings=pc.max_position_embeddings)
 
 

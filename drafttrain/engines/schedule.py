@@ -220,7 +220,7 @@ class SpecController:
         both = [b for (m, b) in self.factor if m == "sd" and ("ar", b) in self.factor]
         if not both:
             return 1.0
-        want = _bucket(batch).bit_length()
+        want = bucket(batch).bit_length()
         b = min(both, key=lambda x: abs(x.bit_length() - want))
         return self.factor[("ar", b)] / self.factor[("sd", b)]
 
@@ -229,7 +229,7 @@ class SpecController:
         (prompt, or after AR steps) or a step that also dropped finished rows: not learnt from."""
         if self.cost is None or not typical:
             return
-        key = ("sd" if k else "ar", _bucket(batch))
+        key = ("sd" if k else "ar", bucket(batch))
         f = ms / max(self.model_ms(batch, k), 1e-9)
         if key not in self.factor:
             self.factor[key] = min(max(f, 0.25), 8.0)
@@ -322,7 +322,7 @@ class SpecController:
                 self._streak = 0
 
 
-def _bucket(batch: int) -> int:
+def bucket(batch: int) -> int:
     """The power of two at or below batch (1, 2, 4, ...)."""
     return 1 << (max(batch, 1).bit_length() - 1)
 
