@@ -12,7 +12,7 @@ from typing import Callable, Optional
 import torch
 
 from drafttrain.drafters import auto, draft_model, eagle3, mtp, selfquant, suffix
-from drafttrain.quant import quantize_module_int8
+from drafttrain.drafters.contract import check_compatible
 
 
 @dataclass(frozen=True)
@@ -133,35 +133,9 @@ def _check_kind(cfg) -> None:
                          f"drafter.kind={saved}, or point drafter.path at a {cfg.kind} checkpoint)")
 
 
-def check_compatible(drafter, policy) -> None:
-    """A drafter built for another policy fails here, with the mismatching field named: its hidden size where it has
-    a config of sizes (EAGLE-3's, MTP's; a self-drafter's is its policy's own; the Drafter protocol does not require
-    one), its vocabulary (a config's, or its own vocab_size: the draft model's, the suffix drafter's), and its aux
-    layers where it takes them. Both engines call it (vLLM's with the target's config.json)."""
-    c, pc = getattr(drafter, "config", None), policy.config
-    if hasattr(c, "hidden_size") and c.hidden_size != pc.hidden_size:
-        raise ValueError(f"drafter hidden_size {c.hidden_size} != policy hidden_size {pc.hidden_size}")
-    V = getattr(drafter, "vocab_size", None) or getattr(c, "vocab_size", None)
-    if V is not None and V != pc.vocab_size:
-        raise ValueError(f"drafter vocab_size {V} != policy vocab_size {pc.vocab_size}")
-    if c is None or not hasattr(c, "hidden_size"):
-        return
-    aux = drafter.reads.aux_layers
-    if not aux:
-        return
-    if getattr(c, "target_num_layers", pc.num_hidden_layers) != pc.num_hidden_layers or max(
-            aux) >= pc.num_hidden_layers:
-        raise ValueError(f"drafter aux_layer_ids {list(aux)} do not fit the policy's "
-                         f"{pc.num_hidden_layers} layers")
-
-
 def runtime_copy(drafter, int8: bool, owned: bool = False):
     """The copy of `drafter` the embedded engine drafts with (owned: a fresh copy already, used as is): fused for
     inference, or, for a drafter with no fused form, its linears int8-quantized (int8; not a self-drafter's:
     quantized already). Also what teacher-forced scoring of the engine's drafter scores."""
     rt = (drafter if owned else copy.deepcopy(drafter)).eval().requires_grad_(False)
-    if hasattr(rt, "fuse_for_inference"):
-        return rt.fuse_for_inference(int8=int8)
-    if int8 and not getattr(drafter, "in_place_update", False):
-        return quantize_module_int8(rt)
-    return rt
+    return rt.fuse_for_inference(int8=int8)

@@ -25,7 +25,7 @@ import torch.nn as nn
 
 from drafttrain.atomic import atomic_dir
 from drafttrain.drafters import ttt
-from drafttrain.drafters.contract import Reads
+from drafttrain.drafters.contract import Reads, TrainableDrafter
 from drafttrain.drafters.selfquant import SelfQuantDrafter
 from drafttrain.drafters.weights import check_tensors
 
@@ -46,7 +46,7 @@ def _steps(logits: torch.Tensor, T: int, steps: int, queries) -> list[torch.Tens
     return [logits[:, queries + 1 + i] for i in range(steps)]
 
 
-class DraftModelDrafter(nn.Module):
+class DraftModelDrafter(nn.Module, TrainableDrafter):
     kind = KIND
     follows_policy = False
     trains = True  # distilled online (forward KL to the policy)
