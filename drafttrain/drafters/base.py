@@ -5,13 +5,12 @@ contract.py."""
 from __future__ import annotations
 
 import copy
-import importlib
 from dataclasses import dataclass
 from typing import Callable, Optional
 
 import torch
 
-from drafttrain.drafters import auto, draft_model, eagle3, mtp, selfquant, suffix
+from drafttrain.drafters import auto, draft_model, eagle3, mtp, selfquant, speculators, suffix
 from drafttrain.drafters.contract import check_compatible
 
 
@@ -19,18 +18,11 @@ from drafttrain.drafters.contract import check_compatible
 class DrafterKind:
     build: Callable  # build(cfg.drafter, policy) -> a fresh drafter (contract.Drafter)
     load: Optional[Callable] = None  # load(cfg.drafter, policy) -> the drafter at cfg.drafter.path; None: no path
-    # "module:NAME" of its vLLM form (engines/vllm_forms.py: method, write, tensors, accept); None: embedded only.
-    # Named, not imported: the vLLM side imports this registry
+    # the name of its vLLM form (a key of engines/vllm_forms.FORMS, which form_of(kind) looks up); None: embedded only.
+    # A name, not a module: drafters/ never imports or names an engine module (the vLLM side imports this registry)
     vllm: Optional[str] = None
     # save(drafter, path, verifier=, k=, extra=) -> path: the folder `load` reads back; None: nothing to save
     save: Optional[Callable] = None
-
-    def vllm_form(self, kind: str):
-        if self.vllm is None:
-            raise ValueError(f"drafter.kind: {kind!r} has no vLLM form: it runs in the embedded engine "
-                             f"(engine.kind=torch)")
-        module, name = self.vllm.split(":")
-        return getattr(importlib.import_module(module), name)
 
 
 def _fresh_eagle3(cfg, policy):
@@ -46,9 +38,8 @@ def _load_eagle3(cfg, policy):
     """The speculators-format folder at cfg.path; it fixes its own sizes: drafter.eagle3 settings that ask for other
     ones are an error, not silently overridden."""
     from drafttrain.config import resolve_path
-    from drafttrain.export import load_drafter
 
-    d = load_drafter(resolve_path(cfg.path), target_num_layers=policy.config.num_hidden_layers)
+    d = speculators.load_drafter(resolve_path(cfg.path), target_num_layers=policy.config.num_hidden_layers)
     try:
         check_compatible(d, policy)
     except ValueError as e:  # name the key: the drafter there was made for another policy
@@ -78,18 +69,16 @@ def _build_auto(cfg, policy):
 
 
 def _save_eagle3(d, path, **kw):
-    from drafttrain.export import save_drafter  # the speculators format
-
-    return save_drafter(d, path, **kw)
+    return speculators.save_drafter(d, path, **kw)
 
 
 DRAFTERS: dict[str, DrafterKind] = {
-    "eagle3": DrafterKind(_fresh_eagle3, _load_eagle3, "drafttrain.engines.vllm_forms:EAGLE3", _save_eagle3),
-    "selfquant": DrafterKind(selfquant.from_config, None, "drafttrain.engines.vllm_forms:SELFQUANT"),
-    "suffix": DrafterKind(suffix.from_config, None, "drafttrain.engines.vllm_forms:SUFFIX"),
-    "draft_model": DrafterKind(draft_model.fresh, draft_model.load, "drafttrain.engines.vllm_forms:DRAFT_MODEL",
+    "eagle3": DrafterKind(_fresh_eagle3, _load_eagle3, "EAGLE3", _save_eagle3),
+    "selfquant": DrafterKind(selfquant.from_config, None, "SELFQUANT"),
+    "suffix": DrafterKind(suffix.from_config, None, "SUFFIX"),
+    "draft_model": DrafterKind(draft_model.fresh, draft_model.load, "DRAFT_MODEL",
                                draft_model.save),
-    "mtp": DrafterKind(mtp.fresh, mtp.load, "drafttrain.engines.vllm_forms:MTP", mtp.save),
+    "mtp": DrafterKind(mtp.fresh, mtp.load, "MTP", mtp.save),
     "auto": DrafterKind(_build_auto),
 }
 
@@ -123,10 +112,9 @@ def build_drafter(cfg, policy):
 def _check_kind(cfg) -> None:
     """A checkpoint of another kind at drafter.path is a one-line error (before its own loader misreads it)."""
     from drafttrain.config import resolve_path
-    from drafttrain.export import read_speculators_config
 
     path = resolve_path(cfg.path)
-    c = read_speculators_config(path)
+    c = speculators.read_speculators_config(path)
     saved = (c.get("drafttrain") or {}).get("kind") or c.get("speculators_model_type")
     if saved is not None and saved != cfg.kind:
         raise ValueError(f"drafter.path: {cfg.path} holds a {saved} drafter, not drafter.kind={cfg.kind} (set "

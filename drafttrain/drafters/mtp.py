@@ -37,6 +37,7 @@ from drafttrain.atomic import atomic_dir
 from drafttrain.drafters.chain import ChainDrafter
 from drafttrain.drafters.contract import Reads
 from drafttrain.drafters.eagle3 import rope_theta_of
+from drafttrain.drafters.speculators import read_speculators_config, read_weights
 from drafttrain.drafters.weights import check_tensors
 from drafttrain.modeling import PackedLinear, Rope, fold_norm, linear, rms_norm, rms_unit
 from drafttrain.quant import AoInt8
@@ -204,7 +205,6 @@ def fresh(cfg, policy) -> MtpDrafter:
 def load(cfg, policy) -> MtpDrafter:
     """The folder at cfg.path (`save`'s): its own config; the policy's hidden and vocabulary sizes must match."""
     from drafttrain.config import resolve_path
-    from drafttrain.export import read_speculators_config, read_weights
 
     path = resolve_path(cfg.path)
     block = (read_speculators_config(path).get("drafttrain") or {}).get("config")

@@ -26,10 +26,12 @@ from drafttrain.tracking.runfolder import load_checkpoint
 
 def unservable(kind: str) -> str | None:
     """Why plain vLLM cannot serve this drafter kind, or None when it can."""
+    from drafttrain.engines.vllm_forms import form_of  # not at import: the job imports this module, not vLLM's side
+
     entry = DRAFTERS.get(kind)
     if entry is None or entry.vllm is None:
         return f"drafter.kind={kind} has no vLLM form"
-    why = getattr(entry.vllm_form(kind), "needs_engine", None)
+    why = getattr(form_of(kind), "needs_engine", None)
     return f"drafter.kind={kind}: {why}" if why else None
 
 
@@ -43,7 +45,9 @@ def write_pair(policy_dir: str | Path, drafter, kind: str, k: int, out: str | Pa
         shutil.copytree(policy_dir, tmp / "policy")
         serve, why = {"model": "policy"}, unservable(kind)
         if why is None:
-            form = DRAFTERS[kind].vllm_form(kind)
+            from drafttrain.engines.vllm_forms import form_of
+
+            form = form_of(kind)
             target = json.loads((tmp / "policy" / "config.json").read_text())
             form.write(drafter, policy_dir, tmp / "drafter", int(k), target)
             serve["speculative_config"] = {"model": "drafter", "method": form.method, "num_speculative_tokens": int(k)}
