@@ -91,11 +91,6 @@ class Drafter(Protocol):
         """The generation ended; texts: every row's whole text (a drafter that indexes text takes the rest)."""
 
 
-def generation_reads(drafter) -> Reads:
-    """drafter.generation_reads(): what the policy's forward must return for the drafter's next generation."""
-    return drafter.generation_reads()
-
-
 class TrainableDrafter(Drafter, Protocol):
     def ttt_loss(self, aux, next_ids, target_probs, valid, steps: int, decay: float, query_frac: float = 1.0,
                  generator=None, first_ids=None): ...

@@ -41,7 +41,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-from drafttrain.drafters.contract import generation_reads
 from drafttrain.spec import SamplingParams
 from drafttrain.spec.stats import drafts_kept
 
@@ -360,7 +359,7 @@ def measure_costs(engine, batch: int, tokens_per_row: list[int], k: int, context
     d = engine.drafter
     if d is not None and k > 0:
         st = d.new_state(batch, L)
-        reads = generation_reads(d)  # what new_state expects (auto: the planned members')
+        reads = d.generation_reads()  # what new_state expects (auto: the planned members')
         X = (len(reads.aux_layers) + reads.final_hidden) * lean.hidden
         ids = torch.randint(0, lean.vocab_size, (batch, k + 1), generator=gen)
         aux = torch.randn(batch, k + 1, X, generator=gen)

@@ -19,7 +19,6 @@ import time
 import torch
 
 from drafttrain.drafters.base import check_compatible, runtime_copy
-from drafttrain.drafters.contract import generation_reads
 from drafttrain.drafters.pending import Pending
 from drafttrain.drafters.weights import check_finite
 from drafttrain.engines.base import RolloutBatch, StaleVersionError, Timeline
@@ -172,7 +171,7 @@ class TorchEngine:
         trace0 = len(ctl.trace) if ctl is not None else 0
         if ctl is not None:
             ctl.begin()  # drafter.kind=auto: plans the members this generation serves, and so what they read
-        reads = None if drafter is None else generation_reads(drafter)
+        reads = None if drafter is None else drafter.generation_reads()
         aux_ids = reads.aux_layers if reads is not None else ()
         final = reads is not None and reads.final_hidden
         B = len(prompts)
