@@ -62,7 +62,7 @@ def load_drafter_for(path: Path, policy):
     cfg = OmegaConf.structured(Config).drafter
     cfg.kind, cfg.path = kind, str(Path(path).absolute())
     d = build_drafter(cfg, policy)
-    if not hasattr(d, "ttt_logits"):
+    if not d.trains:
         raise ValueError(f"--drafter: {path} holds a {kind} drafter, which teacher-forced scoring cannot score")
     return d.eval()
 

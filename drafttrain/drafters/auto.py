@@ -27,7 +27,7 @@ import contextlib
 import torch
 import torch.nn as nn
 
-from drafttrain.drafters.contract import Reads
+from drafttrain.drafters.contract import Reads, TrainableDrafter
 from drafttrain.drafters.pending import Pending
 from drafttrain.drafters.weights import check_tensors
 
@@ -52,7 +52,7 @@ def member_columns(blocks: torch.Tensor, per: int, H: int) -> slice | torch.Tens
     return (blocks.view(-1, 1) * H + torch.arange(H).view(1, -1)).flatten()
 
 
-class AutoDrafter(nn.Module):
+class AutoDrafter(nn.Module, TrainableDrafter):
     kind = "auto"
     follows_policy = False
 
@@ -64,7 +64,7 @@ class AutoDrafter(nn.Module):
         self._runtime_copy = runtime_copy  # drafters/base.py's (handed in: the registry imports this module)
         self._reads, self._train_blocks = union_reads(members)  # features are captured for the full union
         self.planned = list(members)  # the members the next generation serves (plan())
-        trainable = [k for k, m in members.items() if getattr(m, "trains", False)]
+        trainable = [k for k, m in members.items() if m.trains]
         self.trains = bool(trainable)  # the tracker trains the trainable members (none: served as loaded)
         self.trainable = trainable  # in member order
         self.scored = trainable[0] if trainable else None  # the member the gate and the report score
@@ -111,8 +111,7 @@ class AutoDrafter(nn.Module):
     def bind_policy(self, policy) -> None:
         """Members that read the policy's weights (an MTP head's LM head) read `policy`'s."""
         for m in self.members.values():
-            if hasattr(m, "bind_policy"):
-                m.bind_policy(policy)
+            m.bind_policy(policy)
 
     # ---- training: the trainable members together, scored on one --------------------------------------------------
     def _train_aux(self, kind: str, aux):
@@ -129,7 +128,7 @@ class AutoDrafter(nn.Module):
         """The sum of the trainable members' losses; the per-step accuracy is the scored member's."""
         total, accs = 0.0, []
         for kind, m in self.members.items():
-            if getattr(m, "trains", False):
+            if m.trains:
                 loss, a = m.ttt_loss(self._train_aux(kind, aux), next_ids, target_probs, valid, steps, decay,
                                      query_frac, generator, first_ids=first_ids)
                 total = total + loss
@@ -187,14 +186,13 @@ class AutoDrafter(nn.Module):
         """Members that keep what they learnt outside their weights (the suffix drafter's index) take over `old`'s
         (a hot-swap builds the members afresh from the template)."""
         for kind, m in self.members.items():
-            if hasattr(m, "adopt") and kind in old.members:
+            if kind in old.members:
                 m.adopt(old.members[kind])
 
     def complete(self, st, texts) -> None:
         """The generation ended (texts: every row's whole text): served members that index text take the rest."""
         for kind, state in st.states.items():
-            if hasattr(self.members[kind], "complete"):
-                self.members[kind].complete(state, texts)
+            self.members[kind].complete(state, texts)
 
 
 class AutoState:

@@ -5,32 +5,24 @@ contract.py."""
 from __future__ import annotations
 
 import copy
-import importlib
 from dataclasses import dataclass
 from typing import Callable, Optional
 
 import torch
 
-from drafttrain.drafters import auto, draft_model, eagle3, mtp, selfquant, suffix
-from drafttrain.quant import quantize_module_int8
+from drafttrain.drafters import auto, draft_model, eagle3, mtp, selfquant, speculators, suffix
+from drafttrain.drafters.contract import check_compatible
 
 
 @dataclass(frozen=True)
 class DrafterKind:
     build: Callable  # build(cfg.drafter, policy) -> a fresh drafter (contract.Drafter)
     load: Optional[Callable] = None  # load(cfg.drafter, policy) -> the drafter at cfg.drafter.path; None: no path
-    # "module:NAME" of its vLLM form (engines/vllm_forms.py: method, write, tensors, accept); None: embedded only.
-    # Named, not imported: the vLLM side imports this registry
+    # the name of its vLLM form (a key of engines/vllm_forms.FORMS, which form_of(kind) looks up); None: embedded only.
+    # A name, not a module: drafters/ never imports or names an engine module (the vLLM side imports this registry)
     vllm: Optional[str] = None
     # save(drafter, path, verifier=, k=, extra=) -> path: the folder `load` reads back; None: nothing to save
     save: Optional[Callable] = None
-
-    def vllm_form(self, kind: str):
-        if self.vllm is None:
-            raise ValueError(f"drafter.kind: {kind!r} has no vLLM form: it runs in the embedded engine "
-                             f"(engine.kind=torch)")
-        module, name = self.vllm.split(":")
-        return getattr(importlib.import_module(module), name)
 
 
 def _fresh_eagle3(cfg, policy):
@@ -46,9 +38,8 @@ def _load_eagle3(cfg, policy):
     """The speculators-format folder at cfg.path; it fixes its own sizes: drafter.eagle3 settings that ask for other
     ones are an error, not silently overridden."""
     from drafttrain.config import resolve_path
-    from drafttrain.export import load_drafter
 
-    d = load_drafter(resolve_path(cfg.path), target_num_layers=policy.config.num_hidden_layers)
+    d = speculators.load_drafter(resolve_path(cfg.path), target_num_layers=policy.config.num_hidden_layers)
     try:
         check_compatible(d, policy)
     except ValueError as e:  # name the key: the drafter there was made for another policy
@@ -78,18 +69,16 @@ def _build_auto(cfg, policy):
 
 
 def _save_eagle3(d, path, **kw):
-    from drafttrain.export import save_drafter  # the speculators format
-
-    return save_drafter(d, path, **kw)
+    return speculators.save_drafter(d, path, **kw)
 
 
 DRAFTERS: dict[str, DrafterKind] = {
-    "eagle3": DrafterKind(_fresh_eagle3, _load_eagle3, "drafttrain.engines.vllm_forms:EAGLE3", _save_eagle3),
-    "selfquant": DrafterKind(selfquant.from_config, None, "drafttrain.engines.vllm_forms:SELFQUANT"),
-    "suffix": DrafterKind(suffix.from_config, None, "drafttrain.engines.vllm_forms:SUFFIX"),
-    "draft_model": DrafterKind(draft_model.fresh, draft_model.load, "drafttrain.engines.vllm_forms:DRAFT_MODEL",
+    "eagle3": DrafterKind(_fresh_eagle3, _load_eagle3, "EAGLE3", _save_eagle3),
+    "selfquant": DrafterKind(selfquant.from_config, None, "SELFQUANT"),
+    "suffix": DrafterKind(suffix.from_config, None, "SUFFIX"),
+    "draft_model": DrafterKind(draft_model.fresh, draft_model.load, "DRAFT_MODEL",
                                draft_model.save),
-    "mtp": DrafterKind(mtp.fresh, mtp.load, "drafttrain.engines.vllm_forms:MTP", mtp.save),
+    "mtp": DrafterKind(mtp.fresh, mtp.load, "MTP", mtp.save),
     "auto": DrafterKind(_build_auto),
 }
 
@@ -123,36 +112,13 @@ def build_drafter(cfg, policy):
 def _check_kind(cfg) -> None:
     """A checkpoint of another kind at drafter.path is a one-line error (before its own loader misreads it)."""
     from drafttrain.config import resolve_path
-    from drafttrain.export import read_speculators_config
 
     path = resolve_path(cfg.path)
-    c = read_speculators_config(path)
+    c = speculators.read_speculators_config(path)
     saved = (c.get("drafttrain") or {}).get("kind") or c.get("speculators_model_type")
     if saved is not None and saved != cfg.kind:
         raise ValueError(f"drafter.path: {cfg.path} holds a {saved} drafter, not drafter.kind={cfg.kind} (set "
                          f"drafter.kind={saved}, or point drafter.path at a {cfg.kind} checkpoint)")
-
-
-def check_compatible(drafter, policy) -> None:
-    """A drafter built for another policy fails here, with the mismatching field named: its hidden size where it has
-    a config of sizes (EAGLE-3's, MTP's; a self-drafter's is its policy's own; the Drafter protocol does not require
-    one), its vocabulary (a config's, or its own vocab_size: the draft model's, the suffix drafter's), and its aux
-    layers where it takes them. Both engines call it (vLLM's with the target's config.json)."""
-    c, pc = getattr(drafter, "config", None), policy.config
-    if hasattr(c, "hidden_size") and c.hidden_size != pc.hidden_size:
-        raise ValueError(f"drafter hidden_size {c.hidden_size} != policy hidden_size {pc.hidden_size}")
-    V = getattr(drafter, "vocab_size", None) or getattr(c, "vocab_size", None)
-    if V is not None and V != pc.vocab_size:
-        raise ValueError(f"drafter vocab_size {V} != policy vocab_size {pc.vocab_size}")
-    if c is None or not hasattr(c, "hidden_size"):
-        return
-    aux = drafter.reads.aux_layers
-    if not aux:
-        return
-    if getattr(c, "target_num_layers", pc.num_hidden_layers) != pc.num_hidden_layers or max(
-            aux) >= pc.num_hidden_layers:
-        raise ValueError(f"drafter aux_layer_ids {list(aux)} do not fit the policy's "
-                         f"{pc.num_hidden_layers} layers")
 
 
 def runtime_copy(drafter, int8: bool, owned: bool = False):
@@ -160,8 +126,4 @@ def runtime_copy(drafter, int8: bool, owned: bool = False):
     inference, or, for a drafter with no fused form, its linears int8-quantized (int8; not a self-drafter's:
     quantized already). Also what teacher-forced scoring of the engine's drafter scores."""
     rt = (drafter if owned else copy.deepcopy(drafter)).eval().requires_grad_(False)
-    if hasattr(rt, "fuse_for_inference"):
-        return rt.fuse_for_inference(int8=int8)
-    if int8 and not getattr(drafter, "in_place_update", False):
-        return quantize_module_int8(rt)
-    return rt
+    return rt.fuse_for_inference(int8=int8)

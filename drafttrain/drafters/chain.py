@@ -19,11 +19,12 @@ import torch
 import torch.nn as nn
 
 from drafttrain.drafters import ttt
+from drafttrain.drafters.contract import TrainableDrafter
 from drafttrain.modeling import KVCache, Rope, attend, linear, step_mask
 from drafttrain.spec import draft_chain
 
 
-class ChainDrafter(nn.Module):
+class ChainDrafter(nn.Module, TrainableDrafter):
     hard_targets = False  # the loss: soft cross-entropy against the policy (False) or on the rollout tokens (True)
     follows_policy = False  # trained online on the policy's hidden states
     trains = True

@@ -20,11 +20,17 @@ A drafter the tracker trains (TrainableDrafter) adds what the trainer and the ac
         (next_ids starts at token_1), for a kind that reads the text from its start (a draft model)
     draft_ids() -> [Vd] the target token ids its logits cover, ascending
     parameters(), train(), eval()                  (an nn.Module)
+The optional members below are declared on the protocols with the default that fits a kind without them: a kind
+inherits them (class K(nn.Module, Drafter)) and overrides what it needs; callers call them, never probe for them.
+check_compatible(drafter, policy) is the one reader of what a kind may carry beyond the protocol (a config of sizes,
+a vocab_size).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Protocol
+
+from drafttrain.quant import quantize_module_int8
 
 
 @dataclass(frozen=True)
@@ -41,20 +47,21 @@ class Reads:
         return bool(self.aux_layers) or self.final_hidden
 
 
-def generation_reads(drafter) -> Reads:
-    """What the policy's forward must return for the drafter's next generation (and so what its new_state expects):
-    its reads, or, for a drafter that plans which members a generation serves (drafter.kind=auto), theirs."""
-    plan = getattr(drafter, "generation_reads", None)
-    return plan() if plan is not None else drafter.reads
-
-
 class Drafter(Protocol):
     kind: str
     follows_policy: bool
     trains: bool
+    in_place_update: bool = False  # load_state_dict writes the storage it drafts from: an engine double-buffers it
+    trainable: tuple[str, ...] = ()  # an ensemble's members gated and published one by one; (): it is one unit
 
     @property
     def reads(self) -> Reads: ...
+
+    @property
+    def kinds(self) -> list[str]:
+        """An ensemble's member kinds, one of which drafts each step as the engine's chooser picks (drafter.kind=auto);
+        [] for a single drafter."""
+        return []
 
     def state_dict(self) -> dict: ...
 
@@ -63,6 +70,25 @@ class Drafter(Protocol):
     def new_state(self, batch: int, max_len: int, prompts=None): ...
 
     def propose(self, state, new_ids, aux, n_new, start, k, params, greedy_drafts, generator=None): ...
+
+    def generation_reads(self) -> Reads:
+        """What the policy's forward must return for the next generation (what new_state expects): its reads, or, for a
+        drafter that plans which members a generation serves, theirs."""
+        return self.reads
+
+    def fuse_for_inference(self, int8: bool):
+        """Its inference form (an eval copy the engine owns): by default itself, its linears int8-quantized if int8
+        (not a drafter updated in place: its storage is quantized already)."""
+        return quantize_module_int8(self) if int8 and not self.in_place_update else self
+
+    def bind_policy(self, policy) -> None:
+        """Read `policy`'s own weights (an MTP head's LM head); a drafter that reads none ignores it."""
+
+    def adopt(self, old) -> None:
+        """Take over what `old` (the copy it replaces in a hot-swap) learnt outside its weights (a suffix index)."""
+
+    def complete(self, state, texts: list[list[int]]) -> None:
+        """The generation ended; texts: every row's whole text (a drafter that indexes text takes the rest)."""
 
 
 class TrainableDrafter(Drafter, Protocol):
@@ -74,3 +100,29 @@ class TrainableDrafter(Drafter, Protocol):
     def draft_ids(self): ...
 
     def parameters(self): ...
+
+    def freeze_scores(self) -> None:
+        """Train with the attention scores held constant (train.score_grad false); a kind without them trains as
+        usual."""
+
+
+def check_compatible(drafter, policy) -> None:
+    """A drafter built for another policy fails here, with the mismatching field named: its hidden size where it has
+    a config of sizes (EAGLE-3's, MTP's; a self-drafter's is its policy's own; the Drafter protocol does not require
+    one), its vocabulary (a config's, or its own vocab_size: the draft model's, the suffix drafter's), and its aux
+    layers where it takes them. Both engines call it (vLLM's with the target's config.json)."""
+    c, pc = getattr(drafter, "config", None), policy.config
+    if hasattr(c, "hidden_size") and c.hidden_size != pc.hidden_size:
+        raise ValueError(f"drafter hidden_size {c.hidden_size} != policy hidden_size {pc.hidden_size}")
+    V = getattr(drafter, "vocab_size", None) or getattr(c, "vocab_size", None)
+    if V is not None and V != pc.vocab_size:
+        raise ValueError(f"drafter vocab_size {V} != policy vocab_size {pc.vocab_size}")
+    if c is None or not hasattr(c, "hidden_size"):
+        return
+    aux = drafter.reads.aux_layers
+    if not aux:
+        return
+    if getattr(c, "target_num_layers", pc.num_hidden_layers) != pc.num_hidden_layers or max(
+            aux) >= pc.num_hidden_layers:
+        raise ValueError(f"drafter aux_layer_ids {list(aux)} do not fit the policy's "
+                         f"{pc.num_hidden_layers} layers")

@@ -18,17 +18,14 @@ from __future__ import annotations
 
 import copy
 import json
-import os
-import shutil
-import tempfile
 from pathlib import Path
 
 import torch
 import torch.nn as nn
 
-from drafttrain.atomic import replace_dir
+from drafttrain.atomic import atomic_dir
 from drafttrain.drafters import ttt
-from drafttrain.drafters.contract import Reads
+from drafttrain.drafters.contract import Reads, TrainableDrafter
 from drafttrain.drafters.selfquant import SelfQuantDrafter
 from drafttrain.drafters.weights import check_tensors
 
@@ -49,7 +46,7 @@ def _steps(logits: torch.Tensor, T: int, steps: int, queries) -> list[torch.Tens
     return [logits[:, queries + 1 + i] for i in range(steps)]
 
 
-class DraftModelDrafter(nn.Module):
+class DraftModelDrafter(nn.Module, TrainableDrafter):
     kind = KIND
     follows_policy = False
     trains = True  # distilled online (forward KL to the policy)
@@ -148,15 +145,9 @@ def load(cfg, policy) -> DraftModelDrafter:
 def save(d: DraftModelDrafter, path, verifier="", k: int = 4, extra: dict | None = None) -> Path:
     """Atomic write of the HF folder (config.json with a drafttrain block, model.safetensors)."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
-    try:
+    with atomic_dir(path) as tmp:
         d.model.save_pretrained(str(tmp))
         cfg = json.loads((tmp / "config.json").read_text())
         cfg["drafttrain"] = {"kind": KIND, "verifier": str(verifier), "k": k, **({"extra": extra} if extra else {})}
         (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
-        os.chmod(tmp, 0o755)
-        replace_dir(tmp, path)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     return path

@@ -230,9 +230,10 @@ def config_from_policy(policy_config, aux_layer_ids=None, draft_vocab_size=None,
         draft_vocab_size=draft_vocab_size or pc.vocab_size,
         aux_layer_ids=tuple(aux_layer_ids) if aux_layer_ids else default_aux_layer_ids(pc.num_hidden_layers),
         target_num_layers=pc.num_hidden_layers, rms_norm_eps=pc.rms_norm_eps,
-        rope_theta=float(_rope_theta(pc)), max_position_embeddings=pc.max_position_embeddings)
+        rope_theta=float(rope_theta_of(pc)), max_position_embeddings=pc.max_position_embeddings)
 
 
-def _rope_theta(pc) -> float:
+def rope_theta_of(pc) -> float:
+    """The policy config's RoPE base (rope_parameters, else rope_theta, else 10000)."""
     rp = getattr(pc, "rope_parameters", None) or {}
     return rp.get("rope_theta", getattr(pc, "rope_theta", 10000.0))

@@ -25,9 +25,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
-import shutil
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -36,10 +33,11 @@ import torch.nn as nn
 import torch.nn.functional as F
 from safetensors.torch import save_file
 
-from drafttrain.atomic import replace_dir
+from drafttrain.atomic import atomic_dir
 from drafttrain.drafters.chain import ChainDrafter
 from drafttrain.drafters.contract import Reads
-from drafttrain.drafters.eagle3 import _rope_theta
+from drafttrain.drafters.eagle3 import rope_theta_of
+from drafttrain.drafters.speculators import read_speculators_config, read_weights
 from drafttrain.drafters.weights import check_tensors
 from drafttrain.modeling import PackedLinear, Rope, fold_norm, linear, rms_norm, rms_unit
 from drafttrain.quant import AoInt8
@@ -187,7 +185,7 @@ def config_from_policy(pc, intermediate_size=None) -> MtpConfig:
                      num_key_value_heads=getattr(pc, "num_key_value_heads", None) or n_heads,
                      head_dim=getattr(pc, "head_dim", None) or pc.hidden_size // n_heads,
                      intermediate_size=intermediate_size or pc.intermediate_size, vocab_size=pc.vocab_size,
-                     rms_norm_eps=pc.rms_norm_eps, rope_theta=float(_rope_theta(pc)),
+                     rms_norm_eps=pc.rms_norm_eps, rope_theta=float(rope_theta_of(pc)),
                      max_position_embeddings=pc.max_position_embeddings)
 
 
@@ -207,7 +205,6 @@ def fresh(cfg, policy) -> MtpDrafter:
 def load(cfg, policy) -> MtpDrafter:
     """The folder at cfg.path (`save`'s): its own config; the policy's hidden and vocabulary sizes must match."""
     from drafttrain.config import resolve_path
-    from drafttrain.export import read_speculators_config, read_weights
 
     path = resolve_path(cfg.path)
     block = (read_speculators_config(path).get("drafttrain") or {}).get("config")
@@ -246,15 +243,8 @@ def save(d: MtpDrafter, path, verifier="", k: int = 4, extra: dict | None = None
            "drafttrain": {"kind": KIND, "config": dataclasses.asdict(c), "verifier": str(verifier), "k": k,
                           **({"extra": extra} if extra else {})}}
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
-    try:
+    with atomic_dir(path, file_modes={"model.safetensors": 0o644}) as tmp:
         weights = {n: t.detach().contiguous().cpu() for n, t in d.state_dict().items()}
         save_file(weights, str(tmp / "model.safetensors"))
         (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
-        for p, mode in ((tmp, 0o755), (tmp / "model.safetensors", 0o644)):
-            os.chmod(p, mode)
-        replace_dir(tmp, path)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     return path

@@ -24,7 +24,7 @@ import copy
 import torch
 import torch.nn as nn
 
-from drafttrain.drafters.contract import Reads
+from drafttrain.drafters.contract import Drafter, Reads
 from drafttrain.drafters.weights import check_finite, check_tensors
 from drafttrain.modeling import KVCache, LeanLlama, Rope, lean_parts, rms_norm
 from drafttrain.quant import LINEARS, QuantLinear, check_backend
@@ -58,7 +58,7 @@ class _QuantLlama(LeanLlama):
             self.rope = Rope(self.inv_freq, 2 * length, self.rope_scaling)
 
 
-class SelfQuantDrafter(nn.Module):
+class SelfQuantDrafter(nn.Module, Drafter):
     kind = "selfquant"
     follows_policy = True  # requantized from the policy at every update: no features, no training
     trains = False

@@ -40,10 +40,10 @@ from collections import OrderedDict, deque
 import torch
 import torch.nn as nn
 
-from drafttrain.drafters.contract import Reads
+from drafttrain.drafters.contract import Drafter, Reads
 
 
-class SuffixDrafter(nn.Module):
+class SuffixDrafter(nn.Module, Drafter):
     kind = "suffix"
     follows_policy = False  # it reads the text, not the policy
     trains = False  # no weights: its update is the index

@@ -3,17 +3,28 @@ from drafttrain.engines.base import EngineDied, RolloutBatch, RolloutEngine, Sta
 from drafttrain.engines.torch_engine import TorchEngine
 
 
+def _vllm(cfg, policy, drafter):
+    # imported only when asked for: vLLM is an optional extra, and importing it (the worker module registers
+    # its weight transport) is heavy in every process that imports drafttrain.engines
+    from drafttrain.engines.vllm_engine import VllmEngine
+
+    return VllmEngine(cfg, policy, drafter)
+
+
+ENGINES = {"torch": TorchEngine, "vllm": _vllm}  # engine.kind -> build(cfg, policy, drafter)
+
+
+def drafter_int8(cfg) -> bool:
+    """Do the engines cfg builds draft with int8 linears? The embedded engine's engine.drafter_int8; vLLM runs the
+    fp32 drafter."""
+    return ENGINES.get(cfg.kind) is TorchEngine and bool(cfg.drafter_int8)
+
+
 def build_engine(cfg, policy, drafter=None) -> RolloutEngine:
     """cfg: EngineConfig. policy: an HF causal LM (torch) or its checkpoint folder (vllm)."""
-    if cfg.kind == "torch":
-        return TorchEngine(cfg, policy, drafter)
-    if cfg.kind == "vllm":
-        # imported only when asked for: vLLM is an optional extra, and importing it (the worker module registers
-        # its weight transport) is heavy in every process that imports drafttrain.engines
-        from drafttrain.engines.vllm_engine import VllmEngine
-
-        return VllmEngine(cfg, policy, drafter)
-    raise ValueError(f"engine.kind: unknown engine {cfg.kind!r} (known: torch, vllm)")
+    if cfg.kind not in ENGINES:
+        raise ValueError(f"engine.kind: unknown engine {cfg.kind!r} (known: {', '.join(ENGINES)})")
+    return ENGINES[cfg.kind](cfg, policy, drafter)
 
 
-__all__ = ["EngineDied", "RolloutBatch", "RolloutEngine", "StaleVersionError", "build_engine"]
+__all__ = ["EngineDied", "RolloutBatch", "RolloutEngine", "StaleVersionError", "build_engine", "drafter_int8"]

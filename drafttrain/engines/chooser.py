@@ -27,7 +27,7 @@ import math
 
 import torch
 
-from drafttrain.engines.schedule import CostModel, SpecController, _bucket, measure_costs
+from drafttrain.engines.schedule import CostModel, SpecController, bucket, measure_costs
 
 AR = "ar"
 
@@ -61,7 +61,7 @@ class Chooser:
         arm for the bucket, else the best posterior mean. No draw per step: with close arms, per-step draws switched
         member every few steps, and each switch pays the new member's catch-up on every position since it drafted."""
         arms = self.arms if arms is None else arms
-        b = _bucket(batch)
+        b = bucket(batch)
         for arm in arms:  # every arm a few times first (wherever the batch is then), in order
             if self.tries[arm] < self.min_tries:
                 return arm
@@ -97,7 +97,7 @@ class Chooser:
 
     def observe(self, batch: int, arm: str, reward: float, ms: float = 0.0) -> None:
         """A step's reward; ms: its wall time (the bucket's share of decode time)."""
-        key = (_bucket(batch), arm)
+        key = (bucket(batch), arm)
         self.ms[key[0]] = self.ms.get(key[0], 0.0) + ms
         self.tries[arm] += 1
         if key not in self.stats:

@@ -40,7 +40,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-from drafttrain.drafters.contract import generation_reads
 from drafttrain.spec import SamplingParams
 from drafttrain.spec.stats import drafts_kept
 
@@ -218,7 +217,7 @@ class SpecController:
         both = [b for (m, b) in self.factor if m == "sd" and ("ar", b) in self.factor]
         if not both:
             return 1.0
-        want = _bucket(batch).bit_length()
+        want = bucket(batch).bit_length()
         b = min(both, key=lambda x: abs(x.bit_length() - want))
         return self.factor[("ar", b)] / self.factor[("sd", b)]
 
@@ -227,7 +226,7 @@ class SpecController:
         (prompt, or after AR steps) or a step that also dropped finished rows: not learnt from."""
         if self.cost is None or not typical:
             return
-        key = ("sd" if k else "ar", _bucket(batch))
+        key = ("sd" if k else "ar", bucket(batch))
         f = ms / max(self.model_ms(batch, k), 1e-9)
         if key not in self.factor:
             self.factor[key] = min(max(f, 0.25), 8.0)
@@ -320,7 +319,7 @@ class SpecController:
                 self._streak = 0
 
 
-def _bucket(batch: int) -> int:
+def bucket(batch: int) -> int:
     """The power of two at or below batch (1, 2, 4, ...)."""
     return 1 << (max(batch, 1).bit_length() - 1)
 
@@ -358,7 +357,7 @@ def measure_costs(engine, batch: int, tokens_per_row: list[int], k: int, context
     d = engine.drafter
     if d is not None and k > 0:
         st = d.new_state(batch, L)
-        reads = generation_reads(d)  # what new_state expects (auto: the planned members')
+        reads = d.generation_reads()  # what new_state expects (auto: the planned members')
         X = (len(reads.aux_layers) + reads.final_hidden) * lean.hidden
         ids = torch.randint(0, lean.vocab_size, (batch, k + 1), generator=gen)
         aux = torch.randn(batch, k + 1, X, generator=gen)

@@ -19,7 +19,6 @@ import time
 import torch
 
 from drafttrain.drafters.base import check_compatible, runtime_copy
-from drafttrain.drafters.contract import generation_reads
 from drafttrain.drafters.pending import Pending
 from drafttrain.drafters.weights import check_finite
 from drafttrain.engines.base import RolloutBatch, StaleVersionError, Timeline
@@ -61,19 +60,18 @@ class TorchEngine:
     def _runtime(self, drafter, owned: bool = False):
         """The inference copy of `drafter` (runtime_copy), with its in-use lock."""
         rt = runtime_copy(drafter, self.cfg.drafter_int8, owned)
-        if hasattr(rt, "bind_policy"):  # it reads the policy's own weights (an MTP head's LM head): this engine's
-            rt.bind_policy(self.policy)
+        rt.bind_policy(self.policy)  # a drafter reading the policy's own weights (an MTP head's LM head) reads ours
         self._in_use[id(rt)] = threading.Lock()
         return rt
 
     def _stage(self, weights: dict):
         """A runtime drafter holding `weights`, built off the decode path. In-place drafters (requantizing into
         their own storage) are double-buffered: the load writes the standby copy, once no step drafts with it."""
-        if not getattr(self._template, "in_place_update", False):
+        if not self._template.in_place_update:
             staged = copy.deepcopy(self._template)
             staged.load_state_dict(weights)  # validates names, shapes, finiteness: one-line error
             rt = self._runtime(staged, owned=True)
-            if hasattr(rt, "adopt") and self._active is not None:  # an index learnt outside the weights (suffix)
+            if self._active is not None:  # an index learnt outside the weights (suffix)
                 rt.adopt(self._active[0])
             return rt
         if self._standby is None:
@@ -112,7 +110,7 @@ class TorchEngine:
                 return SpecController(cfg.k, cfg.k_max, cfg.toggle, cfg.toggle_threshold, cfg.toggle_hysteresis,
                                       tuple(cfg.ladder), cfg.ladder_up, cfg.ladder_down)
 
-            auto = self._template is not None and self._template.kind == "auto"
+            auto = self._template is not None and bool(self._template.kinds)
             self._ctl = (ChooserController(self._template.kinds, lambda: self.drafter, make, cfg.seed) if auto
                          else make())
         ctl = self._ctl
@@ -132,7 +130,7 @@ class TorchEngine:
             self.policy = policy
             self.lean = LeanLlama(policy, self.cfg.max_len)
             for rt in (self.drafter, self._standby):
-                if hasattr(rt, "bind_policy"):
+                if rt is not None:
                     rt.bind_policy(policy)
         else:
             self.lean.refresh()
@@ -173,7 +171,7 @@ class TorchEngine:
         trace0 = len(ctl.trace) if ctl is not None else 0
         if ctl is not None:
             ctl.begin()  # drafter.kind=auto: plans the members this generation serves, and so what they read
-        reads = None if drafter is None else generation_reads(drafter)
+        reads = None if drafter is None else drafter.generation_reads()
         aux_ids = reads.aux_layers if reads is not None else ()
         final = reads is not None and reads.final_hidden
         B = len(prompts)
@@ -286,8 +284,8 @@ class TorchEngine:
                 ctl.observe_step(Bn, k, (ends[-1] - t_prev) * 1e3, typical=catch_up <= k_max + 1 and not done)
             t_prev = ends[-1]
 
-        if dstate is not None and hasattr(drafter, "complete"):  # a drafter that indexes text takes every row's whole
-            drafter.complete(dstate, [list(prompts[b]) + resp[b] for b in order])  # (the suffix drafter)
+        if dstate is not None:  # a drafter that indexes text (the suffix drafter) takes every row's whole text
+            drafter.complete(dstate, [list(prompts[b]) + resp[b] for b in order])
         timeline = Timeline(ends, ctl.trace[trace0:] if ctl is not None else [], step_batch, step_tokens, prefill_s,
                             step_k)
         return RolloutBatch(resp, lps, stats, self.drafter_version if not versions else versions[0], reasons,

@@ -46,6 +46,7 @@ from types import SimpleNamespace
 import torch
 
 from drafttrain.engines.base import RolloutBatch, StaleVersionError, Timeline
+from drafttrain.engines.vllm_forms import form_of
 from drafttrain.engines.vllm_procs import children, dies_as_engine_died, shutdown
 from drafttrain.engines.vllm_transfer import checkpoint_shapes, push_weights, read_back, spec_stats
 from drafttrain.engines.vllm_worker import EXTENSION, TRANSFER_BACKEND
@@ -68,7 +69,7 @@ class VllmEngine:
             raise ValueError(f"engine.k={cfg.k!r}, engine.toggle={getattr(cfg, 'toggle', False)}: the vLLM engine "
                              f"drafts a fixed integer k (auto, ladder and toggle are the embedded engine's schedule)")
         vllm = _import_vllm()
-        from drafttrain import export
+        from drafttrain.drafters import speculators
 
         self.cfg = cfg
         self._lock = threading.RLock()
@@ -97,7 +98,7 @@ class VllmEngine:
             self.vocab_size = int(self.target["vocab_size"])
             self.max_len = min(int(cfg.max_len), int(self.target.get("max_position_embeddings", cfg.max_len)))
             self._policy_shapes = checkpoint_shapes(policy_dir)
-            drafter_dir = self._drafter_dir(drafter, policy_dir, export)
+            drafter_dir = self._drafter_dir(drafter, policy_dir, speculators)
             kw = dict(model=str(policy_dir), skip_tokenizer_init=True, dtype="float32", enforce_eager=True,
                       max_model_len=self.max_len, max_num_seqs=int(cfg.max_batch), seed=int(cfg.seed),
                       logprobs_mode="processed_logprobs", max_logprobs=0, async_scheduling=False,
@@ -154,20 +155,20 @@ class VllmEngine:
         policy.save_pretrained(str(out), safe_serialization=True)
         return out
 
-    def _drafter_dir(self, drafter, policy_dir: Path, export) -> Path | None:
+    def _drafter_dir(self, drafter, policy_dir: Path, speculators) -> Path | None:
         if drafter is None:
             return None
         if isinstance(drafter, (str, os.PathLike)):  # checked as vLLM would read it, then re-exported (below)
             path = Path(drafter).resolve()
-            export.check_vllm_target(export.read_speculators_config(path), self.target, f"drafter {path}")
-            drafter = export.load_drafter(path)
+            speculators.check_vllm_target(speculators.read_speculators_config(path), self.target, f"drafter {path}")
+            drafter = speculators.load_drafter(path)
         from drafttrain.drafters.base import DRAFTERS, check_compatible
 
         kind = getattr(drafter, "kind", None)
         if kind not in DRAFTERS:
             raise ValueError(f"drafter: the vLLM engine serves registered drafter kinds ({', '.join(DRAFTERS)}), got "
                              f"{kind or type(drafter).__name__!r}")
-        self._form = DRAFTERS[kind].vllm_form(kind)  # the kind's vLLM form (engines/vllm_forms.py)
+        self._form = form_of(kind)  # the kind's vLLM form (engines/vllm_forms.py)
         out = self._form.write(drafter, policy_dir, self._tmp / "drafter", int(self.cfg.k), self.target)
         check_compatible(drafter, SimpleNamespace(config=SimpleNamespace(**self.target)))  # as the embedded engine
         self._template, self._method = self._form.template(drafter), self._form.method

@@ -1,4 +1,4 @@
-"""Each drafter kind's vLLM form (named in its DrafterKind.vllm): how the vLLM engine serves it.
+"""Each drafter kind's vLLM form (FORMS[its DrafterKind.vllm]; form_of(kind)): how the vLLM engine serves it.
 
     form.method                                  vLLM's speculative method
     form.write(drafter, policy_dir, out, k, target) -> out   the folder vLLM loads the drafter from, checked
@@ -21,11 +21,11 @@ class Eagle3Form:
     method = "eagle3"
 
     def write(self, drafter, policy_dir: Path, out: Path, k: int, target) -> Path:
-        from drafttrain import export
+        from drafttrain.drafters import speculators
 
         check_finite(drafter.state_dict())  # no corrupt drafter reaches an engine (load_drafter checks too)
-        export.save_drafter(drafter, out, verifier=policy_dir, k=k)
-        export.check_vllm_target(export.read_speculators_config(out), target, "drafter")
+        speculators.save_drafter(drafter, out, verifier=policy_dir, k=k)
+        speculators.check_vllm_target(speculators.read_speculators_config(out), target, "drafter")
         return out
 
     def template(self, drafter):
@@ -137,3 +137,16 @@ class SuffixForm:
 
 
 EAGLE3, SELFQUANT, DRAFT_MODEL, MTP, SUFFIX = Eagle3Form(), SelfQuantForm(), DraftModelForm(), MtpForm(), SuffixForm()
+# the name a DrafterKind gives as its `vllm` -> the form (a kind added elsewhere adds its form here under that name)
+FORMS = {"EAGLE3": EAGLE3, "SELFQUANT": SELFQUANT, "DRAFT_MODEL": DRAFT_MODEL, "MTP": MTP, "SUFFIX": SUFFIX}
+
+
+def form_of(kind: str):
+    """The vLLM form of drafter kind `kind`, from its registry entry; a kind with none is a one-line error."""
+    from drafttrain.drafters.base import DRAFTERS
+
+    entry = DRAFTERS.get(kind)
+    if entry is None or entry.vllm is None:
+        raise ValueError(f"drafter.kind: {kind!r} has no vLLM form: it runs in the embedded engine "
+                         f"(engine.kind=torch)")
+    return FORMS[entry.vllm]

@@ -28,13 +28,11 @@ draft model runs in the engine's fp32 (NotImplementedError: "cpu_gemm_wna16" not
 from __future__ import annotations
 
 import json
-import shutil
-import tempfile
 from pathlib import Path
 
 import torch
 
-from drafttrain.atomic import replace_dir
+from drafttrain.atomic import atomic_dir
 from drafttrain.quant import unpack_int4
 
 _ACTIVATIONS = {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "token", "dynamic": True}
@@ -131,12 +129,7 @@ def save_checkpoint(drafter, policy_dir: str | Path, out: str | Path) -> Path:
     cfg = json.loads((Path(policy_dir) / "config.json").read_text())
     cfg.update(quantization_config=quantization_config(drafter.quant, drafter.group_size), tie_word_embeddings=False)
     tensors = vllm_tensors(drafter)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-    try:
+    with atomic_dir(out, mode=None) as tmp:
         save_file(tensors, str(tmp / "model.safetensors"))
         (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
-        replace_dir(tmp, out)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     return out

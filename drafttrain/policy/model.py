@@ -19,8 +19,6 @@ from __future__ import annotations
 import copy
 import json
 import os
-import shutil
-import tempfile
 from dataclasses import asdict, dataclass
 
 import torch
@@ -28,7 +26,7 @@ from safetensors import SafetensorError
 from transformers import (AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, PreTrainedModel,
                           PreTrainedTokenizerBase, PreTrainedTokenizerFast)
 
-from drafttrain.atomic import recover_dir, replace_dir
+from drafttrain.atomic import atomic_dir, recover_dir
 from drafttrain.config import ConfigError
 from drafttrain.policy.tokenizer import VOCAB_SIZE, build_tokenizer, load_tokenizer
 
@@ -75,27 +73,17 @@ def save_policy(
     model: LlamaForCausalLM, tok: PreTrainedTokenizerFast, path: str, extra: dict | None = None,
     save_dtype: torch.dtype | None = None,
 ) -> None:
-    """Write to `<path>.tmp-*` then rename into `path`; `extra` maps file name -> text.
+    """Written into a temporary folder, then renamed into `path` (atomic_dir); `extra` maps file name -> text.
 
     `save_dtype` (e.g. torch.bfloat16) stores a cast copy to halve the file; `load_policy`
     casts back to fp32. `model` itself is left untouched.
     """
-    path = os.path.abspath(path)
-    parent = os.path.dirname(path)
-    os.makedirs(parent, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=os.path.basename(path) + ".tmp-", dir=parent)
-    try:
-        os.chmod(tmp, 0o755)
+    with atomic_dir(os.path.abspath(path)) as tmp:
         to_save = copy.deepcopy(model).to(save_dtype) if save_dtype is not None else model
-        to_save.save_pretrained(tmp, safe_serialization=True)
-        tok.save_pretrained(tmp)
+        to_save.save_pretrained(str(tmp), safe_serialization=True)
+        tok.save_pretrained(str(tmp))
         for name, text in (extra or {}).items():
-            with open(os.path.join(tmp, name), "w") as f:
-                f.write(text)
-        replace_dir(tmp, path)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+            (tmp / name).write_text(text)
 
 
 def check_checkpoint(path: str) -> None:

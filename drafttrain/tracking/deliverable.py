@@ -6,21 +6,19 @@
 OUT/policy is the checkpoint's HF folder (with its tokenizer), OUT/drafter the served drafter (the tracker's last good
 weights) in its kind's vLLM form (engines/vllm_forms.py: the form engine.kind=vllm serves), and OUT/serve.json holds
 what vllm.LLM(model=..., speculative_config=...) takes, paths relative to OUT. OUT is written whole under a temporary
-name and renamed into place (atomic.replace_dir). A kind plain vLLM cannot serve (auto, suffix) gets the policy and a
+name and renamed into place (atomic.atomic_dir). A kind plain vLLM cannot serve (auto, suffix) gets the policy and a
 serve.json without speculative_config, and the reason in one line.
 """
 from __future__ import annotations
 
 import json
-import os
 import shlex
 import shutil
-import tempfile
 from pathlib import Path
 
 from omegaconf import OmegaConf
 
-from drafttrain.atomic import recover_dir, replace_dir
+from drafttrain.atomic import atomic_dir
 from drafttrain.config import Config, ConfigError, max_draft_len
 from drafttrain.drafters.base import DRAFTERS, build_drafter
 from drafttrain.tracking.runfolder import load_checkpoint
@@ -28,10 +26,12 @@ from drafttrain.tracking.runfolder import load_checkpoint
 
 def unservable(kind: str) -> str | None:
     """Why plain vLLM cannot serve this drafter kind, or None when it can."""
+    from drafttrain.engines.vllm_forms import form_of  # not at import: the job imports this module, not vLLM's side
+
     entry = DRAFTERS.get(kind)
     if entry is None or entry.vllm is None:
         return f"drafter.kind={kind} has no vLLM form"
-    why = getattr(entry.vllm_form(kind), "needs_engine", None)
+    why = getattr(form_of(kind), "needs_engine", None)
     return f"drafter.kind={kind}: {why}" if why else None
 
 
@@ -41,22 +41,17 @@ def write_pair(policy_dir: str | Path, drafter, kind: str, k: int, out: str | Pa
     policy_dir, out = Path(policy_dir), Path(out).absolute()
     if not (policy_dir / "config.json").is_file():
         raise FileNotFoundError(f"policy: {policy_dir} is not an HF checkpoint folder (no config.json)")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    recover_dir(out)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-    try:
-        os.chmod(tmp, 0o755)
+    with atomic_dir(out) as tmp:
         shutil.copytree(policy_dir, tmp / "policy")
         serve, why = {"model": "policy"}, unservable(kind)
         if why is None:
-            form = DRAFTERS[kind].vllm_form(kind)
+            from drafttrain.engines.vllm_forms import form_of
+
+            form = form_of(kind)
             target = json.loads((tmp / "policy" / "config.json").read_text())
             form.write(drafter, policy_dir, tmp / "drafter", int(k), target)
             serve["speculative_config"] = {"model": "drafter", "method": form.method, "num_speculative_tokens": int(k)}
         (tmp / "serve.json").write_text(json.dumps(serve, indent=2) + "\n")
-        replace_dir(tmp, out)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     return {"serve": serve, "unservable": why, "out": out}
 
 

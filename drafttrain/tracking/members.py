@@ -24,8 +24,7 @@ ALL = ""  # the member that is every weight: a drafter gated and canaried as one
 
 def members_of(drafter) -> list[str]:
     """The members gated and canaried on their own: an auto drafter's trainable ones, else [ALL]."""
-    trainable = list(getattr(drafter, "trainable", None) or [])
-    return trainable if getattr(drafter, "kind", None) == "auto" and trainable else [ALL]
+    return list(drafter.trainable) or [ALL]
 
 
 def owns(name: str, member: str) -> bool:

@@ -12,6 +12,7 @@ import torch
 
 from drafttrain.config import max_draft_len
 from drafttrain.drafters.base import runtime_copy
+from drafttrain.engines import drafter_int8
 from drafttrain.spec import SpecStats
 from drafttrain.tracking.acceptance import teacher_forced_acceptance
 from drafttrain.tracking.buffer import collate
@@ -34,8 +35,7 @@ class Scorer:
     def runtime_form(self, drafter, owned: bool = False):
         """`drafter` as the torch engine runs it (int8 linears if engine.drafter_int8, also cheaper to score).
         vLLM runs the fp32 head: fp32 there."""
-        int8 = self.cfg.engine.kind == "torch" and bool(self.cfg.engine.drafter_int8)
-        return runtime_copy(drafter, int8, owned)
+        return runtime_copy(drafter, drafter_int8(self.cfg.engine), owned)
 
     def serving_weights(self) -> dict:
         """The weights the engines serve now: the version on probation (inline canary), else the last good one."""

@@ -88,8 +88,7 @@ class DrafterTrainer:
         drafter.train()
         # a loaded chain drafter's attention scores held constant (train.score_grad false); a fresh drafter
         # (drafter.path null) always trains them, and kinds without them (draft model, auto) train as usual
-        if (not getattr(cfg_train, "score_grad", True) and getattr(drafter_cfg, "path", None) is not None
-                and hasattr(drafter, "freeze_scores")):
+        if not getattr(cfg_train, "score_grad", True) and getattr(drafter_cfg, "path", None) is not None:
             drafter.freeze_scores()
         params = [p for p in drafter.parameters() if p.requires_grad]  # embed_tokens is frozen
         # fused: one kernel over all parameters, cheaper than foreach (bench/NOTES.md; DeepSpeed brings its own step)

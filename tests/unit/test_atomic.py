@@ -8,7 +8,7 @@ import os
 import pytest
 import torch
 
-from drafttrain.atomic import backup_path, recover_dir, replace_dir
+from drafttrain.atomic import atomic_dir, backup_path, recover_dir, replace_dir
 from drafttrain.export import load_drafter, save_drafter
 from tests.unit.test_drafter import perturbed
 
@@ -39,6 +39,25 @@ def test_replace_dir_replaces_whole(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]  # no temp or backup left
     replace_dir(folder(tmp_path / ".fresh", "fresh"), tmp_path / "other")  # nothing to replace
     assert (tmp_path / "other" / "f.txt").read_text() == "fresh"
+
+
+def test_atomic_dir_moves_in_on_success_and_leaves_the_old_folder_on_error(tmp_path):
+    path = folder(tmp_path / "ckpt", "old")
+    with pytest.raises(RuntimeError, match="half-written"):
+        with atomic_dir(path) as tmp:
+            (tmp / "f.txt").write_text("new")
+            raise RuntimeError("half-written")
+    assert (path / "f.txt").read_text() == "old"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]  # the temp folder is gone
+    with atomic_dir(path, file_modes={"f.txt": 0o600}) as tmp:
+        assert tmp.parent == tmp_path and tmp != path
+        (tmp / "f.txt").write_text("new")
+    assert (path / "f.txt").read_text() == "new"
+    assert (path.stat().st_mode & 0o777, (path / "f.txt").stat().st_mode & 0o777) == (0o755, 0o600)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
+    with atomic_dir(tmp_path / "a" / "b", mode=None) as tmp:  # parents made; mode None keeps mkdtemp's 0700
+        pass
+    assert (tmp_path / "a" / "b").stat().st_mode & 0o777 == 0o700
 
 
 def test_a_crash_between_the_renames_keeps_the_old_folder(tmp_path, monkeypatch):

@@ -540,14 +540,15 @@ def test_finite_check_refuses_nan_and_inf_only():
 def test_a_kind_brings_its_load_and_vllm_form_or_is_refused_in_one_line(policy):
     """The registry, not the engines or export, knows what a kind can do: one that loads no checkpoint refuses
     drafter.path, one without a vLLM form is refused by name; the shipped kinds' forms are vLLM's methods."""
-    from drafttrain.drafters.base import DRAFTERS, DrafterKind
+    from drafttrain.drafters.base import DRAFTERS
+    from drafttrain.engines.vllm_forms import form_of
 
     assert DRAFTERS["eagle3"].load is not None and DRAFTERS["selfquant"].load is None
     with pytest.raises(ValueError, match="drafter.path: must be null for drafter.kind=selfquant") as e:
         build_drafter(set_drafter_keys(drafter_cfg(kind="selfquant"), path="checkpoints/eagle3"), policy)
     assert "\n" not in str(e.value)
     with pytest.raises(ValueError, match="drafter.kind: 'toy' has no vLLM form") as e:
-        DrafterKind(build=lambda cfg, policy: None).vllm_form("toy")
+        form_of("toy")
     assert "\n" not in str(e.value)
-    assert DRAFTERS["eagle3"].vllm_form("eagle3").method == "eagle3"
-    assert DRAFTERS["selfquant"].vllm_form("selfquant").method == "draft_model"
+    assert form_of("eagle3").method == "eagle3" and DRAFTERS["auto"].vllm is None
+    assert form_of("selfquant").method == "draft_model"

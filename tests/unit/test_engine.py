@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from drafttrain.drafters import Reads
+from drafttrain.drafters import Drafter, Reads
 from drafttrain.engines import build_engine
 from drafttrain.modeling import KVCache, LeanLlama, Rope, attend, keep_order, share_prompts, step_mask
 from drafttrain.spec import SamplingParams, processed_probs
@@ -254,7 +254,7 @@ class OracleState:
         self.seqs = [self.seqs[i] for i in idx.tolist()]
 
 
-class OracleDrafter(torch.nn.Module):
+class OracleDrafter(torch.nn.Module, Drafter):
     """Drafts with the policy itself through HF forwards: q == p (up to float error), so every draft is
     accepted and long accepted runs reach the engine's commit logic."""
 

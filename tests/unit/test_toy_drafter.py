@@ -1,6 +1,7 @@
 """A drafter kind added from outside the package, in this one file plus one registration: a bigram table that
 always drafts the most likely next token after the last one. It reads nothing from the policy's forward, is
-served by the embedded engine, passes the lossless contract, and is trained and published through the tracker."""
+served by the embedded engine, passes the lossless contract, and is trained and published through the tracker.
+It inherits TrainableDrafter for the contract's optional methods (their defaults: it needs none of them)."""
 from __future__ import annotations
 
 import pytest
@@ -8,7 +9,7 @@ import torch
 import torch.nn as nn
 
 from drafttrain.config import load_recipe
-from drafttrain.drafters import DRAFTERS, Reads, build_drafter, register_drafter
+from drafttrain.drafters import DRAFTERS, Reads, TrainableDrafter, build_drafter, register_drafter
 from drafttrain.engines import build_engine
 from drafttrain.spec import SamplingParams
 from drafttrain.tracking.tracker import DraftTracker
@@ -16,7 +17,7 @@ from tests import contract as C
 from tests.conftest import engine_cfg
 
 
-class BigramDrafter(nn.Module):
+class BigramDrafter(nn.Module, TrainableDrafter):
     kind = "toy_bigram"
     follows_policy = False
     trains = True
