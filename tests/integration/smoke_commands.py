@@ -287,8 +287,8 @@ SMOKE: list[Smoke] = [
     _main_job("mtp_track", MAIN, "recipe=mtp_track"),
     _main_job("auto_track", MAIN, "recipe=auto_track", trainer=False),
     _main_job("module_entry", "python -m drafttrain.online", "recipe=eagle3_track", steps=2),
-    _main_job("online_options", MAIN, "recipe=eagle3_track engine.k=auto online.budget_frac=0 online.canary=probe",
-              steps=2),
+    _main_job("online_options", MAIN, "recipe=eagle3_track engine.k=auto online.budget_frac=0 online.canary=probe "
+              "online.measure_every=1 rl.eval_decode=ar", steps=2),
     _main_job("two_processes", f"{TWO_PROC} drafttrain/online.py", "recipe=eagle3_track", processes=2),
     _main_job("one_process_config", "accelerate launch --config_file recipes/accelerate/one_process.yaml "
               "drafttrain/online.py", "recipe=eagle3_track"),
@@ -380,6 +380,13 @@ NOT_RUN: list[NotRun] = [
     NotRun(f"{MAIN} recipe=eagle3_track policy.path=/models/my-qwen3 data.path=/data/prompts.jsonl "
            "reward.fn=my_rewards:score drafter.path=/models/my-qwen3-eagle3",
            "needs the user's model and data: tests/integration/test_own_model.py runs the main job with these keys"),
+    NotRun("python -m drafttrain.export RUN_DIR [--step N] OUT", "needs a finished run: tests/unit/test_deliverable.py "
+           "runs the same entry point on run folders (every run's end also writes the export)"),
+    NotRun("python -m drafttrain.staleness --drafter checkpoints/eagle3 runs/eagle3_track",
+           "needs a finished run: tests/unit/test_staleness.py runs the same entry point on a run folder"),
+    NotRun("python -m drafttrain.staleness --drafter my_eagle3 ckpt/step-0 ckpt/step-100 ckpt/step-200 --data "
+           "prompts.jsonl --catch-up 60 --out staleness", "needs the user's checkpoints and prompts: "
+           "tests/unit/test_staleness.py runs it on policy folders with --catch-up and --out"),
     NotRun("python -m drafttrain.report runs/eagle3_track runs/eagle3_frozen",
            "needs two finished runs: tests/unit/test_report_compare.py runs the same entry point on run folders"),
 ]

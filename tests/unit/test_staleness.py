@@ -79,3 +79,16 @@ def test_imports_no_rl_code():
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=True,
                        env={**os.environ, "PYTHONPATH": str(PROJECT_ROOT)})
     assert r.stdout.strip().splitlines()[-1] == "[]"
+
+
+def test_catch_up_retrains_a_copy_and_reports_its_mal(run_dir, tmp_path):
+    """--catch-up S: a copy of the drafter trained S seconds on each checkpoint's rollouts; its MAL is reported beside
+    the frozen one's, and the drafter given is left as it was."""
+    torch.set_num_threads(1)
+    before = (PROJECT_ROOT / "checkpoints" / "eagle3" / "model.safetensors").read_bytes()
+    out = tmp_path / "cu"
+    assert staleness.main([str(run_dir), *FAST, "--catch-up", "2", "--out", str(out)]) == 0
+    res = json.loads(out.with_suffix(".json").read_text())
+    for c in res["checkpoints"]:
+        assert c["catch_up_mal"] is not None and 1.0 <= c["catch_up_mal"] <= 6.0
+    assert (PROJECT_ROOT / "checkpoints" / "eagle3" / "model.safetensors").read_bytes() == before
