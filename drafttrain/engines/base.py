@@ -55,6 +55,8 @@ class RolloutEngine(Protocol):
 
     def update_policy(self, policy=None) -> None: ...
 
+    def close(self) -> None: ...  # free what the engine holds (processes, temporary files); idempotent
+
 
 class EngineDied(Exception):
     """The engine's process is gone (killed, crashed): it will not serve again, and a new engine must be built. Not a

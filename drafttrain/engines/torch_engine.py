@@ -122,6 +122,9 @@ class TorchEngine:
         self._draft_cost_stale = False
         return ctl
 
+    def close(self) -> None:
+        """Nothing to free: the engine lives in this process's memory."""
+
     def update_policy(self, policy=None) -> None:
         """The policy's weights changed (an RL step): refresh the packed copies in place."""
         if policy is not None and policy is not self.policy:

@@ -14,6 +14,7 @@ current step's checkpoint, and the job ends with the process that started it: se
 """
 from __future__ import annotations
 
+import contextlib
 import time
 from pathlib import Path
 
@@ -48,8 +49,8 @@ def main(cfg) -> list[dict]:
     out = Path(cfg.run.out_dir)
     lock = lock_run_folder(out, acc)  # one job per run folder, before anything in it is read
     try:
-        with Stopper(acc, out) as stopper:
-            return _run(cfg, acc, out, stopper)
+        with Stopper(acc, out) as stopper, contextlib.ExitStack() as closing:
+            return _run(cfg, acc, out, stopper, closing)
     finally:
         if lock is not None:
             lock.release()
@@ -73,7 +74,7 @@ def _resume_state(cfg, last: Path, out: Path) -> dict:
     return state
 
 
-def _run(cfg, acc, out: Path, stopper: Stopper) -> list[dict]:
+def _run(cfg, acc, out: Path, stopper: Stopper, closing: contextlib.ExitStack) -> list[dict]:
     ckpt = Checkpointer(out, acc)
     last = ckpt.latest() if cfg.run.resume else None
     state = _resume_state(cfg, last, out) if last else None
@@ -87,6 +88,7 @@ def _run(cfg, acc, out: Path, stopper: Stopper) -> list[dict]:
         engine = RestartingEngine(build_engine(cfg.engine, policy, drafter),
                                   rebuild_engine(cfg.engine, policy, drafter), lambda: tracker.publisher.served(),
                                   cfg.engine.kind, ckpt.latest, say)  # a dead engine is rebuilt (rl/restart.py)
+        closing.callback(engine.close)  # however the run ends, its engine's processes end with it
         tracker = DraftTracker(cfg, policy, [engine], drafter, acc, log=say)
     except ValueError as e:
         raise ConfigError(str(e)) from None

