@@ -113,6 +113,11 @@ def run_one(cfg, arm: str, seed: int) -> dict:
             "rewards": [r["reward_mean"] for r in recs]}
 
 
+def paired(base: dict, runs: list[dict]) -> list[float]:
+    """The base arm's RL-loop wall time over each run's, seed by seed (base: {seed: run})."""
+    return [base[r["seed"]]["rl_wall_s"] / r["rl_wall_s"] for r in runs if r["seed"] in base]
+
+
 def summarize(runs: list[dict], arms: list[str], spread: float) -> dict:
     by = {a: sorted((r for r in runs if r["arm"] == a), key=lambda r: r["seed"]) for a in arms}
     ar = {r["seed"]: r for r in by.get("ar", [])}
@@ -126,14 +131,12 @@ def summarize(runs: list[dict], arms: list[str], spread: float) -> dict:
         curves = [r["rewards"] for r in rs if r.get("rewards")]
         s["reward_curve"] = [statistics.fmean(c[i] for c in curves) for i in range(min(map(len, curves)))] \
             if curves else []  # the mean over seeds of each step's mean reward
-        if frozen and a not in ("ar", "frozen"):  # paired by seed, as against AR
-            s["speedup_over_frozen"], s["speedup_over_frozen_sd"] = mean_sd(
-                [frozen[r["seed"]]["rl_wall_s"] / r["rl_wall_s"] for r in rs if r["seed"] in frozen])
+        if frozen and a not in ("ar", "frozen"):
+            s["speedup_over_frozen"], s["speedup_over_frozen_sd"] = mean_sd(paired(frozen, rs))
         if ar and a != "ar":  # paired by seed: the same prompts, run next to each other
-            ratios = [ar[r["seed"]]["rl_wall_s"] / r["rl_wall_s"] for r in rs if r["seed"] in ar]
             no_meas = [(ar[r["seed"]]["rl_wall_s"] - ar[r["seed"]]["measure_s"]) / (r["rl_wall_s"] - r["measure_s"])
                        for r in rs if r["seed"] in ar]
-            s["speedup_over_ar"], s["speedup_over_ar_sd"] = mean_sd(ratios)
+            s["speedup_over_ar"], s["speedup_over_ar_sd"] = mean_sd(paired(ar, rs))
             s["speedup_over_ar_no_measure"], s["speedup_over_ar_no_measure_sd"] = mean_sd(no_meas)
             s["reward_vs_ar"] = same_learning([r["reward_mean"] for r in rs], [r["reward_mean"] for r in by["ar"]],
                                               spread)

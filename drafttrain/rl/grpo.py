@@ -153,10 +153,9 @@ class GRPO:
             obj = torch.minimum(ratio * a, ratio.clamp(1 - rl.clip_eps, 1 + rl.clip_eps) * a)
             loss = -(obj * m).sum() / n_tok
             check_finite("loss", loss, ro.step, rl.lr)
-            if grad:
-                loss.backward()
             losses += float(loss.detach())
-            if grad:  # the share of the tokens the update learns from whose ratio was clipped
+            if grad:  # clip_frac: the share of the tokens the update learns from whose ratio was clipped
+                loss.backward()
                 clipped += int((((ratio - 1).abs() > rl.clip_eps) & m & (a != 0)).sum())
                 graded += int((m & (a != 0)).sum())
         self.average_grads()
@@ -202,7 +201,6 @@ def rollout_metrics(ro: Rollouts) -> dict:
             "live_mal": st.mean_accepted_length,
             "live_k": sum(b * k for b, k in drafted) / sum(b for b, _ in drafted) if drafted else None,
             "live_acc_pos": st.acceptance_per_position, "rollout_drafter_version": ro.batch.drafter_version}
-
 
 
 def tail_s(tl, rows: int, frac: float) -> float | None:
