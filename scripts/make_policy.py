@@ -29,7 +29,7 @@ import torch
 from omegaconf import OmegaConf
 from tqdm import tqdm
 
-from drafttrain.policy.model import PolicyConfig, build_policy, save_policy
+from drafttrain.policy.model import PolicyConfig, build_policy, load_policy, save_policy
 from drafttrain.policy.sft import sample_eval, sft_batches
 from drafttrain.policy.task import make_problems
 from drafttrain.policy.tokenizer import build_tokenizer
@@ -38,6 +38,7 @@ from drafttrain.policy.tokenizer import build_tokenizer
 @dataclass
 class MakePolicyConfig:
     out: str = "checkpoints/policy"
+    init: str | None = None  # a saved policy to go on training (a second SFT stage), else a fresh one
     seed: int = 0
     threads: int = 2
     model: PolicyConfig = field(default_factory=PolicyConfig)
@@ -66,8 +67,12 @@ def main(cfg: MakePolicyConfig) -> dict:
         raise ValueError(f"save_dtype must be float32 or bfloat16, got {cfg.save_dtype}")
     torch.set_num_threads(cfg.threads)
     torch.manual_seed(cfg.seed)
-    tok = build_tokenizer()
-    model = build_policy(cfg.model)
+    if cfg.init:
+        model, tok = load_policy(cfg.init)
+        model.train()
+    else:
+        tok = build_tokenizer()
+        model = build_policy(cfg.model)
     n_params = sum(p.numel() for p in model.parameters())
     print(f"policy: {n_params / 1e6:.1f}M params, {OmegaConf.to_yaml(OmegaConf.structured(cfg.model))}")
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)

@@ -44,6 +44,13 @@ LABELS = "abcdefghijklmnop"  # LABELS[j]: j steps left after this one
 WRONG_P = 0.7  # the SFT teacher's share of steps by the wrong rule g
 ADD, WRONG_ADD = 7, 3  # f(x) = (x + ADD) mod 100, the right rule; g(x) = (x + WRONG_ADD) mod 100, the wrong one
 RIGHT, WRONG = ":", "-"  # a step's mark of the rule applied: "c:51" (f), "c-48" (g)
+# After its answer the SFT teacher goes on checking in CHECK_P of its responses, drawn per sample: it keeps applying
+# the rules (`;a:72;a-75;...`, the same choice at every step) and stops after each check step with CHECK_STOP, at most
+# CHECK_MAX steps. The check does not change the answer; under `strict` scoring a wrong step in it scores nothing.
+CHECK_P = 0.0
+CHECK_STOP = 0.015
+CHECK_MAX = 78
+STRICT = False
 
 _NUMBER_RE = re.compile(r"-?\d+")
 _WRONG_RE = re.compile(r"(?:^|;)[a-p]" + WRONG)
@@ -85,9 +92,19 @@ def solve(start: int, n: int, wrong: list[bool] | None = None) -> str:
     return ";".join(steps) + f";A:{x:02d}"
 
 
-def sample_solution(p: Problem, rng: random.Random, wrong_p: float = WRONG_P) -> str:
-    """One SFT response for `p`: each step by the wrong rule with probability wrong_p."""
-    return solve(p.start, p.n, [rng.random() < wrong_p for _ in range(p.n)])
+def sample_solution(p: Problem, rng: random.Random, wrong_p: float = WRONG_P, check_p: float | None = None) -> str:
+    """One SFT response for `p`: each step by the wrong rule with probability wrong_p, then, with probability
+    check_p (default CHECK_P), a check of 1 + Geometric(CHECK_STOP) steps (at most CHECK_MAX) after the answer."""
+    text = solve(p.start, p.n, [rng.random() < wrong_p for _ in range(p.n)])
+    if rng.random() >= (CHECK_P if check_p is None else check_p):
+        return text
+    x, steps = int(text.rsplit(":", 1)[1]), []
+    while True:
+        bad = rng.random() < wrong_p
+        x = g(x) if bad else f(x)
+        steps.append(f"{LABELS[0]}{WRONG if bad else RIGHT}{x:02d}")
+        if len(steps) >= CHECK_MAX or rng.random() < CHECK_STOP:
+            return text + ";" + ";".join(steps)
 
 
 def make_problem(start: int, n: int) -> Problem:
@@ -119,20 +136,37 @@ def make_prompts(n: int, seed: int) -> list[Problem]:
 
 
 def extract_answer(text: str) -> str | None:
-    """What follows the last `A:` in `text` if it is exactly a number, else None (no `A:`, or a malformed answer:
-    `A:77;A:`, `A:7<pad>7`, `A:77=78` score nothing; an earlier well-formed `A:` does not rescue a later one)."""
+    """What follows the last `A:` in `text`, up to a check (`;`) or the end, if it is exactly a number, else None (no
+    `A:`, or a malformed answer: `A:77;A:`, `A:7<pad>7`, `A:77=78` score nothing; an earlier well-formed `A:` does
+    not rescue a later one)."""
     at = text.rfind("A:")
     if at < 0:
         return None
-    tail = text[at + 2:]
+    tail = text[at + 2:].split(";", 1)[0]
     return tail if _NUMBER_RE.fullmatch(tail) else None
 
 
+def check_right(text: str) -> bool:
+    """Whether what follows the answer is a check made only of right steps (`;a:72;a:79`: f of the value before)."""
+    at = text.rfind("A:")
+    parts = text[at + 2:].split(";") if at >= 0 else []
+    if not parts or not _NUMBER_RE.fullmatch(parts[0]):
+        return False
+    x = int(parts[0])
+    for step in parts[1:]:
+        if len(step) != 4 or step[:2] != LABELS[0] + RIGHT or not step[2:].isdigit() or int(step[2:]) != f(x):
+            return False
+        x = f(x)
+    return True
+
+
 def reward(problem_or_answer: Problem | str, response_text: str) -> float:
-    """1.0 iff the response's final `A:` answer equals the reference answer, else 0.0."""
+    """1.0 iff the response's final `A:` answer equals the reference answer (and, under STRICT, its check after the
+    answer takes only right steps), else 0.0."""
     answer = problem_or_answer.answer if isinstance(problem_or_answer, Problem) else problem_or_answer
     got = extract_answer(response_text)
-    return 1.0 if got is not None and got == answer else 0.0
+    ok = got is not None and got == answer
+    return 1.0 if ok and (not STRICT or check_right(response_text)) else 0.0
 
 
 def wrong_rule_share(texts: list[str]) -> float:

@@ -111,8 +111,45 @@ def test_reward_exact_match():
     assert extract_answer("x;A:77") == "77"
     assert extract_answer("no answer") is None
     # malformed answers score nothing (they scored 1.0: the last *well-formed* A: counted, trailing text ignored)
-    for bad in ("A:65;A:", "A:65;A:-", "A:65=66", "A:65;", "A:6 5"):
+    for bad in ("A:65;A:", "A:65;A:-", "A:65=66", "A:6 5", "A:;65"):
         assert reward(p, bad) == 0.0, bad
+
+
+def test_the_check_after_the_answer_is_drawn_per_sample_and_scored_only_under_strict(monkeypatch):
+    """The SFT teacher checks after its answer in CHECK_P of its responses (a coin per sample, not per problem), for
+    1 + Geometric(CHECK_STOP) steps capped at CHECK_MAX, each by f or g (the chain's choice) from the value before;
+    the answer is read before the check, and only STRICT scoring asks the check to be right."""
+    import drafttrain.policy.task as task
+
+    p = make_problem(37, 4)
+    rng = random.Random(5)
+    texts = [sample_solution(p, rng, check_p=0.3) for _ in range(3000)]  # one problem: any spread is per sample
+    checked = [t for t in texts if len(t) > len(p.solution)]
+    assert abs(len(checked) / len(texts) - 0.3) < 0.03
+    lens = []
+    for t in checked:
+        head, check = t.split(";A:")[0], t.split(";A:")[1].split(";")
+        x = int(check[0])
+        assert check[0] == extract_answer(t) and reward(p, t) == float("-" not in head)
+        for step in check[1:]:
+            assert step[0] == LABELS[0] and step[1] in ":-"
+            x = f(x) if step[1] == ":" else g(x)
+            assert int(step[2:]) == x
+        lens.append(len(check) - 1)
+    assert 1 <= min(lens) and max(lens) == task.CHECK_MAX  # the cap binds: P(longer) = (1 - stop)^(max - 1) ~ 0.3
+    capped = sum(n == task.CHECK_MAX for n in lens) / len(lens)
+    assert abs(capped - (1 - task.CHECK_STOP) ** (task.CHECK_MAX - 1)) < 0.06
+    short = [n for n in lens if n < 20]  # below the cap: geometric, P(n) = stop (1 - stop)^(n - 1)
+    assert abs(len(short) / len(lens) - (1 - (1 - task.CHECK_STOP) ** 19)) < 0.05
+    assert all(len(t) == len(p.solution) for t in (sample_solution(p, rng, check_p=0.0) for _ in range(50)))
+
+    right = "d:44;c:51;b:58;a:65;A:65;a:72;a:79"
+    slipped = "d:44;c:51;b:58;a:65;A:65;a:72;a-75"
+    assert task.check_right(right) and not task.check_right(slipped) and task.check_right(p.solution)
+    assert not task.check_right("d:44;c:51;b:58;a:65;A:65;a:7")  # a check cut short is not a right one
+    assert reward(p, right) == reward(p, slipped) == 1.0
+    monkeypatch.setattr(task, "STRICT", True)
+    assert reward(p, right) == 1.0 and reward(p, slipped) == 0.0 and reward(p, p.solution) == 1.0
 
 
 def test_reward_sees_special_tokens_inside_the_answer():
