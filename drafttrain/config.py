@@ -130,7 +130,9 @@ class RLConfig:
     group_size: int = 8  # G samples per prompt
     lr: float = 2e-4  # policy AdamW learning rate
     clip_eps: float = 0.2  # PPO ratio clip: ratios outside [1 - eps, 1 + eps] are clipped (> 0)
-    micro_batch: int = 16  # sequences per policy forward/backward
+    micro_batch: int = 16  # sequences per policy forward/backward, at most
+    # a micro-batch is padded to its longest sequence: a long-tailed batch's few long rows go in small micro-batches
+    micro_tokens: int = 2048  # padded tokens (sequences x the longest) per policy forward/backward, at most
     mode: str = "sync"  # sync: generate then train | async: generate step t+1 with the step-t policy
     prompt_seed: int = 1  # seed of the training prompts
     # held-out check of the policy before and after the run: this many fixed problems (eval_seed), scored sampled
@@ -310,6 +312,7 @@ def validate(cfg: Config) -> None:
         (cfg.rl.steps >= 0, "rl.steps", f"must be >= 0, got {cfg.rl.steps}"),
         (cfg.rl.prompts_per_step >= 1, "rl.prompts_per_step", f"must be >= 1, got {cfg.rl.prompts_per_step}"),
         (cfg.rl.micro_batch >= 1, "rl.micro_batch", f"must be >= 1, got {cfg.rl.micro_batch}"),
+        (cfg.rl.micro_tokens >= 1, "rl.micro_tokens", f"must be >= 1, got {cfg.rl.micro_tokens}"),
         (cfg.rl.lr > 0, "rl.lr", f"must be > 0, got {cfg.rl.lr}"),
         (cfg.policy.path.strip() != "", "policy.path", "is empty: give the policy's checkpoint folder"),
         (cfg.run.out_dir.strip() != "", "run.out_dir", "is empty: give the folder the run writes to"),

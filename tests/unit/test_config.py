@@ -91,6 +91,7 @@ def test_overrides_and_defaults(tmp_path):
     ("rl.steps=-1", "rl.steps"),
     ("rl.prompts_per_step=0", "rl.prompts_per_step"),
     ("rl.micro_batch=0", "rl.micro_batch"),
+    ("rl.micro_tokens=0", "rl.micro_tokens"),
     ("rl.lr=-1e-4", "rl.lr"),
     # accepted, and training went wrong: a negative norm flipped the drafter's gradients, a negative clip the PPO's
     ("train.max_grad_norm=-1", "train.max_grad_norm"),

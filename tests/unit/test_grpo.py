@@ -69,6 +69,36 @@ def test_update_is_the_policy_gradient_and_zero_advantage_rows_skip_autograd(set
     assert grad_rows == [(True, 4), (True, 4)]
 
 
+def test_micro_batches_cut_by_rows_and_padded_tokens():
+    """A long-tailed batch: before, the 16 longest rows shared one micro-batch padded to the longest (16 x 400
+    tokens for one long row); now a micro-batch stops at `rows` rows or `tokens` padded tokens, graded rows first."""
+    from drafttrain.rl.grpo import micro_batches
+
+    lens = [30] * 15 + [400] + [20] * 4
+    graded = [True] * 16 + [False] * 4
+    got = micro_batches(lens, graded, rows=16, tokens=2048)
+    assert got == [list(range(15)), [15], [16, 17, 18, 19]]
+    assert micro_batches([30] * 20, [True] * 20, rows=16, tokens=2048) == [list(range(16)), list(range(16, 20))]
+    assert micro_batches([600, 10], [True, True], rows=4, tokens=500) == [[1], [0]]  # too long for the budget: alone
+    for rows, tokens in ((4, 100), (3, 1), (16, 2048)):
+        cut = micro_batches(lens, graded, rows, tokens)
+        assert sorted(i for b in cut for i in b) == list(range(len(lens)))
+        assert all(len(b) <= rows and (len(b) == 1 or len(b) * max(lens[i] for i in b) <= tokens) for b in cut)
+        assert all(len({graded[i] for i in b}) == 1 for b in cut)
+
+
+def test_the_update_does_not_depend_on_how_the_rows_are_cut(setup, monkeypatch):
+    grpo, ro = setup
+    grads = []
+    monkeypatch.setattr(grpo.opt, "step", lambda: grads.append(
+        {n: p.grad.clone() for n, p in grpo.policy.named_parameters()}))
+    for tokens in (2048, 1):  # four rows a forward, then every row alone
+        monkeypatch.setattr(grpo.cfg.rl, "micro_tokens", tokens)
+        grpo.train_step(ro)
+    for n, g in grads[0].items():
+        torch.testing.assert_close(grads[1][n], g, atol=1e-6, rtol=1e-4, msg=n)
+
+
 class _Reader:
     """A tracker stand-in that reads the rows of the steps in `steps` (and records the capture blocks)."""
 
