@@ -2,6 +2,7 @@
 
     python scripts/make_policy.py                      # writes checkpoints/policy/
     python scripts/make_policy.py out=/tmp/p steps=50 eval_n=64
+    python scripts/make_policy.py init=checkpoints/policy out=/tmp/p2 steps=800 lr=1e-3   # a second SFT stage
 
 Builds the char tokenizer and a fresh fp32 Llama (sizes: drafttrain.policy.model.PolicyConfig),
 trains it with AdamW (warmup + cosine) on length-bucketed batches with the loss on the

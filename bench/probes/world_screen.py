@@ -4,7 +4,7 @@
     python bench/probes/world_screen.py rl POLICY OUT SEED check_p=... [strict=1] [steps=60] [threads=1]
 
 `rl` is GRPO with AR rollouts at the default recipe (prompt_seed = SEED), and prints per step the reward, the
-wrong-rule share of the written steps (chain and check), the share of rows that check, the mean and max response
+wrong-rule share of the written steps (chain and check) and of the check's steps, the share of rows that check, the mean and max response
 length, and the step's rollout and policy-update seconds and the rollout's tail10 seconds (the decode steps in which
 only the longest-running 10% of rows were active), then the run's rollout share and tail10 share.
 """
@@ -47,13 +47,15 @@ def rl(src, out, seed, kv):
         t_roll = time.perf_counter() - t
         m = rollout_metrics(ro)
         texts = [decode(tok, r) for r in ro.responses]
+        checks = [x.split("A:")[-1].split(";", 1)[1] for x in texts if ";" in x.split("A:")[-1]]
         t = time.perf_counter()
         g.train_step(ro)
         engine.update_policy()
         t_train = time.perf_counter() - t
         rec = dict(step=s, reward=round(sum(ro.rewards) / len(ro.rewards), 3),
                    wrong=round(task.wrong_rule_share(texts), 3),
-                   check=round(sum(";a" in x.split("A:")[-1] for x in texts) / len(texts), 3),
+                   check=round(len(checks) / len(texts), 3),
+                   check_wrong=round(task.wrong_rule_share([";" + c for c in checks]), 3),
                    len=round(m["resp_len_mean"], 1), max=m["resp_len_max"], roll_s=round(t_roll, 3),
                    train_s=round(t_train, 3), tail10_s=round(m["rollout_tail10_s"] or 0.0, 3))
         log.append(rec)

@@ -10,6 +10,8 @@ SFT teacher is a mixture of a right and a buggy solver: it applies g at WRONG_P 
 policy computes either rule reliably but picks the wrong one at most steps: the right rule is the minority
 strategy, the one the verifier rewards. The number of steps is long-tailed (1 + a geometric draw, capped at 16):
 most responses are short, a few are long, as in reasoning RL where a handful of long rollouts dominate a batch.
+A world with CHECK_P > 0 also goes on checking after the answer in a few responses, drawn per sample (see CHECK_P):
+the long tail of reasoning RL, where a few samples of a prompt run many times longer than the others.
 
 Why this world (issue 18): a policy whose text moves while it gets better, through mechanisms that real RL shows,
 so that a drafter fitted to the step-0 policy goes stale:
@@ -44,16 +46,18 @@ LABELS = "abcdefghijklmnop"  # LABELS[j]: j steps left after this one
 WRONG_P = 0.7  # the SFT teacher's share of steps by the wrong rule g
 ADD, WRONG_ADD = 7, 3  # f(x) = (x + ADD) mod 100, the right rule; g(x) = (x + WRONG_ADD) mod 100, the wrong one
 RIGHT, WRONG = ":", "-"  # a step's mark of the rule applied: "c:51" (f), "c-48" (g)
-# After its answer the SFT teacher goes on checking in CHECK_P of its responses, drawn per sample: it keeps applying
-# the rules (`;a:72;a-75;...`, the same choice at every step) and stops after each check step with CHECK_STOP, at most
-# CHECK_MAX steps. The check does not change the answer; under `strict` scoring a wrong step in it scores nothing.
+# After its answer the SFT teacher goes on checking in CHECK_P of its responses, drawn per sample: it draws how many
+# steps c (1 + Geometric(CHECK_STOP), at most CHECK_MAX) and keeps applying the rules, each step labelled with the
+# steps left after it in two digits and taking the chain's choice of rule (`;02:72;01-75;00:82`). The check does not
+# change the answer; under STRICT scoring a wrong step in it scores nothing. The count is written once, in the first
+# label: a per-step stop instead let RL drift the length (bench/NOTES.md, World, session 34).
 CHECK_P = 0.0
-CHECK_STOP = 0.015
-CHECK_MAX = 78
+CHECK_STOP = 0.04
+CHECK_MAX = 64
 STRICT = False
 
 _NUMBER_RE = re.compile(r"-?\d+")
-_WRONG_RE = re.compile(r"(?:^|;)[a-p]" + WRONG)
+_WRONG_RE = re.compile(r"(?:^|;)(?:[a-p]|\d\d)" + WRONG)  # a chain step's letter label or a check step's count
 
 
 @dataclass(frozen=True)
@@ -98,13 +102,15 @@ def sample_solution(p: Problem, rng: random.Random, wrong_p: float = WRONG_P, ch
     text = solve(p.start, p.n, [rng.random() < wrong_p for _ in range(p.n)])
     if rng.random() >= (CHECK_P if check_p is None else check_p):
         return text
+    c = 1
+    while c < CHECK_MAX and rng.random() >= CHECK_STOP:
+        c += 1
     x, steps = int(text.rsplit(":", 1)[1]), []
-    while True:
+    for left in range(c - 1, -1, -1):
         bad = rng.random() < wrong_p
         x = g(x) if bad else f(x)
-        steps.append(f"{LABELS[0]}{WRONG if bad else RIGHT}{x:02d}")
-        if len(steps) >= CHECK_MAX or rng.random() < CHECK_STOP:
-            return text + ";" + ";".join(steps)
+        steps.append(f"{left:02d}{WRONG if bad else RIGHT}{x:02d}")
+    return text + ";" + ";".join(steps)
 
 
 def make_problem(start: int, n: int) -> Problem:
@@ -147,14 +153,15 @@ def extract_answer(text: str) -> str | None:
 
 
 def check_right(text: str) -> bool:
-    """Whether what follows the answer is a check made only of right steps (`;a:72;a:79`: f of the value before)."""
+    """Whether what follows the answer is nothing or a whole check of right steps (`;01:72;00:79`: f of the value
+    before, the labels counting down to 00)."""
     at = text.rfind("A:")
     parts = text[at + 2:].split(";") if at >= 0 else []
     if not parts or not _NUMBER_RE.fullmatch(parts[0]):
         return False
-    x = int(parts[0])
-    for step in parts[1:]:
-        if len(step) != 4 or step[:2] != LABELS[0] + RIGHT or not step[2:].isdigit() or int(step[2:]) != f(x):
+    x, steps = int(parts[0]), parts[1:]
+    for i, step in enumerate(steps):
+        if step != f"{len(steps) - 1 - i:02d}{RIGHT}{f(x):02d}":
             return False
         x = f(x)
     return True

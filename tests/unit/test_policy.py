@@ -117,8 +117,9 @@ def test_reward_exact_match():
 
 def test_the_check_after_the_answer_is_drawn_per_sample_and_scored_only_under_strict(monkeypatch):
     """The SFT teacher checks after its answer in CHECK_P of its responses (a coin per sample, not per problem), for
-    1 + Geometric(CHECK_STOP) steps capped at CHECK_MAX, each by f or g (the chain's choice) from the value before;
-    the answer is read before the check, and only STRICT scoring asks the check to be right."""
+    c = 1 + Geometric(CHECK_STOP) steps capped at CHECK_MAX, written once in the first step's count label (c - 1,
+    counting down to 00), each step by f or g (the chain's choice) from the value before; the answer is read before
+    the check, and only STRICT scoring asks the check to be right."""
     import drafttrain.policy.task as task
 
     p = make_problem(37, 4)
@@ -129,24 +130,27 @@ def test_the_check_after_the_answer_is_drawn_per_sample_and_scored_only_under_st
     lens = []
     for t in checked:
         head, check = t.split(";A:")[0], t.split(";A:")[1].split(";")
-        x = int(check[0])
+        x, steps = int(check[0]), check[1:]
         assert check[0] == extract_answer(t) and reward(p, t) == float("-" not in head)
-        for step in check[1:]:
-            assert step[0] == LABELS[0] and step[1] in ":-"
-            x = f(x) if step[1] == ":" else g(x)
-            assert int(step[2:]) == x
-        lens.append(len(check) - 1)
-    assert 1 <= min(lens) and max(lens) == task.CHECK_MAX  # the cap binds: P(longer) = (1 - stop)^(max - 1) ~ 0.3
+        for i, step in enumerate(steps):
+            assert step[:2] == f"{len(steps) - 1 - i:02d}" and step[2] in ":-"
+            x = f(x) if step[2] == ":" else g(x)
+            assert int(step[3:]) == x
+        lens.append(len(steps))
+    assert 1 <= min(lens) and max(lens) == task.CHECK_MAX  # the cap binds: P(c = max) = (1 - stop)^(max - 1)
     capped = sum(n == task.CHECK_MAX for n in lens) / len(lens)
-    assert abs(capped - (1 - task.CHECK_STOP) ** (task.CHECK_MAX - 1)) < 0.06
-    short = [n for n in lens if n < 20]  # below the cap: geometric, P(n) = stop (1 - stop)^(n - 1)
+    assert abs(capped - (1 - task.CHECK_STOP) ** (task.CHECK_MAX - 1)) < 0.04
+    short = [n for n in lens if n < 20]  # below the cap: geometric, P(c) = stop (1 - stop)^(c - 1)
     assert abs(len(short) / len(lens) - (1 - (1 - task.CHECK_STOP) ** 19)) < 0.05
     assert all(len(t) == len(p.solution) for t in (sample_solution(p, rng, check_p=0.0) for _ in range(50)))
+    assert abs(wrong_rule_share(checked) - WRONG_P) < 0.03  # the check's steps take the chain's choice
 
-    right = "d:44;c:51;b:58;a:65;A:65;a:72;a:79"
-    slipped = "d:44;c:51;b:58;a:65;A:65;a:72;a-75"
+    right = "d:44;c:51;b:58;a:65;A:65;01:72;00:79"
+    slipped = "d:44;c:51;b:58;a:65;A:65;01:72;00-75"
     assert task.check_right(right) and not task.check_right(slipped) and task.check_right(p.solution)
-    assert not task.check_right("d:44;c:51;b:58;a:65;A:65;a:7")  # a check cut short is not a right one
+    assert wrong_rule_share([slipped]) == 1 / 6
+    for bad in ("d:44;c:51;b:58;a:65;A:65;01:72", "d:44;c:51;b:58;a:65;A:65;00:72;00:79", "A:65;00:7"):
+        assert not task.check_right(bad), bad  # cut short, a count that does not count down, a step cut short
     assert reward(p, right) == reward(p, slipped) == 1.0
     monkeypatch.setattr(task, "STRICT", True)
     assert reward(p, right) == 1.0 and reward(p, slipped) == 0.0 and reward(p, p.solution) == 1.0
