@@ -47,7 +47,7 @@ import torch
 
 from drafttrain.engines.base import RolloutBatch, StaleVersionError, Timeline
 from drafttrain.engines.vllm_forms import form_of
-from drafttrain.engines.vllm_procs import children, dies_as_engine_died, shutdown
+from drafttrain.engines.vllm_procs import children, dies_as_engine_died, shutdown, watched
 from drafttrain.engines.vllm_transfer import checkpoint_shapes, push_weights, read_back, spec_stats
 from drafttrain.engines.vllm_worker import EXTENSION, TRANSFER_BACKEND
 from drafttrain.spec import SamplingParams
@@ -194,7 +194,8 @@ class VllmEngine:
         return self._llm
 
     def _rpc(self, method: str, *args):
-        return self.llm.collective_rpc(method, args=args)[0]
+        llm = self.llm
+        return watched(lambda: llm.collective_rpc(method, args=args), self._procs, method)[0]
 
     # ---- drafter hot-swap -----------------------------------------------------------------------------------
     @property

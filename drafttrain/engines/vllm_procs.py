@@ -65,6 +65,35 @@ def dead_process(procs: list) -> str | None:
     return None
 
 
+def watched(call, procs: list, what: str, poll_s: float = 0.5):
+    """call() in a daemon thread, waiting for it while checking the engine's processes every poll_s: a worker killed
+    while the engine core waits on it left that wait (a collective RPC) hanging for ever. A process gone is
+    EngineDied; the hung thread is left behind (daemon: it does not hold the interpreter at exit)."""
+    import threading
+
+    from drafttrain.engines.base import EngineDied
+
+    out: dict = {}
+
+    def run():
+        try:
+            out["value"] = call()
+        except BaseException as e:  # noqa: BLE001 - re-raised in the caller's thread
+            out["error"] = e
+
+    t = threading.Thread(target=run, daemon=True, name=f"vllm-{what}")
+    t.start()
+    while True:
+        t.join(poll_s)
+        if not t.is_alive():
+            if "error" in out:
+                raise out["error"]
+            return out["value"]
+        gone = dead_process(procs)
+        if gone is not None:
+            raise EngineDied(f"vLLM engine: {gone} died during {what}")
+
+
 def dies_as_engine_died(method):
     """An engine method whose failure, when one of the engine's processes is gone (or vLLM says its engine is dead),
     is EngineDied: the run may build a new engine (rl/restart.py). Other failures pass as they are."""

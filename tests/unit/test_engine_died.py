@@ -37,3 +37,28 @@ def test_a_failed_call_with_a_killed_process_is_engine_died_naming_it():
         assert "\n" not in msg
     finally:
         child.kill()
+
+
+def test_a_call_that_hangs_on_a_killed_process_is_engine_died_not_a_hang():
+    """The vLLM restart test hung in CI: the worker was killed while the engine core waited on it inside a collective
+    RPC (a weight push), and the client waited for ever. A watched call checks the engine's processes while it waits."""
+    import threading
+    import time
+
+    from drafttrain.engines.vllm_procs import watched
+
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    procs = [psutil.Process(child.pid)]
+    try:
+        assert watched(lambda: 7, procs, "quick") == 7  # returns what the call returns
+        with pytest.raises(ZeroDivisionError):  # and raises what it raises
+            watched(lambda: 1 / 0, procs, "bad")
+        never = threading.Event()
+        threading.Timer(0.5, child.kill).start()
+        t = time.monotonic()
+        with pytest.raises(EngineDied, match=rf"\(PID {child.pid}\) died during push"):
+            watched(never.wait, procs, "push", poll_s=0.1)  # blocks for ever, as the RPC did
+        assert time.monotonic() - t < 10
+    finally:
+        child.kill()
+        child.wait()
