@@ -4,9 +4,9 @@
     python bench/probes/world_screen.py rl POLICY OUT SEED check_p=... [strict=1] [steps=60] [threads=1]
 
 `rl` is GRPO with AR rollouts at the default recipe (prompt_seed = SEED), and prints per step the reward, the
-wrong-rule share of the written steps (chain and check) and of the check's steps, the share of rows that check, the mean and max response
-length, and the step's rollout and policy-update seconds and the rollout's tail10 seconds (the decode steps in which
-only the longest-running 10% of rows were active), then the run's rollout share and tail10 share.
+wrong-rule share of the written steps (chain and check) and of the check's steps alone, the share of rows that check,
+the mean and max response length, the step's rollout and policy-update seconds and the rollout's tail10 seconds (the
+decode steps in which only the longest-running 10% of rows were active), then the run's rollout and tail10 shares.
 """
 import json
 import sys
