@@ -45,7 +45,7 @@ class SamplingConfig:
     temperature: float = 1.0  # rollout sampling temperature (0 = greedy)
     top_k: int = 0  # keep the k most likely tokens (0 = off)
     top_p: float = 1.0  # nucleus: keep the smallest set of tokens with this much mass (1 = off)
-    max_new_tokens: int = 256  # response length cap per rollout
+    max_new_tokens: int = 496  # response length cap per rollout (the longest check fits)
 
 
 @dataclass

@@ -1,6 +1,6 @@
 """Train the shipped tiny policy: SFT a small Llama on the task (drafttrain/policy/task.py).
 
-    python scripts/make_policy.py                      # writes checkpoints/policy/
+    python scripts/make_policy.py                      # one stage, in the task's world (CHECK_P of responses check)
     python scripts/make_policy.py out=/tmp/p steps=50 eval_n=64
     python scripts/make_policy.py init=checkpoints/policy out=/tmp/p2 steps=800 lr=1e-3   # a second SFT stage
 
@@ -10,9 +10,16 @@ response only (each step by the task's right or wrong rule at random, as its SFT
 `eval_n` held-out problems at temperature 1.0 and writes `task_eval.json` (accuracy,
 response-length stats) beside the weights. The step count is chosen so training ends "decent
 but imperfect", leaving RL room to improve. Deterministic in `seed` for a fixed thread count.
-The shipped checkpoint is this script with its defaults (2000 steps, 2 threads): each rule computed right at
-almost every step, the wrong one chosen at most of them, as the SFT teacher did; its training time and accuracy:
-bench/NOTES.md, World.
+
+The shipped checkpoint is three stages (2 threads each): the chain alone first, as a fresh policy trained with the
+long checks from the start loses the countdown (sampled accuracy 0.0-0.035), then two stages with the checks:
+
+    python scripts/make_policy.py check_p=0 out=/tmp/p0
+    python scripts/make_policy.py init=/tmp/p0 out=/tmp/p1 steps=800 lr=1e-3 warmup=10 seed=1
+    python scripts/make_policy.py init=/tmp/p1 steps=2000 lr=1e-3 warmup=10 seed=2     # -> checkpoints/policy
+
+Each rule is computed right at almost every step and the wrong one chosen at most of them, as the SFT teacher did;
+its training time and accuracy: bench/NOTES.md, World.
 
 Simplifies on purpose: one process, no packing, no validation loss, no checkpoint resume.
 """
@@ -40,6 +47,7 @@ from drafttrain.policy.tokenizer import build_tokenizer
 class MakePolicyConfig:
     out: str = "checkpoints/policy"
     init: str | None = None  # a saved policy to go on training (a second SFT stage), else a fresh one
+    check_p: float | None = None  # share of SFT responses that check after the answer; None: the task's CHECK_P
     seed: int = 0
     threads: int = 2
     model: PolicyConfig = field(default_factory=PolicyConfig)
@@ -77,7 +85,7 @@ def main(cfg: MakePolicyConfig) -> dict:
     n_params = sum(p.numel() for p in model.parameters())
     print(f"policy: {n_params / 1e6:.1f}M params, {OmegaConf.to_yaml(OmegaConf.structured(cfg.model))}")
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
-    batches = sft_batches(tok, cfg.seed, cfg.tokens_per_batch)
+    batches = sft_batches(tok, cfg.seed, cfg.tokens_per_batch, check_p=cfg.check_p)
 
     model.train()
     t0, n_tok, losses = time.time(), 0, []

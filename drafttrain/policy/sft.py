@@ -29,12 +29,15 @@ def encode_example(tok, p: Problem, solution: str | None = None) -> tuple[list[i
     return prompt + response, [IGNORE] * len(prompt) + response
 
 
-def sft_batches(tok, seed: int, tokens_per_batch: int, pool: int = 512) -> Iterator[dict[str, torch.Tensor]]:
-    """Endless batches of about `tokens_per_batch` tokens (padded), deterministic in `seed`."""
+def sft_batches(tok, seed: int, tokens_per_batch: int, pool: int = 512,
+                check_p: float | None = None) -> Iterator[dict[str, torch.Tensor]]:
+    """Endless batches of about `tokens_per_batch` tokens (padded), deterministic in `seed`; `check_p` is the share of
+    responses that check after the answer (None: the task's CHECK_P)."""
     rng = random.Random(seed)
     while True:
         problems = (sample_problem(rng) for _ in range(pool))  # each written in a random mix of the step styles
-        examples = sorted((encode_example(tok, p, sample_solution(p, rng)) for p in problems), key=lambda e: len(e[0]))
+        examples = sorted((encode_example(tok, p, sample_solution(p, rng, check_p=check_p)) for p in problems),
+                          key=lambda e: len(e[0]))
         batches, cur = [], []
         for ex in examples:
             if cur and (len(cur) + 1) * len(ex[0]) > tokens_per_batch:  # sorted: ex is the longest so far

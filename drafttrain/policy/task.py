@@ -51,7 +51,7 @@ RIGHT, WRONG = ":", "-"  # a step's mark of the rule applied: "c:51" (f), "c-48"
 # steps left after it in two digits and taking the chain's choice of rule (`;02:72;01-75;00:82`). The check does not
 # change the answer; under STRICT scoring a wrong step in it scores nothing. The count is written once, in the first
 # label: a per-step stop instead let RL drift the length (bench/NOTES.md, World, session 34).
-CHECK_P = 0.0
+CHECK_P = 0.12
 CHECK_STOP = 0.04
 CHECK_MAX = 64
 STRICT = False
@@ -100,7 +100,8 @@ def sample_solution(p: Problem, rng: random.Random, wrong_p: float = WRONG_P, ch
     """One SFT response for `p`: each step by the wrong rule with probability wrong_p, then, with probability
     check_p (default CHECK_P), a check of 1 + Geometric(CHECK_STOP) steps (at most CHECK_MAX) after the answer."""
     text = solve(p.start, p.n, [rng.random() < wrong_p for _ in range(p.n)])
-    if rng.random() >= (CHECK_P if check_p is None else check_p):
+    check_p = CHECK_P if check_p is None else check_p
+    if check_p <= 0 or rng.random() >= check_p:  # no draw at 0: a check-free world keeps its random stream
         return text
     c = 1
     while c < CHECK_MAX and rng.random() >= CHECK_STOP:

@@ -304,10 +304,10 @@ SMOKE: list[Smoke] = [
     Smoke("quiet_launch", "accelerate launch -q drafttrain/online.py recipe=eagle3_track rl.steps=1 rl.clip_eps=-1 "
           "run.out_dir={tmp}/run || test $? -eq 1", (Prints(("error: rl.clip_eps",)),)),
     # scripts: each with every documented option, outputs in {tmp} (never the committed bench/*.json or checkpoints/)
-    Smoke("make_policy", "python scripts/make_policy.py out={tmp}/p steps=2 eval_n=2 threads=1",
+    Smoke("make_policy", "python scripts/make_policy.py check_p=0 out={tmp}/p steps=2 eval_n=2 threads=1",
           (File("p", ("config.json", "model.safetensors", "tokenizer.json", "task_eval.json")),)),
     Smoke("make_policy_second_stage", "python scripts/make_policy.py init=checkpoints/policy out={tmp}/p2 steps=2 "
-          "lr=1e-3 eval_n=2 threads=1",
+          "lr=1e-3 warmup=10 seed=1 eval_n=2 threads=1",
           (File("p2", ("config.json", "model.safetensors", "tokenizer.json", "task_eval.json")),)),
     Smoke("pretrain_drafter", "python scripts/pretrain_drafter.py threads=1 prompts=8 epochs=1 out={tmp}/e3 "
           "train.lr=1e-3 drafter.ttt_steps=2 chunk=8 warmup=1 eval_prompts=2 sampling.max_new_tokens=16 "

@@ -176,10 +176,10 @@ def test_rows_too_short_for_the_task_are_refused_at_start_up(over, key):
     with pytest.raises(ConfigError, match=key.replace(".", r"\.")) as e:
         GRPO(cfg, policy, tok, build_engine(cfg.engine, policy))
     assert str(e.value).startswith(key) and "\n" not in str(e.value)
-    short = load_recipe("eagle3_track", ["drafter.path=null", "engine.max_len=264"])  # one position short
+    short = load_recipe("eagle3_track", ["drafter.path=null", "engine.max_len=504"])  # one position short
     with pytest.raises(ConfigError, match=r"engine\.max_len"):
         GRPO(short, policy, tok, build_engine(short.engine, policy))
-    ok = load_recipe("eagle3_track", ["drafter.path=null", "engine.max_len=265"])  # 9-token prompt + 256 fits
+    ok = load_recipe("eagle3_track", ["drafter.path=null", "engine.max_len=505"])  # 9-token prompt + 496 fits
     GRPO(ok, policy, tok, build_engine(ok.engine, policy))
 
 

@@ -68,7 +68,7 @@ def test_solutions_are_correct():
             x = f(x)
         assert int(p.answer) == x
         assert reward(p, p.solution) == 1.0
-        written = sample_solution(p, rng, wrong_p=0.0)  # the right rule throughout: the reference
+        written = sample_solution(p, rng, wrong_p=0.0, check_p=0.0)  # the right rule, no check: the reference
         assert written == p.solution
         slipped = sample_solution(p, rng, wrong_p=1.0)  # the wrong rule throughout: a wrong answer
         assert reward(p, slipped) == 0.0 and wrong_rule_share([slipped]) == 1.0
@@ -83,12 +83,13 @@ def test_sft_corpus_mixes_the_two_rules():
     assert 0.1 < WRONG_P < 0.9 and abs(wrong_rule_share(texts) - WRONG_P) < 0.03
     assert wrong_rule_share([make_problem(5, 3).solution]) == 0.0 and wrong_rule_share(["b-08;a:15;A:15"]) == 0.5
     for p, t in zip(problems[:300], texts[:300]):
-        steps, x = t.split(";")[:-1], p.start
+        chain = t.split(";A:")[0]  # the check after the answer has its own test below
+        steps, x = chain.split(";"), p.start
         for i, step in enumerate(steps):
             assert step[0] == LABELS[len(steps) - 1 - i] and step[1] in ":-"
             x = f(x) if step[1] == ":" else g(x)
             assert int(step[2:]) == x
-        assert reward(p, t) == float("-" not in t)
+        assert reward(p, t) == float("-" not in chain)
 
 
 def test_lengths_are_long_tailed():
@@ -286,3 +287,37 @@ def test_shipped_policy_computes_greedy():
         for i, step in enumerate(steps[:-1]):
             x = f(x) if step[1] == ":" else g(x)
             assert step == f"{LABELS[p.n - 1 - i]}{step[1]}{x:02d}", (p.prompt, text)
+
+
+def test_shipped_policy_samples_the_long_tail():
+    """The shipped world's long tail is per sample: at T=1 the policy checks after its answer in some of its responses
+    (the SFT teacher in CHECK_P of them; the checkpoint before this world never did), each check many times longer
+    than the median response, counting down from the length it wrote once and computing each value as its mark says
+    (at T=1 a few digits slip)."""
+    from drafttrain.policy.task import CHECK_P
+
+    torch.manual_seed(0)
+    model, tok = load_policy(str(SHIPPED))
+    probs = make_prompts(96, seed=7)
+    enc = [encode_prompt(tok, p.prompt) for p in probs]
+    T = max(map(len, enc))
+    ids = torch.tensor([[tok.pad_token_id] * (T - len(e)) + e for e in enc])  # left-padded
+    with torch.inference_mode():
+        out = model.generate(input_ids=ids, attention_mask=(ids != tok.pad_token_id).long(), do_sample=True,
+                             temperature=1.0, top_k=0, max_new_tokens=320, eos_token_id=tok.eos_token_id,
+                             pad_token_id=tok.pad_token_id)
+    texts = [decode(tok, row[T:].tolist()) for row in out]
+    checks = [t.rsplit("A:", 1)[1].split(";") for t in texts if "A:" in t and ";" in t.rsplit("A:", 1)[1]]
+    assert 0.15 * CHECK_P <= len(checks) / len(texts) <= 2.5 * CHECK_P, len(checks)
+    counted = valued = n = 0
+    for answer, *steps in checks:
+        steps = [s for s in steps if len(s) == 5 and s[:2].isdigit() and s[2] in ":-" and s[3:].isdigit()]
+        prev_count, x = int(steps[0][:2]) + 1 if steps else 0, int(answer) if answer.isdigit() else -1
+        for s in steps:
+            x, n = f(x) if s[2] == ":" else g(x), n + 1
+            counted += int(s[:2]) == prev_count - 1
+            valued += int(s[3:]) == x
+            prev_count, x = int(s[:2]), int(s[3:])
+    assert n >= 8 * len(checks) and counted >= 0.75 * n and valued >= 0.9 * n, (n, counted, valued)
+    lens = sorted(len(t) for t in texts)
+    assert lens[-1] >= 8 * lens[len(lens) // 2], lens

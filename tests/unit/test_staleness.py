@@ -16,7 +16,7 @@ from drafttrain.config import PROJECT_ROOT
 from drafttrain.policy import load_policy, save_policy
 
 DRAFTER = str(PROJECT_ROOT / "checkpoints" / "eagle3")
-FAST = ["--prompts", "8", "--max-new-tokens", "48", "--drafter", DRAFTER]
+FAST = ["--prompts", "16", "--max-new-tokens", "48", "--drafter", DRAFTER]
 
 
 @pytest.fixture(scope="module")
@@ -28,7 +28,7 @@ def run_dir(tmp_path_factory):
     with torch.no_grad():
         for n, w in policy.named_parameters():
             if w.dim() == 2 and "embed" not in n:
-                w.add_(0.3 * w.std() * torch.randn(w.shape, generator=g))
+                w.add_(0.5 * w.std() * torch.randn(w.shape, generator=g))
     save_policy(policy, tok, str(root / "ckpt" / "step-4" / "policy"))
     (root / "config.yaml").write_text("policy:\n  path: checkpoints/policy\n")
     return root
