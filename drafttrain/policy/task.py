@@ -10,8 +10,9 @@ SFT teacher is a mixture of a right and a buggy solver: it applies g at WRONG_P 
 policy computes either rule reliably but picks the wrong one at most steps: the right rule is the minority
 strategy, the one the verifier rewards. The number of steps is long-tailed (1 + a geometric draw, capped at 16):
 most responses are short, a few are long, as in reasoning RL where a handful of long rollouts dominate a batch.
-A world with CHECK_P > 0 also goes on checking after the answer in a few responses, drawn per sample (see CHECK_P):
-the long tail of reasoning RL, where a few samples of a prompt run many times longer than the others.
+After its answer the teacher goes on checking in a few responses (CHECK_P of them), drawn per sample: the long tail
+of reasoning RL, where a few samples of a prompt run many times longer than the others and dominate the rollout.
+The check applies the rules with the chain's mixture, so RL's move away from the wrong rule reaches the tail's text.
 
 Why this world (issue 18): a policy whose text moves while it gets better, through mechanisms that real RL shows,
 so that a drafter fitted to the step-0 policy goes stale:
