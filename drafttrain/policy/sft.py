@@ -59,9 +59,10 @@ def sft_batches(tok, seed: int, tokens_per_batch: int, pool: int = 512,
 @torch.inference_mode()
 def sample_eval(
     model, tok, problems: list[Problem], temperature: float = 1.0, max_new_tokens: int = 256,
-    batch_size: int = 64, seed: int = 0,
+    batch_size: int = 64, seed: int = 0, texts: list[str] | None = None,
 ) -> dict:
-    """Exact-match accuracy and response-length stats (tokens, EOS included) from sampling."""
+    """Exact-match accuracy and response-length stats (tokens, EOS included) from sampling; `texts`, if given, gets
+    the decoded responses (in the sampling order, sorted by prompt length)."""
     torch.manual_seed(seed)
     model.eval()
     rewards, lengths = [], []
@@ -80,7 +81,10 @@ def sample_eval(
         for p, row in zip(chunk, out.tolist()):
             n = row.index(tok.eos_token_id) + 1 if tok.eos_token_id in row else len(row)
             lengths.append(n)
-            rewards.append(reward(p, decode(tok, row)))
+            text = decode(tok, row)
+            rewards.append(reward(p, text))
+            if texts is not None:
+                texts.append(text)
     L = np.array(lengths)
     return {
         "n": len(problems), "temperature": temperature, "accuracy": float(np.mean(rewards)),

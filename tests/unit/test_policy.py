@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from drafttrain.policy.model import PolicyConfig, build_policy, load_policy, save_policy
-from drafttrain.policy.sft import IGNORE, encode_example
+from drafttrain.policy.sft import IGNORE, encode_example, sample_eval
 from drafttrain.policy.task import (
     LABELS,
     MAX_STEPS,
@@ -296,17 +296,9 @@ def test_shipped_policy_samples_the_long_tail():
     (at T=1 a few digits slip)."""
     from drafttrain.policy.task import CHECK_P
 
-    torch.manual_seed(0)
     model, tok = load_policy(str(SHIPPED))
-    probs = make_prompts(96, seed=7)
-    enc = [encode_prompt(tok, p.prompt) for p in probs]
-    T = max(map(len, enc))
-    ids = torch.tensor([[tok.pad_token_id] * (T - len(e)) + e for e in enc])  # left-padded
-    with torch.inference_mode():
-        out = model.generate(input_ids=ids, attention_mask=(ids != tok.pad_token_id).long(), do_sample=True,
-                             temperature=1.0, top_k=0, max_new_tokens=320, eos_token_id=tok.eos_token_id,
-                             pad_token_id=tok.pad_token_id)
-    texts = [decode(tok, row[T:].tolist()) for row in out]
+    texts = []
+    sample_eval(model, tok, make_prompts(96, seed=7), max_new_tokens=320, texts=texts)
     checks = [t.rsplit("A:", 1)[1].split(";") for t in texts if "A:" in t and ";" in t.rsplit("A:", 1)[1]]
     assert 0.15 * CHECK_P <= len(checks) / len(texts) <= 2.5 * CHECK_P, len(checks)
     counted = valued = n = 0
