@@ -166,146 +166,187 @@ class TorchEngine:
         return waves[0] if len(waves) == 1 else join_waves(waves)
 
     def _wave(self, prompts: list[list[int]], params: SamplingParams, speculative: bool, gen) -> RolloutBatch:
-        lean, cfg = self.lean, self.cfg
-        active = self._active if speculative else None
-        drafter, version = active if active else (None, self.drafter_version)
-        ctl = self.controller() if drafter is not None else None
-        k_max = ctl.k_max if ctl is not None else 0
-        trace0 = len(ctl.trace) if ctl is not None else 0
-        if ctl is not None:
-            ctl.begin()  # drafter.kind=auto: plans the members this generation serves, and so what they read
-        reads = None if drafter is None else drafter.generation_reads()
-        aux_ids = reads.aux_layers if reads is not None else ()
-        final = reads is not None and reads.final_hidden
+        """At most max_batch rows: the prefill, then decode steps (draft, verify), each followed by a commit, until
+        every row finished."""
+        w = _Wave(self, prompts, params, speculative, gen)
+        while w.commit():
+            w.step()
+        return w.result()
+
+
+class _Wave:
+    """One wave's decode state: set up and prefilled at construction; `commit` appends what the last forward emitted
+    and drops finished rows; `step` drafts (maybe) and verifies; `result` packs the RolloutBatch."""
+
+    def __init__(self, engine: TorchEngine, prompts: list[list[int]], params: SamplingParams, speculative: bool, gen):
+        self.engine, self.prompts, self.params, self.gen = engine, prompts, params, gen
+        self.active = engine._active if speculative else None
+        self.drafter, self.version = self.active if self.active else (None, engine.drafter_version)
+        self.ctl = engine.controller() if self.drafter is not None else None
+        self.k_max = self.ctl.k_max if self.ctl is not None else 0
+        self.trace0 = len(self.ctl.trace) if self.ctl is not None else 0
+        if self.ctl is not None:
+            self.ctl.begin()  # drafter.kind=auto: plans the members this generation serves, and so what they read
+        reads = None if self.drafter is None else self.drafter.generation_reads()
+        self.aux_ids = reads.aux_layers if reads is not None else ()
+        self.final = reads is not None and reads.final_hidden
+        self.greedy_drafts = engine.cfg.draft_sampling == "greedy" or params.greedy
+        self.stop = set(params.stop_token_ids)
         B = len(prompts)
+        self.resp: list[list[int]] = [[] for _ in range(B)]
+        self.lps: list[list[float]] = [[] for _ in range(B)]
+        self.reasons = ["length"] * B
+        self.lens_l = [len(p) for p in prompts]  # by original index
+        self.stats, self.versions, self.ends = SpecStats(), [], []
+        self.step_batch, self.step_tokens, self.step_k = [], [], []
+        self.k, self.dropped = 0, False
+        self._prefill()
+
+    def _prefill(self) -> None:
+        """Every row's prompt into the caches (each distinct prompt once) and its first token: a k=0 verify of the
+        last prompt position."""
+        eng, prompts, B = self.engine, self.prompts, len(self.prompts)
         # rows in the order of share_prompts: each distinct prompt's first copy, then the repeats (a GRPO batch
         # holds G copies of each prompt), which take the prefill's cache and outputs instead of recomputing them
-        order, src = share_prompts(prompts)
-        lens = torch.tensor([len(prompts[b]) for b in order])
+        self.order, src = share_prompts(prompts)
+        lens = torch.tensor([len(prompts[b]) for b in self.order])
         P = int(lens.max())
-        t_start = time.perf_counter()  # after any (re)calibration of the schedule
-        L = min(lean.max_len, P + params.max_new_tokens + k_max + 1)
-        greedy_drafts = cfg.draft_sampling == "greedy" or params.greedy
-        stop = set(params.stop_token_ids)
-
+        self.t_start = time.perf_counter()  # after any (re)calibration of the schedule
+        self.L = L = min(eng.lean.max_len, P + self.params.max_new_tokens + self.k_max + 1)
         tokens = torch.zeros(B, P, dtype=torch.long)
-        for i, b in enumerate(order):
+        for i, b in enumerate(self.order):
             tokens[i, : len(prompts[b])] = torch.tensor(prompts[b])
-        cache = lean.new_cache(B, L)
-        dstate = drafter.new_state(B, L, tokens) if drafter is not None else None
+        self.cache = eng.lean.new_cache(B, L)
+        self.dstate = self.drafter.new_state(B, L, tokens) if self.drafter is not None else None
         U = B - len(src)  # distinct prompts: the prefill runs on these rows only
-        head = cache.head(U) if src else cache
-        logits, aux = lean.forward(tokens[:U], torch.zeros(U, dtype=torch.long), head, aux_ids, final)  # prefill
-        rows = torch.arange(B)
-        from_prefill = rows  # the prefill row each row reads
+        head = self.cache.head(U) if src else self.cache
+        logits, aux = eng.lean.forward(tokens[:U], torch.zeros(U, dtype=torch.long), head, self.aux_ids, self.final)
+        rows = from_prefill = torch.arange(B)  # the prefill row each row reads
         if src:
-            cache.fill_rows(head, torch.tensor(src))
+            self.cache.fill_rows(head, torch.tensor(src))
             from_prefill = torch.cat([torch.arange(U), torch.tensor(src)])
             aux = None if aux is None else aux[from_prefill]
-        # the prefill acts as a k=0 verify of the last prompt position
         logits = logits[from_prefill, lens - 1].unsqueeze(1)  # [B, 1, V]
-        out, n, lp = self._sample(logits, None, torch.zeros(B, 0, dtype=torch.long), params, gen)
+        empty = torch.zeros(B, 0, dtype=torch.long)
+        self.out, self.n, self.lp = sample_step(logits, None, empty, self.params, self.gen)
         # drafter inputs: position t of the prompt pairs aux_t with token_{t+1}; the last one is the sampled token
         nxt = torch.cat([tokens[:, 1:], tokens.new_zeros(B, 1)], 1)
-        nxt[rows, lens - 1] = out[:, 0]
+        nxt[rows, lens - 1] = self.out[:, 0]
         # the drafter's pending input: positions committed since it last ran (ragged: n_new[b] of them per row)
-        pend = Pending(nxt, aux, lens.clone(), torch.zeros(B, dtype=torch.long))
-        pos = lens.clone()  # position of the last committed token, fed next
-        resp: list[list[int]] = [[] for _ in range(B)]
-        lps: list[list[float]] = [[] for _ in range(B)]
-        reasons = ["length"] * B
-        row_ids = order  # original index of each active row
-        lens_l = [len(p) for p in prompts]  # by original index
-        stats, versions, ends, step_batch, step_tokens, step_k = SpecStats(), [], [], [], [], []
-        last = out[:, 0]
-        k = 0
-        t_prev = time.perf_counter()
-        prefill_s = t_prev - t_start
+        self.pend = Pending(nxt, aux, lens.clone(), torch.zeros(B, dtype=torch.long))
+        self.pos = lens.clone()  # position of the last committed token, fed next
+        self.row_ids = self.order  # original index of each active row
+        self.last = self.out[:, 0]
+        self.t_prev = time.perf_counter()
+        self.prefill_s = self.t_prev - self.t_start
 
-        while True:
-            # commit what the last verify emitted; find rows that finished
-            done, emitted = [], []
-            out_l, n_l, lp_l = out.tolist(), n.tolist(), lp.tolist()
-            for j, b in enumerate(row_ids):
-                before = len(resp[b])
-                for t, l in zip(out_l[j][: n_l[j] + 1], lp_l[j][: n_l[j] + 1]):
-                    resp[b].append(t)
-                    lps[b].append(l)
-                    if t in stop:
-                        reasons[b] = "stop"
-                        break
-                    if len(resp[b]) >= params.max_new_tokens or lens_l[b] + len(resp[b]) >= L:
-                        break
-                emitted.append(len(resp[b]) - before)
-                # a row whose last token sits at position L-1 has no room left (its maximum position); others go on
-                if reasons[b] == "stop" or len(resp[b]) >= params.max_new_tokens or lens_l[b] + len(resp[b]) >= L:
-                    done.append(j)
-            if versions:  # `out` came from a verify step (not the prefill): count only what the rows kept
-                stats.update(n_l, k, emitted)
-                step_tokens.append(sum(emitted))
-                if ctl is not None:  # drafts past a row's stop are not text: not acceptance either
-                    ctl.observe(n_l, k, emitted)
-            if done:
-                keep = keep_order(len(row_ids), done)  # moves the fewest rows of every cache
-                row_ids = [row_ids[j] for j in keep.tolist()]
-                if not row_ids:
+    def _full(self, b: int) -> bool:
+        """Row b holds max_new_tokens, or its last token sits at position L-1 (its maximum position: no room)."""
+        return len(self.resp[b]) >= self.params.max_new_tokens or self.lens_l[b] + len(self.resp[b]) >= self.L
+
+    def commit(self) -> bool:
+        """Append what the last forward emitted to each row (up to a stop token or the row's limit), count it, and
+        drop the rows that finished from every cache; False once no row is left."""
+        done, emitted, resp = [], [], self.resp
+        out_l, n_l, lp_l = self.out.tolist(), self.n.tolist(), self.lp.tolist()
+        for j, b in enumerate(self.row_ids):
+            before = len(resp[b])
+            for t, l in zip(out_l[j][: n_l[j] + 1], lp_l[j][: n_l[j] + 1]):
+                resp[b].append(t)
+                self.lps[b].append(l)
+                if t in self.stop:
+                    self.reasons[b] = "stop"
                     break
-                cache.select_rows(keep)
-                if dstate is not None:
-                    dstate.select_rows(keep)
-                pos, last = pos[keep], last[keep]
-                pend.select_rows(keep)
+                if self._full(b):
+                    break
+            emitted.append(len(resp[b]) - before)
+            if self.reasons[b] == "stop" or self._full(b):
+                done.append(j)
+        if self.versions:  # `out` came from a verify step (not the prefill): count only what the rows kept
+            self.stats.update(n_l, self.k, emitted)
+            self.step_tokens.append(sum(emitted))
+            if self.ctl is not None:  # drafts past a row's stop are not text: not acceptance either
+                self.ctl.observe(n_l, self.k, emitted)
+        self.dropped = bool(done)
+        if done:
+            keep = keep_order(len(self.row_ids), done)  # moves the fewest rows of every cache
+            self.row_ids = [self.row_ids[j] for j in keep.tolist()]
+            if not self.row_ids:
+                return False
+            self.cache.select_rows(keep)
+            if self.dstate is not None:
+                self.dstate.select_rows(keep)
+            self.pos, self.last = self.pos[keep], self.last[keep]
+            self.pend.select_rows(keep)
+        return True
 
-            # one decode step: draft (maybe), verify, accept
-            if active is not None and self._active is not None and self._active[1] != version:
-                active = self._active  # a hot-swap landed: use the new version from this step on
-                drafter, version = active
-            versions.append(version)
-            Bn = len(row_ids)
-            step_batch.append(Bn)
-            k = max(0, min(ctl.decide(Bn), L - 1 - int(pos.max()))) if ctl is not None else 0
-            step_k.append(k)
-            catch_up = pend.width() if k > 0 else 0  # pending positions the drafter extends its cache by
-            if k > 0:
-                with self._in_use[id(drafter)]:
-                    d, q = drafter.propose(dstate, *pend.view(), k, params, greedy_drafts, gen)
-                pend.consumed()
-                inp = torch.cat([last.view(Bn, 1), d], 1)  # [B, k+1]
-            else:
-                d, q = torch.zeros(Bn, 0, dtype=torch.long), None
-                inp = last.view(Bn, 1)
-            logits, aux_v = lean.forward(inp, pos, cache, *((aux_ids, final) if k_max > 0 else ()))
-            out, n, lp = self._sample(logits, q, d, params, gen)
-            if drafter is not None:  # AR steps (toggle off) accumulate; the next SD step catches up in one pass
-                pend.append(out.clamp_min(0), aux_v, n + 1, pos)
-            pos = pos + n + 1
-            last = out.gather(1, n.view(-1, 1)).squeeze(1)
-            ends.append(time.perf_counter())
-            # typical: not a one-off catch-up (prompt, or after AR steps), nor a step that also dropped finished rows
-            # from every cache (a cost of the batch shrinking that AR and SD pay alike, in bursts)
-            if ctl is not None:
-                ctl.observe_step(Bn, k, (ends[-1] - t_prev) * 1e3, typical=catch_up <= k_max + 1 and not done)
-            t_prev = ends[-1]
+    def step(self) -> None:
+        """One decode step on the active rows: pick up a landed hot-swap, choose k, draft, verify."""
+        eng, ctl = self.engine, self.ctl
+        if self.active is not None and eng._active is not None and eng._active[1] != self.version:
+            self.active = eng._active  # a hot-swap landed: use the new version from this step on
+            self.drafter, self.version = self.active
+        self.versions.append(self.version)
+        Bn = len(self.row_ids)
+        self.step_batch.append(Bn)
+        self.k = max(0, min(ctl.decide(Bn), self.L - 1 - int(self.pos.max()))) if ctl is not None else 0
+        self.step_k.append(self.k)
+        catch_up = self.pend.width() if self.k > 0 else 0  # pending positions the drafter extends its cache by
+        self._verify(Bn, *self._draft(Bn))
+        self.ends.append(time.perf_counter())
+        # typical: not a one-off catch-up (prompt, or after AR steps), nor a step that also dropped finished rows
+        # from every cache (a cost of the batch shrinking that AR and SD pay alike, in bursts)
+        if ctl is not None:
+            ctl.observe_step(Bn, self.k, (self.ends[-1] - self.t_prev) * 1e3,
+                             typical=catch_up <= self.k_max + 1 and not self.dropped)
+        self.t_prev = self.ends[-1]
 
-        if dstate is not None:  # a drafter that indexes text (the suffix drafter) takes every row's whole text
-            drafter.complete(dstate, [list(prompts[b]) + resp[b] for b in order])
-        timeline = Timeline(ends, ctl.trace[trace0:] if ctl is not None else [], step_batch, step_tokens, prefill_s,
-                            step_k)
-        return RolloutBatch(resp, lps, stats, self.drafter_version if not versions else versions[0], reasons,
-                            time.perf_counter() - t_start, versions, timeline)
+    def _draft(self, Bn: int):
+        """(drafts [Bn, k], their probabilities or None): the drafter takes the positions committed since it last
+        ran, then chains k drafts; none at k = 0."""
+        if self.k == 0:
+            return torch.zeros(Bn, 0, dtype=torch.long), None
+        with self.engine._in_use[id(self.drafter)]:
+            d, q = self.drafter.propose(self.dstate, *self.pend.view(), self.k, self.params, self.greedy_drafts,
+                                        self.gen)
+        self.pend.consumed()
+        return d, q
 
-    @staticmethod
-    def _sample(logits, q, d, params, gen):
-        """logits [B, k+1, V] -> (tokens [B, k+1], num_accepted [B], log-probs [B, k+1] of those tokens)."""
-        if not torch.isfinite(logits).all():
-            raise FloatingPointError("generate: the policy produced NaN/inf logits (check the policy weights)")
-        p = processed_probs(logits, params)  # [B, k+1, V]
-        if d.shape[1] == 0:  # an AR step: plain sampling (what rejection_sample does at k = 0, with fewer ops)
-            out = sample(p[:, 0], gen).unsqueeze(-1)
-            return out, out.new_zeros(out.shape[0]), p[:, 0].gather(-1, out).log()
-        out, n = rejection_sample(p, q, d, gen)
-        lp = p.gather(-1, out.clamp_min(0).unsqueeze(-1)).squeeze(-1).log()  # [B, k+1]
-        return out, n, lp
+    def _verify(self, Bn: int, d, q) -> None:
+        """The policy's forward on [last token, drafts] and rejection sampling: what the next commit appends."""
+        inp = torch.cat([self.last.view(Bn, 1), d], 1) if self.k > 0 else self.last.view(Bn, 1)  # [B, k+1]
+        extra = (self.aux_ids, self.final) if self.k_max > 0 else ()
+        logits, aux_v = self.engine.lean.forward(inp, self.pos, self.cache, *extra)
+        out, n, self.lp = sample_step(logits, q, d, self.params, self.gen)
+        if self.drafter is not None:  # AR steps (toggle off) accumulate; the next SD step catches up in one pass
+            self.pend.append(out.clamp_min(0), aux_v, n + 1, self.pos)
+        self.out, self.n = out, n
+        self.pos = self.pos + n + 1
+        self.last = out.gather(1, n.view(-1, 1)).squeeze(1)
+
+    def result(self) -> RolloutBatch:
+        """The responses in prompt order, their log-probs, stats and the timeline."""
+        if self.dstate is not None:  # a drafter that indexes text (the suffix drafter) takes every row's whole text
+            self.drafter.complete(self.dstate, [list(self.prompts[b]) + self.resp[b] for b in self.order])
+        ctl = self.ctl
+        timeline = Timeline(self.ends, ctl.trace[self.trace0:] if ctl is not None else [], self.step_batch,
+                            self.step_tokens, self.prefill_s, self.step_k)
+        first = self.engine.drafter_version if not self.versions else self.versions[0]
+        return RolloutBatch(self.resp, self.lps, self.stats, first, self.reasons, time.perf_counter() - self.t_start,
+                            self.versions, timeline)
+
+
+def sample_step(logits, q, d, params, gen):
+    """logits [B, k+1, V] -> (tokens [B, k+1], num_accepted [B], log-probs [B, k+1] of those tokens)."""
+    if not torch.isfinite(logits).all():
+        raise FloatingPointError("generate: the policy produced NaN/inf logits (check the policy weights)")
+    p = processed_probs(logits, params)  # [B, k+1, V]
+    if d.shape[1] == 0:  # an AR step: plain sampling (what rejection_sample does at k = 0, with fewer ops)
+        out = sample(p[:, 0], gen).unsqueeze(-1)
+        return out, out.new_zeros(out.shape[0]), p[:, 0].gather(-1, out).log()
+    out, n = rejection_sample(p, q, d, gen)
+    lp = p.gather(-1, out.clamp_min(0).unsqueeze(-1)).squeeze(-1).log()  # [B, k+1]
+    return out, n, lp
 
 
 def join_waves(waves: list[RolloutBatch]) -> RolloutBatch:

@@ -95,17 +95,7 @@ def _run(cfg, acc, out: Path, stopper: Stopper, closing: contextlib.ExitStack) -
     grpo = GRPO(cfg, policy, tok, engine, tracker, acc, rank=acc.process_index, prompts=prompts)
     start = 0
     if state is not None:
-        if tracker.trainer is not None:
-            try:
-                tracker.trainer.load(last / "trainer.pt")
-            except CheckpointError as e:
-                raise ConfigError(f"run.resume: {e} ({RESUME_HINT})") from None
-            except ValueError as e:  # resumed with another number of processes: bad input, one line
-                raise ConfigError(f"run.resume: {e}") from None
-        tracker.load_state_dict(state["tracker"])
-        grpo.opt.load_state_dict(state["opt"])
-        torch.set_rng_state(state["rng"])
-        start = state["step"]
+        start = _restore(state, last, tracker, grpo)
         if start >= cfg.rl.steps and ckpt.finished():  # its report and eval are written: rewrite nothing
             say(f"[drafttrain] {out} holds a finished run ({start} of {cfg.rl.steps} steps): nothing to do (raise "
                 f"rl.steps to continue it)")
@@ -151,19 +141,44 @@ def _run(cfg, acc, out: Path, stopper: Stopper, closing: contextlib.ExitStack) -
             stopper.stop(step + 1, cfg.rl.steps)
     stopper.in_loop, stopper.step = False, None
     if acc.num_processes > 1:  # collectives: every process, before any returns
-        pol = Collective(acc).agreement(cfg.rl.steps, grpo.policy)  # the averaged gradients kept the policies equal
-        if not pol["agree"]:
-            raise RuntimeError(f"the {acc.num_processes} processes ended with different policies: weight sums "
-                               f"{pol['sums']}")
-        if tracker.trainer is not None:
-            agree = tracker.collective.agreement(tracker.version, tracker.drafter)
-            if not agree["agree"]:
-                raise RuntimeError(f"the {acc.num_processes} processes ended with different drafters: versions "
-                                   f"{agree['versions']}, weight sums {agree['sums']}")
-            say(f"[drafttrain] {acc.num_processes} processes agree: drafter v{agree['versions'][0]} on each, equal "
-                f"weights; equal policies")
+        _check_agreement(cfg, acc, grpo, tracker, say)
     if logger is None:
         return []
+    return _finish(cfg, out, logger, engine, grpo, prompts, before, ckpt)
+
+
+def _restore(state: dict, last: Path, tracker, grpo) -> int:
+    """The tracker's, the optimizer's and the RNG's state from the checkpoint at `last`; the step it resumes at."""
+    if tracker.trainer is not None:
+        try:
+            tracker.trainer.load(last / "trainer.pt")
+        except CheckpointError as e:
+            raise ConfigError(f"run.resume: {e} ({RESUME_HINT})") from None
+        except ValueError as e:  # resumed with another number of processes: bad input, one line
+            raise ConfigError(f"run.resume: {e}") from None
+    tracker.load_state_dict(state["tracker"])
+    grpo.opt.load_state_dict(state["opt"])
+    torch.set_rng_state(state["rng"])
+    return state["step"]
+
+
+def _check_agreement(cfg, acc, grpo, tracker, say) -> None:
+    """Several processes: the averaged gradients kept the policies equal, and the drafters too."""
+    pol = Collective(acc).agreement(cfg.rl.steps, grpo.policy)
+    if not pol["agree"]:
+        raise RuntimeError(f"the {acc.num_processes} processes ended with different policies: weight sums "
+                           f"{pol['sums']}")
+    if tracker.trainer is not None:
+        agree = tracker.collective.agreement(tracker.version, tracker.drafter)
+        if not agree["agree"]:
+            raise RuntimeError(f"the {acc.num_processes} processes ended with different drafters: versions "
+                               f"{agree['versions']}, weight sums {agree['sums']}")
+        say(f"[drafttrain] {acc.num_processes} processes agree: drafter v{agree['versions'][0]} on each, equal "
+            f"weights; equal policies")
+
+
+def _finish(cfg, out: Path, logger, engine, grpo, prompts, before, ckpt) -> list[dict]:
+    """After the last step (main process): the report, the held-out evaluation, the export, then `finished`."""
     logger.close()
     if logger.records:
         png = plot_run(logger.records, out / "report.png", title=cfg.recipe)
