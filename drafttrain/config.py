@@ -72,12 +72,10 @@ class TrainConfig:
     lr: float = 1e-3  # drafter AdamW learning rate
     weight_decay: float = 0.0  # drafter AdamW weight decay
     batch_size: int = 16  # sequences per drafter step
-    # share of each batch's positions the loss is taken at (random, per step): every position still feeds the
-    # attention's keys, while attention, MLP, head and the deeper TTT steps run for those queries only
+    # every position still feeds the attention's keys; attention, MLP, head and deeper TTT steps run for the queries
     query_frac: float = 1.0  # share of positions the drafter loss is taken at, in (0, 1]
     max_grad_norm: float = 1.0  # drafter gradients are clipped to this norm (> 0; inf = no clipping)
-    # false: q_proj and k_proj frozen, no gradient through the scores; for a drafter whose attention is saturated.
-    # A fresh drafter (drafter.path null) always trains its attention; kinds without one (draft model) ignore it
+    # false: q_proj, k_proj frozen (a saturated attention); a fresh drafter always trains it; the draft model ignores it
     score_grad: bool = True  # the attention scores pass gradient (false: a loaded chain drafter's are held constant)
     seed: int = 0  # the drafter loss's query-position draws
 
@@ -90,16 +88,14 @@ class OnlineConfig:
     # draws favour recent policies: a record v policy versions older than the newest weighs 0.5^(v / half_life)
     buffer_half_life: Optional[float] = 2.0  # in policy versions; null = uniform draws
     steps_per_update: int = 16  # at most this many drafter optimizer steps per RL step
-    # an update's fixed work (estimate, gate, publish) costs about two drafter steps here, more where a publish is
-    # dear (vLLM): more steps per update pay it less often but publish later
+    # an update's fixed work (estimate, gate, publish) costs about two drafter steps: larger updates publish later
     min_steps_per_update: int = 1  # sync: an update waits until the bank covers this many whole batches
     time_budget_s: float = 10.0  # sync mode: hard cap on drafter work per RL step
     budget_frac: float = 0.05  # sync: drafter work / RL step time, on average (0 = no cap)
     # paid from the time bank: more rows detect a smaller gain (the bound's half-width falls as 1/sqrt(rows))
     estimate_rows: int = 8  # held-out rows the estimate after each update scores (the gate's rows)
     # paired row by row (tracking/gate.py): the one-sided lower bound at gate_confidence of the mean per-row MAL
-    # difference must exceed gate_margin on gate_min_rows rows or more. Significantly worse: train on from the
-    # serving weights; undecided: from the update. Online noise must not wear down a drafter the policy barely moves
+    # difference must exceed gate_margin on >= gate_min_rows rows; worse: train on from the serving weights
     publish_gate: bool = True  # publish an update only if it beats the serving drafter (paired, with a bound)
     gate_confidence: float = 0.9  # equal drafters are published in at most 1 - gate_confidence of the decisions
     gate_margin: float = 0.0  # in MAL: the lower bound must exceed it
@@ -110,11 +106,9 @@ class OnlineConfig:
     capture_frac: float = 1.0  # share of the other rollouts captured for training, in (0, 1]
     # a random sample; costs about one policy forward per drafter over them
     measure_rows: int = 32  # rows per RL step of the live/frozen drafter scoring (reporting)
-    # reporting is not tracking: the scoring runs at step 0, every measure_every steps and at the last step;
-    # benchmarks that need the whole series set it to 1
+    # reporting, not tracking: at step 0, every measure_every steps and the last; benchmarks needing the series: 1
     measure_every: int = 5  # RL steps between live/frozen drafter scorings (1 = every step)
-    # inline: the first rollout batch after a swap is the canary (no extra generation); probe: generate a short SD
-    # probe on recent prompts right after the swap (canary_prompts x canary_max_new_tokens)
+    # inline: the first rollout batch after a swap; probe: a short SD generation on recent prompts after the swap
     canary: str = "inline"  # inline | probe: how a new drafter version is checked after a swap
     canary_prompts: int = 4  # canary=probe: prompts per probe
     canary_max_new_tokens: int = 48  # canary=probe: tokens per probe row
@@ -143,6 +137,7 @@ class RLConfig:
     eval_decode: str = "ar"  # ar: the evaluation decodes without the drafter | rollout: as the rollouts decode
     # a collapsed policy: every row's reward 0, or every response cut at sampling.max_new_tokens, step after step
     collapse_steps: int = 3  # steps in a row of a collapse sign before a one-line warning (0 = off)
+    truncated_reward: Optional[float] = None  # reward of a row cut unfinished at the token cap (null: as scored)
 
 
 @dataclass
@@ -247,7 +242,14 @@ def load_recipe(name_or_path: str, overrides: list[str] | tuple[str, ...] = ()) 
 
 def validate(cfg: Config) -> None:
     """Checks that types alone cannot express; each error names its key."""
-    checks = [
+    for ok, key, msg in [*_engine_online_checks(cfg), *_rl_train_checks(cfg), *drafter_checks(cfg.drafter)]:
+        if not ok:
+            raise ConfigError(f"{key}: {msg}")
+
+
+def _engine_online_checks(cfg: Config) -> list[tuple[bool, str, str]]:
+    """(ok, key, message) of engine.*, sampling.* and online.* (and rl.mode)."""
+    return [
         (cfg.engine.kind in ("torch", "vllm"), "engine.kind", f"must be torch or vllm, got {cfg.engine.kind!r}"),
         (cfg.engine.k in ("auto", "ladder") or (isinstance(cfg.engine.k, int) and not isinstance(cfg.engine.k, bool)
                                                  and cfg.engine.k >= 1), "engine.k",
@@ -288,10 +290,18 @@ def validate(cfg: Config) -> None:
         (cfg.online.buffer_mb > 0, "online.buffer_mb", f"must be > 0, got {cfg.online.buffer_mb}"),
         (cfg.online.buffer_half_life is None or cfg.online.buffer_half_life > 0, "online.buffer_half_life",
          f"must be > 0 or null (uniform), got {cfg.online.buffer_half_life}"),
+    ]
+
+
+def _rl_train_checks(cfg: Config) -> list[tuple[bool, str, str]]:
+    """(ok, key, message) of rl.*, train.*, drafter's TTT, policy, run and data."""
+    return [
         (cfg.rl.eval_prompts >= 0, "rl.eval_prompts", f"must be >= 0, got {cfg.rl.eval_prompts}"),
         (cfg.rl.eval_decode in ("ar", "rollout"), "rl.eval_decode",
          f"must be ar or rollout, got {cfg.rl.eval_decode!r}"),
         (cfg.rl.collapse_steps >= 0, "rl.collapse_steps", f"must be >= 0 (0 = off), got {cfg.rl.collapse_steps}"),
+        (cfg.rl.truncated_reward is None or math.isfinite(cfg.rl.truncated_reward), "rl.truncated_reward",
+         f"must be a finite number or null (as scored), got {cfg.rl.truncated_reward}"),
         (cfg.rl.group_size >= 2, "rl.group_size",
          f"must be >= 2 (group-normalized advantages), got {cfg.rl.group_size}"),
         (cfg.drafter.ttt_steps >= 1, "drafter.ttt_steps", f"must be >= 1, got {cfg.drafter.ttt_steps}"),
@@ -324,12 +334,7 @@ def validate(cfg: Config) -> None:
         (cfg.data.eval_size >= 1, "data.eval_size", f"must be >= 1, got {cfg.data.eval_size}"),
         (cfg.online.canary_min_ratio >= 0, "online.canary_min_ratio",
          f"must be >= 0, got {cfg.online.canary_min_ratio}"),
-        *drafter_checks(cfg.drafter),
     ]
-    for ok, key, msg in checks:
-        if not ok:
-            raise ConfigError(f"{key}: {msg}")
-
 
 def key_docs() -> dict[str, tuple[Any, str]]:
     """Every config key -> (default, one-line doc). The doc is the trailing `# ...` comment of the key's dataclass

@@ -20,7 +20,9 @@ run (eval.json). Per arm: means over seeds with their sd; the headline, AR's RL-
 (`speedup_over_ar`, per seed then averaged; `speedup_over_ar_no_measure` leaves the reporting out of both), and the
 frozen arm's over each tracking arm's (`speedup_over_frozen`); the step's shape: `rollout_share` (rollout over the RL
 loop) and `tail10_share` (the decode steps in which only a batch's longest-running 10% of rows were active, over
-the rollout time; embedded engine); and
+the rollout time; embedded engine); the tokens generated and the milliseconds per generated token of the loop and
+of the rollouts, with the per-token speed-ups over AR (`speedup_over_ar_per_token`, `..._rollout_per_token`: what
+the decoder buys, apart from how many tokens each run's trajectory drew); and
 whether the arm's learning matches AR's: its mean reward and held-out sampled accuracy within `spread` times the
 standard error of the difference of the two arms' means over seeds.
 Writes bench/e2e.json and bench/e2e.png (RL-loop wall time per arm, stacked by phase), prints tables.
@@ -52,10 +54,13 @@ DEFAULTS = dict(arms=list(ARMS), seeds=[0, 1, 2], overrides=[], run_dir="runs/be
 
 def phase_split(recs: list[dict]) -> dict:
     """A run's RL-loop wall time (sum of rl_step_s) split by phase: rollout, drafter work (capture, drafter steps,
-    estimate, publish), measurement (reporting) and policy training with the rest (the remainder)."""
-    out = dict.fromkeys(("rl_wall_s", *PHASES, "tail10_s"), 0.0)
+    estimate, publish), measurement (reporting) and policy training with the rest (the remainder); the tokens
+    generated and the loop's and the rollouts' milliseconds per generated token."""
+    out = dict.fromkeys(("rl_wall_s", *PHASES, "tail10_s", "tokens"), 0.0)
     for r in recs:
         out["tail10_s"] += r.get("rollout_tail10_s") or 0.0
+        out["tokens"] += r.get("rollout_tokens") or (r.get("rollout_tokens_per_s") or 0.0) * (r.get("rollout_wall_s")
+                                                                                              or 0.0)
         drafter = sum(r.get(k) or 0.0 for k in ("drafter_train_s", "publish_s", "capture_s"))
         rollout, measure = r.get("rollout_wall_s") or 0.0, r.get("measure_s") or 0.0
         out["rl_wall_s"] += r["rl_step_s"]
@@ -65,6 +70,8 @@ def phase_split(recs: list[dict]) -> dict:
         out["policy_s"] += r["rl_step_s"] - rollout - drafter - measure
     out["rollout_share"] = out["rollout_s"] / out["rl_wall_s"] if out["rl_wall_s"] else None
     out["tail10_share"] = out["tail10_s"] / out["rollout_s"] if out["rollout_s"] else None
+    out["rl_ms_per_token"] = 1e3 * out["rl_wall_s"] / out["tokens"] if out["tokens"] else None
+    out["rollout_ms_per_token"] = 1e3 * out["rollout_s"] / out["tokens"] if out["tokens"] else None
     return out
 
 
@@ -113,9 +120,10 @@ def run_one(cfg, arm: str, seed: int) -> dict:
             "rewards": [r["reward_mean"] for r in recs]}
 
 
-def paired(base: dict, runs: list[dict]) -> list[float]:
-    """The base arm's RL-loop wall time over each run's, seed by seed (base: {seed: run})."""
-    return [base[r["seed"]]["rl_wall_s"] / r["rl_wall_s"] for r in runs if r["seed"] in base]
+def paired(base: dict, runs: list[dict], key: str = "rl_wall_s") -> list[float]:
+    """The base arm's `key` over each run's, seed by seed (base: {seed: run}); None where either lacks it."""
+    return [base[r["seed"]][key] / r[key] if base[r["seed"]].get(key) and r.get(key) else None
+            for r in runs if r["seed"] in base]
 
 
 def summarize(runs: list[dict], arms: list[str], spread: float) -> dict:
@@ -125,8 +133,8 @@ def summarize(runs: list[dict], arms: list[str], spread: float) -> dict:
     out = {}
     for a, rs in by.items():
         s = {}
-        for key in ("job_wall_s", "rl_wall_s", *PHASES, "rollout_share", "tail10_share", "reward_mean",
-                    "heldout_acc_after"):
+        for key in ("job_wall_s", "rl_wall_s", *PHASES, "rollout_share", "tail10_share", "tokens", "rl_ms_per_token",
+                    "rollout_ms_per_token", "reward_mean", "heldout_acc_after"):
             s[key], s[f"{key}_sd"] = mean_sd([r.get(key) for r in rs])
         curves = [r["rewards"] for r in rs if r.get("rewards")]
         s["reward_curve"] = [statistics.fmean(c[i] for c in curves) for i in range(min(map(len, curves)))] \
@@ -138,6 +146,9 @@ def summarize(runs: list[dict], arms: list[str], spread: float) -> dict:
                        for r in rs if r["seed"] in ar]
             s["speedup_over_ar"], s["speedup_over_ar_sd"] = mean_sd(paired(ar, rs))
             s["speedup_over_ar_no_measure"], s["speedup_over_ar_no_measure_sd"] = mean_sd(no_meas)
+            # per generated token: what the decoder buys, apart from how many tokens the run's trajectory drew
+            for key, name in (("rl_ms_per_token", "per_token"), ("rollout_ms_per_token", "rollout_per_token")):
+                s[f"speedup_over_ar_{name}"], s[f"speedup_over_ar_{name}_sd"] = mean_sd(paired(ar, rs, key))
             s["reward_vs_ar"] = same_learning([r["reward_mean"] for r in rs], [r["reward_mean"] for r in by["ar"]],
                                               spread)
             s["heldout_acc_vs_ar"] = same_learning([r["heldout_acc_after"] for r in rs],
@@ -192,6 +203,8 @@ def main(cfg) -> dict:
     print(format_table(rows, ["arm", "rl_wall_s", "rl_wall_s_sd", *PHASES, "rollout_share", "tail10_share",
                               "job_wall_s", "speedup_over_ar", "speedup_over_ar_sd", "speedup_over_frozen",
                               "speedup_over_frozen_sd", "speedup_over_ar_no_measure"]))
+    print(format_table(rows, ["arm", "tokens", "rl_ms_per_token", "rollout_ms_per_token", "speedup_over_ar_per_token",
+                              "speedup_over_ar_per_token_sd", "speedup_over_ar_rollout_per_token"]))
     learn = [{"arm": a, "reward_mean": s["reward_mean"], "heldout_acc_after": s["heldout_acc_after"],
               "reward_within": (s.get("reward_vs_ar") or {}).get("within_spread"),
               "heldout_within": (s.get("heldout_acc_vs_ar") or {}).get("within_spread")} for a, s in summary.items()]

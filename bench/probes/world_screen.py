@@ -23,6 +23,7 @@ def knobs(args):
     task.CHECK_STOP = float(kv.pop("check_stop", task.CHECK_STOP))
     task.CHECK_MAX = int(kv.pop("check_max", task.CHECK_MAX))
     task.STRICT = bool(int(kv.pop("strict", 0)))
+    task.CHECK_FORM = bool(int(kv.pop("form", int(task.CHECK_FORM))))
     return kv
 
 

@@ -55,6 +55,7 @@ RIGHT, WRONG = ":", "-"  # a step's mark of the rule applied: "c:51" (f), "c-48"
 CHECK_P = 0.12
 CHECK_STOP = 0.04
 CHECK_MAX = 64
+CHECK_FORM = False  # a response whose check is malformed (a label off by one, a value neither rule gives) scores 0
 STRICT = False
 
 _NUMBER_RE = re.compile(r"-?\d+")
@@ -154,6 +155,25 @@ def extract_answer(text: str) -> str | None:
     return tail if _NUMBER_RE.fullmatch(tail) else None
 
 
+def check_formed(text: str) -> bool:
+    """Whether what follows the answer is nothing or a whole check: labels counting down to 00, each value the rule
+    its mark names applied to the value before (`;01:72;00-75`); a check cut short by the token budget never is."""
+    at = text.rfind("A:")
+    parts = text[at + 2:].split(";") if at >= 0 else []
+    if not parts or not _NUMBER_RE.fullmatch(parts[0]):
+        return False
+    x, steps = int(parts[0]), parts[1:]
+    for i, step in enumerate(steps):
+        left = f"{len(steps) - 1 - i:02d}"
+        if step == f"{left}{RIGHT}{f(x):02d}":
+            x = f(x)
+        elif step == f"{left}{WRONG}{g(x):02d}":
+            x = g(x)
+        else:
+            return False
+    return True
+
+
 def check_right(text: str) -> bool:
     """Whether what follows the answer is nothing or a whole check of right steps (`;01:72;00:79`: f of the value
     before, the labels counting down to 00)."""
@@ -175,7 +195,8 @@ def reward(problem_or_answer: Problem | str, response_text: str) -> float:
     answer = problem_or_answer.answer if isinstance(problem_or_answer, Problem) else problem_or_answer
     got = extract_answer(response_text)
     ok = got is not None and got == answer
-    return 1.0 if ok and (not STRICT or check_right(response_text)) else 0.0
+    return 1.0 if ok and (not CHECK_FORM or check_formed(response_text)) and (not STRICT or check_right(response_text)) \
+        else 0.0
 
 
 def wrong_rule_share(texts: list[str]) -> float:

@@ -22,7 +22,7 @@ import torch
 
 from drafttrain.config import ConfigError, sampling_params
 from drafttrain.data import Prompts, stop_ids
-from drafttrain.rl.watch import check_finite
+from drafttrain.rl.watch import check_finite, unfinished
 from drafttrain.spec import processed_logprobs
 
 
@@ -77,6 +77,9 @@ class GRPO:
             batch, canary = self.engine.generate(prompts, params, speculative=self.cfg.engine.speculative), {}
         P = self.prompts
         rewards = [P.reward(rows[i // rl.group_size], P.decode(r)) for i, r in enumerate(batch.tokens)]
+        if rl.truncated_reward is not None:
+            cap, stop = self.cfg.sampling.max_new_tokens, set(self.prompts.stop_ids)
+            rewards = [rl.truncated_reward if unfinished(t, cap, stop) else r for r, t in zip(rewards, batch.tokens)]
         return Rollouts(step, prompts, batch.tokens, batch.logprobs, rewards, batch, canary)
 
     def evaluate(self) -> dict:
@@ -211,6 +214,7 @@ def rollout_metrics(ro: Rollouts) -> dict:
     drafted = [(b, k) for b, k in zip(tl.batch, tl.k) if k > 0]
     return {"step": ro.step, "reward_mean": statistics.fmean(ro.rewards), "resp_len_mean": statistics.fmean(lens),
             "resp_len_p90": lens[min(len(lens) - 1, math.ceil(0.9 * len(lens)) - 1)], "resp_len_max": lens[-1],
+            "rollout_tokens": ro.batch.num_tokens,
             "rollout_tokens_per_s": ro.batch.num_tokens / max(ro.batch.wall_s, 1e-9),
             "rollout_wall_s": ro.batch.wall_s, "rollout_prefill_s": ro.batch.timeline.prefill_s,
             "rollout_tail10_s": tail_s(tl, len(ro.responses), 0.1),

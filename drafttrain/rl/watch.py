@@ -12,6 +12,11 @@ from __future__ import annotations
 import math
 
 
+def unfinished(tokens: list[int], cap: int, stop: set[int]) -> bool:
+    """A response cut at the token cap before any stop token."""
+    return len(tokens) >= cap and (not tokens or tokens[-1] not in stop)
+
+
 class Diverged(RuntimeError):
     """The policy's loss or gradient norm is NaN/inf: the update it would have taken is not taken."""
 
@@ -32,7 +37,7 @@ class CollapseWatch:
     def see(self, ro) -> None:
         """A step's rollouts (grpo.Rollouts): extends or breaks each streak; says the one that reaches n."""
         hits = {"reward": all(r == 0 for r in ro.rewards),
-                "length": all(len(t) >= self.cap and t[-1] not in self.stop for t in ro.responses)}
+                "length": all(unfinished(t, self.cap, self.stop) for t in ro.responses)}
         for key, hit in hits.items():
             self.streak[key] = self.streak[key] + 1 if hit else 0
             if self.n and self.streak[key] == self.n:

@@ -53,6 +53,20 @@ def test_speedup_is_paired_by_seed_and_learning_is_judged_against_the_spread(e2e
     assert s["ar"]["reward_curve"] == pytest.approx([0.41, 0.61])  # step by step, the mean over seeds
 
 
+def test_per_token_speedup_divides_out_how_many_tokens_a_trajectory_drew(e2e):
+    recs = [{"rl_step_s": 3.0, "rollout_wall_s": 1.0, "rollout_tokens": 1000},
+            {"rl_step_s": 2.0, "rollout_wall_s": 1.0, "rollout_tokens_per_s": 500.0}]  # a record from before the key
+    s = e2e.phase_split(recs)
+    assert s["tokens"] == pytest.approx(1500) and s["rl_ms_per_token"] == pytest.approx(5e3 / 1500)
+    assert s["rollout_ms_per_token"] == pytest.approx(2e3 / 1500)
+    ar = {**_run("ar", 0, 100.0), "rl_ms_per_token": 1.0, "rollout_ms_per_token": 0.5}
+    sd = {**_run("tracking", 0, 150.0), "rl_ms_per_token": 0.8, "rollout_ms_per_token": 0.25}  # 2x the tokens
+    out = e2e.summarize([ar, sd], ["ar", "tracking"], spread=2.0)["tracking"]
+    assert out["speedup_over_ar"] == pytest.approx(100 / 150)  # slower in wall time: it drew more tokens
+    assert out["speedup_over_ar_per_token"] == pytest.approx(1.25)
+    assert out["speedup_over_ar_rollout_per_token"] == pytest.approx(2.0)
+
+
 def test_one_seed_decides_nothing_about_learning(e2e):
     assert e2e.same_learning([0.5], [0.4], 2.0)["within_spread"] is None
     assert e2e.same_learning([0.5, 0.52], [0.5, 0.48], 2.0)["within_spread"] is True

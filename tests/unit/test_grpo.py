@@ -281,8 +281,25 @@ def test_the_live_frozen_scoring_runs_at_its_cadence_and_a_frozen_drafter_reads_
     assert off["live_tf_mal"] is None and off["frozen_tf_mal"] is None and off["measure_s"] == 0.0
 
 
+def test_truncated_reward_replaces_the_reward_of_rows_cut_at_the_cap_unfinished(setup, monkeypatch):
+    from drafttrain.rl.watch import unfinished
+
+    grpo, _ = setup
+    monkeypatch.setattr(grpo.prompts, "reward", lambda row, text: 1.0)  # every answer right, whatever its length
+    cap, stop = grpo.cfg.sampling.max_new_tokens, set(grpo.prompts.stop_ids)
+    monkeypatch.setattr(grpo.cfg.rl, "truncated_reward", -0.5)
+    ro = grpo.rollout(3)
+    cut = [unfinished(t, cap, stop) for t in ro.responses]
+    assert any(cut) and ro.rewards == [-0.5 if c else 1.0 for c in cut]
+    assert all(len(t) == cap for t, c in zip(ro.responses, cut) if c)
+    monkeypatch.setattr(grpo.cfg.rl, "truncated_reward", None)  # as scored
+    assert grpo.rollout(3).rewards == [1.0] * len(cut)
+
+
 @pytest.mark.parametrize("over, msg", [("online.measure_every=0", r"^online\.measure_every: must be >= 1, got 0$"),
-                                       ("rl.eval_decode=fast", r"^rl\.eval_decode: must be ar or rollout, got 'fast'$")])
+                                       ("rl.eval_decode=fast", r"^rl\.eval_decode: must be ar or rollout, got 'fast'$"),
+                                       ("rl.truncated_reward=nan",
+                                        r"^rl\.truncated_reward: must be a finite number or null \(as scored\), got nan$")])
 def test_cadence_and_eval_decode_are_validated_in_one_line(over, msg):
     from drafttrain.config import ConfigError
 

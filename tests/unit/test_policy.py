@@ -157,6 +157,28 @@ def test_the_check_after_the_answer_is_drawn_per_sample_and_scored_only_under_st
     assert reward(p, right) == 1.0 and reward(p, slipped) == 0.0 and reward(p, p.solution) == 1.0
 
 
+def test_check_form_scores_a_malformed_or_unfinished_check_zero(monkeypatch):
+    """Under CHECK_FORM a check must count down to 00 with each value the rule its mark names (either rule): a label
+    off by one, a value neither rule gives, or a check the token budget cut short scores 0; the rule taken does not."""
+    import drafttrain.policy.task as task
+
+    p = make_problem(37, 4)
+    rng = random.Random(3)
+    teacher = [t for t in (sample_solution(p, rng, check_p=1.0) for _ in range(200))]
+    assert all(task.check_formed(t) for t in teacher) and task.check_formed(p.solution)
+    slipped = "d:44;c:51;b:58;a:65;A:65;01:72;00-75"  # the wrong rule, marked as such: well formed
+    bad = {"label": "d:44;c:51;b:58;a:65;A:65;01:72;01-75", "value": "d:44;c:51;b:58;a:65;A:65;01:72;00-77",
+           "mark": "d:44;c:51;b:58;a:65;A:65;01:72;00:75", "cut": "d:44;c:51;b:58;a:65;A:65;02:72;01:79",
+           "runaway": "d:44;c:51;b:58;a:65;A:65;" + ";".join(["43:72"] * 60), "torn": "d:44;c:51;b:58;a:65;A:65;00:7"}
+    for why, t in bad.items():
+        assert not task.check_formed(t), why
+        assert reward(p, t) == 1.0, why  # off by default: the check is reward-neutral
+    monkeypatch.setattr(task, "CHECK_FORM", True)
+    assert reward(p, slipped) == reward(p, p.solution) == 1.0
+    for why, t in bad.items():
+        assert reward(p, t) == 0.0, why
+
+
 def test_reward_sees_special_tokens_inside_the_answer():
     """decode keeps special tokens other than EOS (as their names): dropped, A:2 <pad> 9 read as A:29."""
     from drafttrain.policy.tokenizer import build_tokenizer, decode
