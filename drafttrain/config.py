@@ -137,7 +137,7 @@ class RLConfig:
     eval_decode: str = "ar"  # ar: the evaluation decodes without the drafter | rollout: as the rollouts decode
     # a collapsed policy: every row's reward 0, or every response cut at sampling.max_new_tokens, step after step
     collapse_steps: int = 3  # steps in a row of a collapse sign before a one-line warning (0 = off)
-    truncated_reward: Optional[float] = None  # reward of a row cut unfinished at the token cap (null: as scored)
+    truncated_reward: Optional[float] = 0.0  # reward of a row cut unfinished at the token cap (null: as scored)
 
 
 @dataclass

@@ -1,7 +1,8 @@
 """Screen a task world's knobs (issue 46): SFT a policy, or run AR GRPO on it, with drafttrain.policy.task's knobs set.
 
     python bench/probes/world_screen.py sft OUT check_p=0.05 check_stop=0.015 [threads=1] [steps=2000]
-    python bench/probes/world_screen.py rl POLICY OUT SEED check_p=... [strict=1] [steps=60] [threads=1]
+    python bench/probes/world_screen.py rl POLICY OUT SEED check_p=... [strict=1] [form=1] [sample_offset=0]
+        [steps=60] [threads=1] [rl.truncated_reward=0 ...]
 
 `rl` is GRPO with AR rollouts at the default recipe (prompt_seed = SEED), and prints per step the reward, the
 wrong-rule share of the written steps (chain and check) and of the check's steps alone, the share of rows that check,
@@ -34,6 +35,12 @@ def rl(src, out, seed, kv):
     from drafttrain.rl.grpo import GRPO, rollout_metrics
 
     torch.set_num_threads(int(kv.pop("threads", 1)))
+    offset = int(kv.pop("sample_offset", 0))  # another sampling stream on the same prompts (as an SD arm draws)
+    if offset:
+        import drafttrain.rl.grpo as grpo_mod
+
+        base = grpo_mod.sampling_params
+        grpo_mod.sampling_params = lambda cfg, **kw: base(cfg, **{**kw, "seed": kw.get("seed", 0) + offset})
     torch.manual_seed(seed)
     steps = int(kv.pop("steps", 60))
     cfg = load_recipe("eagle3_track", [f"policy.path={src}", f"rl.prompt_seed={seed}", "engine.speculative=false",
