@@ -1,1 +1,2 @@
-"""RL-side integration: DraftTracker hooks, the embedded GRPO host, the TRL callback."""
+"""RL-side integration: the main job, the embedded GRPO host, the TRL callback (the hooks: `from drafttrain import
+DraftTracker`)."""

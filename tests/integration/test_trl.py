@@ -26,7 +26,7 @@ def test_grpo_trainer_with_draft_tracker_callback(tmp_path):
     from drafttrain.drafters import build_drafter
     from drafttrain.engines import build_engine
     from drafttrain.policy import build_policy, build_tokenizer, encode_prompt, make_prompts
-    from drafttrain.rl.hooks import DraftTracker
+    from drafttrain import DraftTracker
     from drafttrain.rl.trl import DraftTrackerCallback
 
     torch.manual_seed(0)
@@ -77,7 +77,7 @@ def test_capture_hooks_come_off_when_training_raises():
     a later grad-enabled forward of the model feeds nothing to the tracker."""
     from drafttrain.config import load_recipe
     from drafttrain.policy import build_policy
-    from drafttrain.rl.hooks import DraftTracker
+    from drafttrain import DraftTracker
     from drafttrain.rl.trl import DraftTrackerCallback
 
     torch.manual_seed(0)

@@ -20,7 +20,7 @@ def _cfg(*over):
 
 def _tracker(c, accelerator=None, engines=()):
     from drafttrain.drafters import build_drafter
-    from drafttrain.rl.hooks import DraftTracker
+    from drafttrain import DraftTracker
 
     policy = tiny_policy()
     torch.manual_seed(1)

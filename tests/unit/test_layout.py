@@ -102,7 +102,7 @@ def test_find_cycle_finds_one():
 
 def test_the_graph_sees_lazy_imports_named_modules_and_packages(tmp_path, monkeypatch):
     graph = import_graph()
-    assert "drafttrain.tracking.tracker" in graph and graph["drafttrain.rl.hooks"] == {
+    assert "drafttrain.tracking.tracker" in graph and graph["drafttrain"] == {  # the root's lazy __getattr__ import
         "drafttrain.tracking.tracker", "drafttrain.tracking"}
     assert "drafttrain.engines.vllm_suffix" in graph["drafttrain.engines.vllm_forms"]  # a class path in a string
     assert "drafttrain.engines" in graph["drafttrain.tracking.deliverable"]  # a lazy import, and its package
