@@ -2,6 +2,7 @@
 
     python scripts/bench_e2e.py                                  # 4 arms x 3 seeds at the default run length
     python scripts/bench_e2e.py seeds=[0] arms=[ar,tracking] overrides=[rl.steps=4,rl.eval_prompts=64]   # a look
+    python scripts/bench_e2e.py resummarize=true     # the summary again from bench/e2e.json's runs and run folders
 
 Each run is the main job (module drafttrain.online) in a fresh process, as a user starts it; the arms differ
 only in how rollouts are decoded:
@@ -22,7 +23,11 @@ frozen arm's over each tracking arm's (`speedup_over_frozen`); the step's shape:
 loop) and `tail10_share` (the decode steps in which only a batch's longest-running 10% of rows were active, over
 the rollout time; embedded engine); the tokens generated and the milliseconds per generated token of the loop and
 of the rollouts, with the per-token speed-ups over AR (`speedup_over_ar_per_token`, `..._rollout_per_token`: what
-the decoder buys, apart from how many tokens each run's trajectory drew); and
+the decoder buys, apart from how many tokens each run's trajectory drew); the same on the arm's own batches
+(`rollout_speedup_same_batches`, `speedup_same_batches`): AR's rollout cost fitted over its steps at that seed as a
+cost per decode step plus a cost per token (r2 in `ar_cost_fit_r2`), applied to each of the arm's steps, and AR's
+loop time outside the rollout per token, over the arm's actual times (a run's length and tail vary with its
+trajectory: arms at one seed sample different text); and
 whether the arm's learning matches AR's: its mean reward and held-out sampled accuracy within `spread` times the
 standard error of the difference of the two arms' means over seeds.
 Writes bench/e2e.json and bench/e2e.png (RL-loop wall time per arm, stacked by phase), prints tables.
@@ -49,7 +54,7 @@ ARMS = {
 }
 PHASES = ("rollout_s", "policy_s", "drafter_s", "measure_s")
 DEFAULTS = dict(arms=list(ARMS), seeds=[0, 1, 2], overrides=[], run_dir="runs/bench_e2e", spread=2.0,
-                out="bench/e2e.json", plot="bench/e2e.png")
+                out="bench/e2e.json", plot="bench/e2e.png", resummarize=False)
 
 
 def phase_split(recs: list[dict]) -> dict:
@@ -73,6 +78,38 @@ def phase_split(recs: list[dict]) -> dict:
     out["rl_ms_per_token"] = 1e3 * out["rl_wall_s"] / out["tokens"] if out["tokens"] else None
     out["rollout_ms_per_token"] = 1e3 * out["rollout_s"] / out["tokens"] if out["tokens"] else None
     return out
+
+
+def step_series(recs: list[dict]) -> list[list[float]]:
+    """Per RL step: [decode steps of the longest row (resp_len_max), tokens generated, rollout s, RL step s]."""
+    return [[r["resp_len_max"], r.get("rollout_tokens") or (r.get("rollout_tokens_per_s") or 0.0)
+             * (r.get("rollout_wall_s") or 0.0), r.get("rollout_wall_s") or 0.0, r["rl_step_s"]] for r in recs]
+
+
+def ar_cost(ar: dict) -> dict:
+    """AR's rollout cost on its own batches, fitted by least squares over its steps: seconds = c_step x decode steps
+    (the longest row's length) + c_token x tokens (each decode step costs a fixed part plus a part per active row);
+    r2 says how well. policy_s_per_token: its RL loop outside the rollout, per generated token."""
+    import numpy as np
+
+    x = np.array([[m, t] for m, t, _, _ in ar["steps"]], dtype=float)
+    y = np.array([r for _, _, r, _ in ar["steps"]], dtype=float)
+    c = np.linalg.lstsq(x, y, rcond=None)[0]
+    r2 = 1.0 - float(((y - x @ c) ** 2).sum()) / max(float(((y - y.mean()) ** 2).sum()), 1e-12)
+    return {"c_step": float(c[0]), "c_token": float(c[1]), "r2": r2,
+            "policy_s_per_token": (ar["rl_wall_s"] - ar["rollout_s"]) / ar["tokens"] if ar.get("tokens") else None}
+
+
+def same_batches(ar: dict, run: dict) -> tuple[float | None, float | None]:
+    """(rollout, RL loop) speed-up over what AR would have taken on this run's own batches: AR's fitted rollout cost
+    of each of its steps (ar_cost), and AR's loop time outside the rollout per token, over the run's actual times.
+    What the decoder buys, apart from how many tokens and how long a tail each run's trajectory drew."""
+    if not ar.get("steps") or not run.get("steps") or not run.get("rollout_s"):
+        return None, None
+    fit = ar_cost(ar)
+    roll = sum(fit["c_step"] * m + fit["c_token"] * t for m, t, _, _ in run["steps"])
+    loop = roll + (fit["policy_s_per_token"] or 0.0) * run["tokens"]
+    return roll / run["rollout_s"], loop / run["rl_wall_s"]
 
 
 def mean_sd(values: list[float]) -> tuple[float | None, float | None]:
@@ -117,7 +154,13 @@ def run_one(cfg, arm: str, seed: int) -> dict:
             "reward_mean": statistics.fmean(r["reward_mean"] for r in recs),
             "heldout_acc_after": after.get("eval_sampled_acc"),
             "heldout_acc_before": ((ev or {}).get("before") or {}).get("eval_sampled_acc"),
-            "rewards": [r["reward_mean"] for r in recs]}
+            "rewards": [r["reward_mean"] for r in recs], "steps": step_series(recs)}
+
+
+def reread(cfg, run: dict) -> dict:
+    """A run of an earlier bench_e2e output with its phases, tokens and steps read again from its run folder."""
+    recs = read_jsonl(Path(cfg.run_dir) / f"{run['arm']}-seed-{run['seed']}" / "metrics.jsonl")
+    return {**run, **phase_split(recs), "steps": step_series(recs)}
 
 
 def paired(base: dict, runs: list[dict], key: str = "rl_wall_s") -> list[float]:
@@ -149,10 +192,15 @@ def summarize(runs: list[dict], arms: list[str], spread: float) -> dict:
             # per generated token: what the decoder buys, apart from how many tokens the run's trajectory drew
             for key, name in (("rl_ms_per_token", "per_token"), ("rollout_ms_per_token", "rollout_per_token")):
                 s[f"speedup_over_ar_{name}"], s[f"speedup_over_ar_{name}_sd"] = mean_sd(paired(ar, rs, key))
+            same = [same_batches(ar[r["seed"]], r) for r in rs if r["seed"] in ar]
+            s["rollout_speedup_same_batches"], s["rollout_speedup_same_batches_sd"] = mean_sd([x for x, _ in same])
+            s["speedup_same_batches"], s["speedup_same_batches_sd"] = mean_sd([y for _, y in same])
             s["reward_vs_ar"] = same_learning([r["reward_mean"] for r in rs], [r["reward_mean"] for r in by["ar"]],
                                               spread)
             s["heldout_acc_vs_ar"] = same_learning([r["heldout_acc_after"] for r in rs],
                                                    [r["heldout_acc_after"] for r in by["ar"]], spread)
+        if a == "ar" and any(r.get("steps") for r in rs):
+            s["ar_cost_fit_r2"] = [round(ar_cost(r)["r2"], 3) for r in rs if r.get("steps")]
         out[a] = s
     return out
 
@@ -194,7 +242,9 @@ def main(cfg) -> dict:
     if not cfg.seeds:
         raise SystemExit("error: seeds: give at least one seed")
     arms, runs = list(cfg.arms), []
-    for i, seed in enumerate(cfg.seeds):  # interleaved; the order rotates so no arm always runs first
+    if cfg.resummarize:  # the summary again from cfg.out's runs and their run folders: nothing reruns
+        runs = [reread(cfg, r) for r in json.loads(Path(cfg.out).read_text())["runs"] if r["arm"] in arms]
+    for i, seed in enumerate([] if cfg.resummarize else cfg.seeds):  # interleaved; the order rotates per seed
         for arm in arms[i % len(arms):] + arms[: i % len(arms)]:
             runs.append(run_one(cfg, arm, seed))
     summary = summarize(runs, arms, cfg.spread)
@@ -204,7 +254,9 @@ def main(cfg) -> dict:
                               "job_wall_s", "speedup_over_ar", "speedup_over_ar_sd", "speedup_over_frozen",
                               "speedup_over_frozen_sd", "speedup_over_ar_no_measure"]))
     print(format_table(rows, ["arm", "tokens", "rl_ms_per_token", "rollout_ms_per_token", "speedup_over_ar_per_token",
-                              "speedup_over_ar_per_token_sd", "speedup_over_ar_rollout_per_token"]))
+                              "speedup_over_ar_per_token_sd", "speedup_over_ar_rollout_per_token",
+                              "rollout_speedup_same_batches", "rollout_speedup_same_batches_sd",
+                              "speedup_same_batches", "speedup_same_batches_sd"]))
     learn = [{"arm": a, "reward_mean": s["reward_mean"], "heldout_acc_after": s["heldout_acc_after"],
               "reward_within": (s.get("reward_vs_ar") or {}).get("within_spread"),
               "heldout_within": (s.get("heldout_acc_vs_ar") or {}).get("within_spread")} for a, s in summary.items()]

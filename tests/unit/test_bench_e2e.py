@@ -67,6 +67,50 @@ def test_per_token_speedup_divides_out_how_many_tokens_a_trajectory_drew(e2e):
     assert out["speedup_over_ar_rollout_per_token"] == pytest.approx(2.0)
 
 
+def test_same_batches_prices_an_arms_own_batches_at_ars_fitted_cost(e2e):
+    """AR's rollout seconds = 2 ms a decode step + 0.1 ms a token: the fit recovers it; an arm twice as fast on
+    batches of another shape reads 2x on its own batches, whatever its tokens."""
+    shapes = [(40, 3000), (90, 5000), (200, 6000), (60, 4500), (300, 9000)]
+    ar_steps = [[m, t, 2e-3 * m + 1e-4 * t, 0.0] for m, t in shapes]
+    roll = sum(x[2] for x in ar_steps)
+    ar = {"steps": ar_steps, "rollout_s": roll, "rl_wall_s": roll + 2.0, "tokens": sum(t for _, t in shapes)}
+    fit = e2e.ar_cost(ar)
+    assert fit["c_step"] == pytest.approx(2e-3) and fit["c_token"] == pytest.approx(1e-4) and fit["r2"] > 0.999
+    other = [(120, 2000), (400, 7000)]  # a longer tail, fewer tokens
+    steps = [[m, t, (2e-3 * m + 1e-4 * t) / 2, 0.0] for m, t in other]
+    run = {"steps": steps, "rollout_s": sum(x[2] for x in steps), "tokens": 9000}
+    run["rl_wall_s"] = run["rollout_s"] + 9000 * fit["policy_s_per_token"]  # the same loop outside the rollout
+    r, loop = e2e.same_batches(ar, run)
+    assert r == pytest.approx(2.0)
+    assert loop == pytest.approx((2 * run["rollout_s"] + 9000 * fit["policy_s_per_token"]) / run["rl_wall_s"])
+    assert e2e.same_batches(ar, {**run, "steps": None}) == (None, None)
+
+
+def test_resummarize_reads_the_run_folders_again_and_reruns_nothing(e2e, tmp_path, monkeypatch):
+    import json
+
+    from omegaconf import OmegaConf
+
+    runs = []
+    for arm, speed in (("ar", 1.0), ("tracking", 1.5)):
+        folder = tmp_path / "run" / f"{arm}-seed-0"
+        folder.mkdir(parents=True)
+        recs = [{"step": i, "reward_mean": 0.5, "resp_len_max": m, "rollout_tokens": t,
+                 "rollout_wall_s": (2e-3 * m + 1e-4 * t) / speed, "rl_step_s": (2e-3 * m + 1e-4 * t) / speed + 1.0}
+                for i, (m, t) in enumerate([(40, 3000), (90, 5000), (200, 6000)])]
+        folder.joinpath("metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+        runs.append({**_run(arm, 0, 1.0), "job_wall_s": 9.0})  # phases stale: reread from the folder
+    out = tmp_path / "e.json"
+    out.write_text(json.dumps({"runs": runs}))
+    monkeypatch.setattr(e2e, "run_one", lambda *a: pytest.fail("resummarize reran a job"))
+    cfg = OmegaConf.create({**e2e.DEFAULTS, "arms": ["ar", "tracking"], "run_dir": str(tmp_path / "run"),
+                            "out": str(out), "plot": str(tmp_path / "e.png"), "resummarize": True})
+    res = e2e.main(cfg)
+    assert res["summary"]["tracking"]["rollout_speedup_same_batches"] == pytest.approx(1.5)
+    assert res["runs"][0]["tokens"] == 14000 and res["runs"][0]["job_wall_s"] == 9.0
+    assert json.loads(out.read_text())["summary"]["ar"]["ar_cost_fit_r2"] == [1.0]
+
+
 def test_one_seed_decides_nothing_about_learning(e2e):
     assert e2e.same_learning([0.5], [0.4], 2.0)["within_spread"] is None
     assert e2e.same_learning([0.5, 0.52], [0.5, 0.48], 2.0)["within_spread"] is True
