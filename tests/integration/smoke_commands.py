@@ -370,6 +370,8 @@ NOT_RUN: list[NotRun] = [
     NotRun(f"{ZERO2} scripts/pretrain_drafter.py threads=1", "run at test size, stopped and resumed, by "
            "tests/integration/test_deepspeed.py"),
     NotRun("python -m pytest -q", "the test suite itself"),
+    NotRun("python scripts/bench_e2e.py resummarize=true", "reads a finished run's bench/e2e.json and run folders; "
+           "tests/unit/test_bench_e2e.py runs it on run folders it builds"),
     NotRun("python scripts/gpu_check.py", "needs a CUDA GPU (vLLM on the 8B shape); CI has none"),
     NotRun("python scripts/gpu_check.py backend=torch batches=[1,16] out=/tmp/gpu_check.json", "needs a CUDA GPU"),
     NotRun("bash scripts/gpu_check.sh", "needs a CUDA GPU and installs the CUDA vLLM; tests/unit/test_gpu_check.py "
