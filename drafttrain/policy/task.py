@@ -155,38 +155,31 @@ def extract_answer(text: str) -> str | None:
     return tail if _NUMBER_RE.fullmatch(tail) else None
 
 
-def check_formed(text: str) -> bool:
-    """Whether what follows the answer is nothing or a whole check: labels counting down to 00, each value the rule
-    its mark names applied to the value before (`;01:72;00-75`); a check cut short by the token budget never is."""
+def _check_steps(text: str, rules: dict) -> bool:
+    """Whether what follows the answer is nothing or a whole check whose labels count down to 00 and whose every step
+    is a mark in `rules` with that rule applied to the value before (a check cut short never counts down to 00)."""
     at = text.rfind("A:")
     parts = text[at + 2:].split(";") if at >= 0 else []
     if not parts or not _NUMBER_RE.fullmatch(parts[0]):
         return False
     x, steps = int(parts[0]), parts[1:]
     for i, step in enumerate(steps):
-        left = f"{len(steps) - 1 - i:02d}"
-        if step == f"{left}{RIGHT}{f(x):02d}":
-            x = f(x)
-        elif step == f"{left}{WRONG}{g(x):02d}":
-            x = g(x)
-        else:
+        left, mark = f"{len(steps) - 1 - i:02d}", step[2:3]
+        if mark not in rules or step != f"{left}{mark}{rules[mark](x):02d}":
             return False
+        x = rules[mark](x)
     return True
+
+
+def check_formed(text: str) -> bool:
+    """A whole check (or none) in which each value is the rule its mark names applied to the value before, either
+    rule (`;01:72;00-75`)."""
+    return _check_steps(text, {RIGHT: f, WRONG: g})
 
 
 def check_right(text: str) -> bool:
-    """Whether what follows the answer is nothing or a whole check of right steps (`;01:72;00:79`: f of the value
-    before, the labels counting down to 00)."""
-    at = text.rfind("A:")
-    parts = text[at + 2:].split(";") if at >= 0 else []
-    if not parts or not _NUMBER_RE.fullmatch(parts[0]):
-        return False
-    x, steps = int(parts[0]), parts[1:]
-    for i, step in enumerate(steps):
-        if step != f"{len(steps) - 1 - i:02d}{RIGHT}{f(x):02d}":
-            return False
-        x = f(x)
-    return True
+    """A whole check (or none) of right steps only (`;01:72;00:79`: f of the value before)."""
+    return _check_steps(text, {RIGHT: f})
 
 
 def reward(problem_or_answer: Problem | str, response_text: str) -> float:
