@@ -183,13 +183,13 @@ def check_right(text: str) -> bool:
 
 
 def reward(problem_or_answer: Problem | str, response_text: str) -> float:
-    """1.0 iff the response's final `A:` answer equals the reference answer (and, under STRICT, its check after the
-    answer takes only right steps), else 0.0."""
+    """1.0 iff the response's final `A:` answer equals the reference answer (and, under CHECK_FORM, its check after the
+    answer is well formed; under STRICT, it takes only right steps), else 0.0."""
     answer = problem_or_answer.answer if isinstance(problem_or_answer, Problem) else problem_or_answer
     got = extract_answer(response_text)
     ok = got is not None and got == answer
-    return 1.0 if ok and (not CHECK_FORM or check_formed(response_text)) and (not STRICT or check_right(response_text)) \
-        else 0.0
+    ok = ok and (not CHECK_FORM or check_formed(response_text)) and (not STRICT or check_right(response_text))
+    return 1.0 if ok else 0.0
 
 
 def wrong_rule_share(texts: list[str]) -> float:
