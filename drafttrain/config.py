@@ -104,6 +104,8 @@ class OnlineConfig:
     holdout_frac: float = 0.0625  # share of captured rollouts kept out of training, in [0, 1)
     # capture costs per row (features, buffer): rows never trained on need not be captured
     capture_frac: float = 1.0  # share of the other rollouts captured for training, in (0, 1]
+    # graded: the rows the policy update forwards anyway (nonzero advantage); all: also the others (a no-grad forward)
+    capture_rows: str = "all"  # all | graded (embedded GRPO host; every row at a report step)
     # a random sample; costs about one policy forward per drafter over them
     measure_rows: int = 32  # rows per RL step of the live/frozen drafter scoring (reporting)
     # reporting, not tracking: at step 0, every measure_every steps and the last; benchmarks needing the series: 1
@@ -278,14 +280,12 @@ def _engine_online_checks(cfg: Config) -> list[tuple[bool, str, str]]:
          f"must be a finite number >= 0, got {cfg.online.gate_margin}"),
         (cfg.online.gate_min_rows >= 2, "online.gate_min_rows",
          f"must be >= 2 (a paired bound needs a spread), got {cfg.online.gate_min_rows}"),
-        (0 <= cfg.online.holdout_frac < 1, "online.holdout_frac",
-         f"must be in [0, 1), got {cfg.online.holdout_frac}"),
-        (0 < cfg.online.capture_frac <= 1, "online.capture_frac",
-         f"must be in (0, 1], got {cfg.online.capture_frac}"),
-        (cfg.online.measure_rows >= 1, "online.measure_rows",
-         f"must be >= 1, got {cfg.online.measure_rows}"),
-        (cfg.online.measure_every >= 1, "online.measure_every",
-         f"must be >= 1, got {cfg.online.measure_every}"),
+        (0 <= cfg.online.holdout_frac < 1, "online.holdout_frac", f"must be in [0, 1), got {cfg.online.holdout_frac}"),
+        (0 < cfg.online.capture_frac <= 1, "online.capture_frac", f"must be in (0, 1], got {cfg.online.capture_frac}"),
+        (cfg.online.capture_rows in ("all", "graded"), "online.capture_rows",
+         f"must be all or graded, got {cfg.online.capture_rows!r}"),
+        (cfg.online.measure_rows >= 1, "online.measure_rows", f"must be >= 1, got {cfg.online.measure_rows}"),
+        (cfg.online.measure_every >= 1, "online.measure_every", f"must be >= 1, got {cfg.online.measure_every}"),
         (cfg.rl.mode in ("sync", "async"), "rl.mode", f"must be sync or async, got {cfg.rl.mode!r}"),
         (cfg.online.buffer_mb > 0, "online.buffer_mb", f"must be > 0, got {cfg.online.buffer_mb}"),
         (cfg.online.buffer_half_life is None or cfg.online.buffer_half_life > 0, "online.buffer_half_life",

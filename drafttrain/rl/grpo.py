@@ -125,12 +125,13 @@ class GRPO:
         adv = self.advantages(ro.rewards)  # [N]
         n_tok = sum(len(r) for r in ro.responses)
         reads = self.tracker is not None and self.tracker.reads_rows(ro.step, last)
+        ungraded = reads and self.tracker.reads_rows(ro.step, last, ungraded=True)
         lens = [len(p) + len(r) for p, r in zip(ro.prompts, ro.responses)]
         self.model.train()
         losses, clipped, graded = 0.0, 0, 0
         for idx in micro_batches(lens, [bool(a) for a in adv], rl.micro_batch, rl.micro_tokens):
             grad = bool(adv[idx].any())
-            if not grad and not reads:
+            if not grad and not ungraded:
                 break  # the rest have advantage 0 too (they sort last)
             seqs = [ro.prompts[i] + ro.responses[i] for i in idx]
             L = max(map(len, seqs))

@@ -329,8 +329,7 @@ class DraftTracker:
     def _requantize(self, policy) -> dict:
         """Self-drafter: every engine requantizes the new policy weights into its standby drafter and swaps."""
         t0 = self._now()
-        pub = self.publisher.publish({k: v.detach() for k, v in policy.state_dict().items()},
-                                     tag=self.policy_version)
+        pub = self.publisher.publish({k: v.detach() for k, v in policy.state_dict().items()}, tag=self.policy_version)
         self._result = UpdateRecord(self.version, publish_s=self._now() - t0, swap_s=pub.get("swap_s"),
                                     published=pub["published"]).as_dict()
         return self._result
@@ -360,9 +359,11 @@ class DraftTracker:
             self._last_update_t = self._now()
 
     # ---- measurement --------------------------------------------------------------------------------------
-    def reads_rows(self, step: int | None, last: bool = False) -> bool:
-        """Are step `step`'s captured features used (training, or a due measure())? If not, skip their forwards."""
-        trains = self.cfg.online.track and not self.self_drafter
+    def reads_rows(self, step: int | None, last: bool = False, ungraded: bool = False) -> bool:
+        """Are step `step`'s captured features used (training, or a due measure())? If not, skip their forwards.
+        ungraded: of the rows the policy update does not learn from; under online.capture_rows=graded, a report's."""
+        skip = ungraded and self.cfg.online.capture_rows == "graded"
+        trains = self.cfg.online.track and not self.self_drafter and not skip
         return self.learns and not self.unused and (trains or self.scorer.due(step, last))
 
     def measure(self, k: int | None = None, step: int | None = None, last: bool = False) -> dict:

@@ -102,11 +102,11 @@ def test_the_update_does_not_depend_on_how_the_rows_are_cut(setup, monkeypatch):
 class _Reader:
     """A tracker stand-in that reads the rows of the steps in `steps` (and records the capture blocks)."""
 
-    def __init__(self, steps):
-        self.steps, self.captured = steps, 0
+    def __init__(self, steps, ungraded=True):
+        self.steps, self.ungraded, self.captured = steps, ungraded, 0
 
-    def reads_rows(self, step, last=False):
-        return step in self.steps
+    def reads_rows(self, step, last=False, ungraded=False):
+        return step in self.steps and (self.ungraded or not ungraded)
 
     def capture(self, policy, response_start=None):
         import contextlib
@@ -115,22 +115,24 @@ class _Reader:
         return contextlib.nullcontext()
 
 
-@pytest.mark.parametrize("reads", [True, False])
-def test_zero_advantage_rows_are_forwarded_only_where_the_tracker_reads_them(setup, monkeypatch, reads):
+@pytest.mark.parametrize("reads, ungraded", [(True, True), (True, False), (False, False)])
+def test_zero_advantage_rows_are_forwarded_only_where_the_tracker_reads_them(setup, monkeypatch, reads, ungraded):
+    """Two graded micro-batches run with autograd; the two zero-advantage ones only where the tracker reads those
+    rows too (online.capture_rows=all, or a report step)."""
     grpo, ro = setup
     rows = []
     h = grpo.policy.register_forward_hook(lambda m, a, kw, out: rows.append(torch.is_grad_enabled()),
                                           with_kwargs=True)
     monkeypatch.setattr(grpo.opt, "step", lambda: None)
-    reader = _Reader({ro.step} if reads else set())
+    reader = _Reader({ro.step} if reads else set(), ungraded)
     monkeypatch.setattr(grpo, "tracker", reader)
     try:
         grpo.train_step(ro)
     finally:
         h.remove()
         grpo.opt.zero_grad(set_to_none=True)
-    assert rows == ([True, True, False, False] if reads else [True, True])
-    assert reader.captured == (4 if reads else 0)  # no capture hooks at a step whose features nobody reads
+    assert rows == ([True, True, False, False] if ungraded else [True, True])
+    assert reader.captured == (4 if ungraded else 2 if reads else 0)  # no capture hooks where nobody reads the rows
 
 
 def test_evaluate_scores_fixed_held_out_problems(setup):
@@ -276,6 +278,10 @@ def test_the_live_frozen_scoring_runs_at_its_cadence_and_a_frozen_drafter_reads_
     assert tracker.scorer.due(7, last=True) and tracker.scorer.due(None)
     reads = [s for s in range(8) if tracker.reads_rows(s)]
     assert reads == (list(range(8)) if recipe == "eagle3_track" else [0, 3, 6])
+    assert [s for s in range(8) if tracker.reads_rows(s, ungraded=True)] == reads  # online.capture_rows=all
+    tracker.cfg.online.capture_rows = "graded"  # the zero-advantage rows: only at the scored steps
+    assert [s for s in range(8) if tracker.reads_rows(s, ungraded=True)] == [0, 3, 6]
+    assert [s for s in range(8) if tracker.reads_rows(s)] == reads
     tracker.pending = [{"not": "scored"}]  # an off-cadence step scores nothing, whatever was captured
     off = tracker.measure(step=4)
     assert off["live_tf_mal"] is None and off["frozen_tf_mal"] is None and off["measure_s"] == 0.0
@@ -298,6 +304,8 @@ def test_truncated_reward_replaces_the_reward_of_rows_cut_at_the_cap_unfinished(
 
 @pytest.mark.parametrize("over, msg", [("online.measure_every=0", r"^online\.measure_every: must be >= 1, got 0$"),
                                        ("rl.eval_decode=fast", r"^rl\.eval_decode: must be ar or rollout, got 'fast'$"),
+                                       ("online.capture_rows=some",
+                                        r"^online\.capture_rows: must be all or graded, got 'some'$"),
                                        ("rl.truncated_reward=nan",
                                         r"^rl\.truncated_reward: must be a finite number or null \(as scored\), got nan$")])
 def test_cadence_and_eval_decode_are_validated_in_one_line(over, msg):
