@@ -24,6 +24,8 @@ import statistics
 from dataclasses import dataclass, replace
 from functools import cached_property, lru_cache
 
+from drafttrain.spec.expected import expected_tokens
+
 
 @dataclass(frozen=True)
 class Gpu:
@@ -106,15 +108,6 @@ def expected_distinct_experts(n_tokens: float, experts: int, active: int) -> flo
     """E[distinct experts] that n tokens touch in one layer, each picking `active` of `experts` uniformly:
     E (1 - (1 - a/E)^n). n = 1 gives a; n large gives E."""
     return experts * (1.0 - (1.0 - active / experts) ** n_tokens)
-
-
-def expected_tokens(acc: list[float], k: int) -> float:
-    """L(k) = 1 + sum_{i<k} prod_{j<=i} a_j: tokens per SD step (the accepted drafts, then one bonus/resampled)."""
-    e, surv = 1.0, 1.0
-    for a in acc[:k]:
-        surv *= a
-        e += surv
-    return e
 
 
 def uniform_curve(length: float, k: int, k_max: int) -> list[float]:

@@ -14,7 +14,7 @@ member's union: what the policy must be able to give (check_compatible).
 Members start as loaded (drafter.auto.kinds, each from drafter.auto.paths: a checkpoint, or null for a fresh one).
 The tracker trains the trainable ones together, as one drafter: the loss of a training step is the sum of theirs
 (each member's own loss, on its own columns of the captured union) and one optimizer steps them all. Each trainable
-member is gated and canaried on its own (tracking/members.py): an update publishes the members that beat their
+member is gated and canaried on its own (tracking/gate.py, hotswap.py): an update publishes the members that beat their
 serving weights, and a member that fails its canary (on the steps it drafted) is rolled back alone. ttt_logits /
 draft_ids are the `scored` member's: the first trainable one in drafter.auto.kinds (the report's live/frozen MAL), or
 the one scoring() names. Weights are the members' own, under "<kind>." prefixes, so a hot-swap with that layout loads

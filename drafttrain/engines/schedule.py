@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from drafttrain.spec import SamplingParams
+from drafttrain.spec import SamplingParams, expected_tokens
 from drafttrain.spec.stats import drafts_kept
 
 
@@ -167,11 +167,7 @@ class AcceptanceEstimate:
 
     def chain_tokens(self, k: int) -> float:
         """1 + sum over i < k of prod_{j <= i} a_j."""
-        e, surv = 1.0, 1.0
-        for i in range(k):
-            surv *= self.a[i]
-            e += surv
-        return e
+        return expected_tokens(self.a, k)
 
 
 class SpecController:

@@ -149,14 +149,12 @@ def _run(cfg, acc, out: Path, stopper: Stopper, closing: contextlib.ExitStack) -
 
 def _restore(state: dict, last: Path, tracker, grpo) -> int:
     """The tracker's, the optimizer's and the RNG's state from the checkpoint at `last`; the step it resumes at."""
-    if tracker.trainer is not None:
-        try:
-            tracker.trainer.load(last / "trainer.pt")
-        except CheckpointError as e:
-            raise ConfigError(f"run.resume: {e} ({RESUME_HINT})") from None
-        except ValueError as e:  # resumed with another number of processes: bad input, one line
-            raise ConfigError(f"run.resume: {e}") from None
-    tracker.load_state_dict(state["tracker"])
+    try:
+        tracker.load_state_dict(state["tracker"], last)
+    except CheckpointError as e:
+        raise ConfigError(f"run.resume: {e} ({RESUME_HINT})") from None
+    except ValueError as e:  # resumed with another number of processes: bad input, one line
+        raise ConfigError(f"run.resume: {e}") from None
     grpo.opt.load_state_dict(state["opt"])
     torch.set_rng_state(state["rng"])
     return state["step"]
@@ -168,8 +166,8 @@ def _check_agreement(cfg, acc, grpo, tracker, say) -> None:
     if not pol["agree"]:
         raise RuntimeError(f"the {acc.num_processes} processes ended with different policies: weight sums "
                            f"{pol['sums']}")
-    if tracker.trainer is not None:
-        agree = tracker.collective.agreement(tracker.version, tracker.drafter)
+    agree = tracker.agreement()
+    if agree is not None:
         if not agree["agree"]:
             raise RuntimeError(f"the {acc.num_processes} processes ended with different drafters: versions "
                                f"{agree['versions']}, weight sums {agree['sums']}")

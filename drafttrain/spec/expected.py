@@ -16,6 +16,15 @@ import torch
 from drafttrain.spec.stats import SpecStats
 
 
+def expected_tokens(acc: list[float], k: int) -> float:
+    """L(k) = 1 + sum_{i<k} prod_{j<=i} a_j: tokens per SD step (the accepted drafts, then one bonus/resampled)."""
+    e, surv = 1.0, 1.0
+    for a in acc[:k]:
+        surv *= a
+        e += surv
+    return e
+
+
 def expected_spec_stats(r: torch.Tensor, valid: torch.Tensor, k: int) -> SpecStats:
     """expected_row_stats' pooled SpecStats."""
     return expected_row_stats(r, valid, k)[0]

@@ -12,6 +12,13 @@ at most 1 - c of the decisions (exactly so for normal d; the t bound is robust t
 reset to the serving weights iff upper < 0 (worse, at the same level); otherwise the gate cannot tell yet and
 training goes on from the candidate, whose gain grows until its bound clears (one update's gain is small).
 Several processes pool the sums (n, sum d, sum d^2), so every process takes the same decision.
+
+Per member: with drafter.kind=auto each trainable member is its own drafter to the gate (and to the canary:
+hotswap.py), so one member's gain never carries another's noise into the engines. Every trainable member's new
+weights and its serving weights are scored on the same held-out rows, one decision per member (several processes
+pool every member's sums in one collective); the update publishes the serving weights with the members that passed
+swapped in, the members shown worse go back to their serving weights in the trainer, the undecided ones train on.
+Any other drafter is one member, ALL: every weight, the plain gate.
 """
 from __future__ import annotations
 
@@ -21,6 +28,8 @@ import torch
 # Student-t quantile, stdtrit(df, p). Imported at start-up: a lazy scipy import inside the first decision (seconds)
 # was charged to the drafter's time bank, which could then stay in debt for many RL steps
 from scipy.special import stdtrit
+
+ALL = ""  # the member that is every weight: a drafter gated and canaried as one
 
 
 def paired_sums(new_rows: torch.Tensor, old_rows: torch.Tensor) -> list[float]:
@@ -50,3 +59,38 @@ def gate_decision(n: float, s: float, s2: float, confidence: float, margin: floa
     enough = n >= max(min_rows, 2)
     return {**b, "publish": enough and b["lower"] > margin, "worse": enough and b["upper"] < 0}
 
+
+def members_of(drafter) -> list[str]:
+    """The members gated and canaried on their own: an auto drafter's trainable ones, else [ALL]."""
+    return list(drafter.trainable) or [ALL]
+
+
+def owns(name: str, member: str) -> bool:
+    """Weight `name` belongs to `member` (auto drafters prefix each member's weights with "<kind>.")."""
+    return member == ALL or name.startswith(member + ".")
+
+
+def merged(base: dict, new: dict, members) -> dict:
+    """`base` with the weights of `members` taken from `new`."""
+    return {k: new[k] if any(owns(k, m) for m in members) else v for k, v in base.items()}
+
+
+def gate_members(pool_sum, ests: dict | None, servs: dict | None, members: list[str], oc) -> dict:
+    """{member: gate_decision} on its paired rows, every member's sums pooled over the processes
+    in one collective (pool_sum); no rows scored here: zero sums. Each member's bound is at confidence
+    1 - (1 - online.gate_confidence) / members (Bonferroni), so that when no member is better, an update publishes
+    some member in at most 1 - gate_confidence of the decisions, as one drafter's gate does (n members at the plain
+    level would publish noise up to n times as often)."""
+    sums = pool_sum([x for m in members for x in (paired_sums(ests[m]["row_mal"], servs[m]["row_mal"])
+                                                   if servs is not None else [0.0, 0.0, 0.0])])
+    c = 1 - (1 - oc.gate_confidence) / len(members)
+    return {m: gate_decision(*sums[3 * i:3 * i + 3], c, oc.gate_margin, oc.gate_min_rows)
+            for i, m in enumerate(members)}
+
+
+def score(form, rows: dict, k: int, member: str, tfa) -> dict:
+    """tfa (teacher_forced_acceptance) of `member` of the drafter `form` on `rows`."""
+    if member == ALL:
+        return tfa(form, rows, k)
+    with form.scoring(member):
+        return tfa(form, rows, k)

@@ -12,12 +12,15 @@ Silently dropped or corrupted weights (acceptance pinned at 0, or 2.7 -> 1.0) fa
 that makes the engine fail counts as failing: the engine is rolled back to the last good weights under a new
 version number, and the event is logged loudly.
 
-One canary path, per member (tracking/members.py): a drafter is one member, ALL (every weight); with
+One canary path, per member (the members of tracking/gate.py): a drafter is one member, ALL (every weight); with
 drafter.kind=auto (publish(members=...)) each trainable member is its own, judged on the steps it drafted (the
 chooser's trace says which) against its own estimate, and one that fails is rolled back alone (the engines get the
 served weights with its last good ones, under a new version). The whole drafter is judged on a batch of the new
 version; a member once it drafted CANARY_ROWS verify rows (it may draft a step or two of a batch). A publish while
-members are on probation keeps the unchanged ones on it; rollbacks go to the last verified weights.
+members are on probation keeps the unchanged ones on it; rollbacks go to the last verified weights. A member is
+judged against its own estimate at the k of the steps it drafted (probation, batch_mal: the engine's auto k and
+toggle draft shorter than the k_max the estimate scores, and AR steps emit one token; a whole-batch MAL against the
+estimate at k_max rolled good drafters back).
 
 Two canaries (online.canary):
 - probe: right after the swap, generate a short SD probe on recent prompts (probe_prompts); a member that drafted
@@ -38,7 +41,8 @@ import time
 
 import torch
 
-from drafttrain.tracking.members import ALL, batch_mal, merged
+from drafttrain.spec import expected_tokens  # 1 + sum over i < k of P(drafts 0..i accepted)
+from drafttrain.tracking.gate import ALL, merged
 
 # a member is judged once it drafted this many verify rows of the version on probation (summed over batches and
 # processes): a few rows' MAL is noise (a long-tail step holds 1-3 rows; the main job rolled a good draft model
@@ -113,7 +117,7 @@ class Publisher:
     def publish(self, weights: dict, expected_mal: float | None = None, probe_prompts=None, params=None,
                 tag=None, members: dict | None = None) -> dict:
         """members: {member: {"mal": its estimate, "curve": its acceptance per position or None}} of the members
-        whose weights are new, each canaried on its own (tracking/members.py); None: the whole drafter (ALL) against
+        whose weights are new, each canaried on its own (per member); None: the whole drafter (ALL) against
         expected_mal (None: published unjudged, e.g. a requantized self-drafter)."""
         if members is None:
             members = {} if expected_mal is None else {ALL: {"mal": expected_mal, "curve": None}}
@@ -185,6 +189,20 @@ class Publisher:
                 acc = self._seen.setdefault(m, [0.0, 0.0, 0.0])
                 acc[0], acc[1], acc[2] = acc[0] + mal * rows, acc[1] + rows, acc[2] + at_k * rows
             return {} if self.pool is not None else self._judge_ready(p, self._seen)
+
+    def generate(self, engine, prompts, params, speculative: bool = True):
+        """engine.generate, the inline canary watching: if it fails while a newly published drafter is on probation,
+        roll back to the last good drafter and generate again. Returns (batch, canary verdict)."""
+        try:
+            batch = engine.generate(prompts, params, speculative=speculative)
+        except (RuntimeError, ValueError) as err:  # e.g. NaN draft probabilities from broken weights
+            verdict = self.fail(err)
+            if not verdict:
+                raise
+            if verdict.get("deferred"):  # several processes: rolled back at the next update, everywhere alike;
+                return engine.generate(prompts, params, speculative=False), {}  # this batch decodes without it
+            return engine.generate(prompts, params, speculative=speculative), verdict
+        return batch, self.observe(batch)
 
     def fail(self, error: BaseException) -> dict:
         """Inline canary: the engine failed while the pending version served (e.g. NaN draft probabilities): every
@@ -271,3 +289,47 @@ class Publisher:
         if not p["members"]:
             self.pending, self.good_version = None, p["version"]
         return rec
+
+
+def probation(pool_sum, ests: dict | None, expected: dict, members: list[str], k: int) -> dict:
+    """What the canary judges each of `members` by: {member: {"mal": its pooled estimate, "curve": its estimated
+    acceptance per draft position (rate over steps that reached it)}}, the curves' counts pooled over the processes
+    in one collective (None where no process scored it: the canary then expects the estimate at k_max)."""
+    x = []
+    for m in members:
+        st = (ests or {}).get(m, {}).get("stats")
+        x += [float(v) for c in ("accepted_per_position", "reached_per_position")
+              for v in (list(getattr(st, c, [])) + [0.0] * k)[:k]]
+    x = pool_sum(x)
+    out = {}
+    for i, m in enumerate(members):
+        acc, reach = x[2 * i * k:(2 * i + 1) * k], x[(2 * i + 1) * k:(2 * i + 2) * k]
+        curve = [a / r if r else 0.0 for a, r in zip(acc, reach)] if any(reach) else None
+        out[m] = {"mal": expected[m], "curve": curve}
+    return out
+
+
+def batch_mal(batch, member: str, curve: list[float] | None = None, mal: float | None = None
+              ) -> tuple[float, float, float | None]:
+    """(mean accepted length, verify rows, expected MAL) over the decode steps `member` drafted in a rollout batch
+    (ALL: every step that drafted; an AR step of the toggle emits one token whatever the drafter); rows 0: it drafted
+    none. From the batch's timeline: per step, the drafts verified, the chooser's choice (schedule), the active rows
+    and the tokens they emitted; an engine that keeps no per-step k (vLLM): the batch's own stats. Expected:
+    expected_tokens(curve, k) of each step, weighted by its rows (without a curve, or without a step to read: mal,
+    the estimate at k_max, itself), times
+    mal / expected_tokens(curve, len(curve)) where the estimate's own MAL is given: it counts the last step of a row
+    cut at its end, which the curve does not (exact at the estimate's k, a little low below it)."""
+    tl = batch.timeline
+    n = len(tl.tokens)
+    if not n or len(tl.k) != n or (member != ALL and len(tl.schedule) < n):
+        st = batch.stats  # its MAL is over the steps that drafted
+        return (st.mean_accepted_length, st.verify_rows - st.ar_rows, mal) if member == ALL else (1.0, 0.0, mal)
+    steps = [i for i in range(n) if tl.k[i] > 0 and (member == ALL or tl.schedule[i].get("kind") == member)]
+    rows = float(sum(tl.batch[i] for i in steps))
+    if not rows:
+        return 1.0, 0.0, mal
+    if curve is None:
+        return sum(tl.tokens[i] for i in steps) / rows, rows, mal
+    scale = 1.0 if mal is None else mal / expected_tokens(curve, len(curve))
+    at_k = sum(tl.batch[i] * expected_tokens(curve, tl.k[i]) for i in steps) * scale / rows
+    return sum(tl.tokens[i] for i in steps) / rows, rows, at_k

@@ -21,7 +21,7 @@ class UpdateRecord:
     gate_rows: int | None = None  # rows paired by the gate (None where it did not decide)
     gate_mean_diff: float | None = None  # mean per-row MAL difference, update - serving
     gate_lower: float | None = None  # its lower confidence bound
-    # drafter.kind=auto with several trainable members (tracking/members.py): per member, its gate's decision and
+    # drafter.kind=auto with several trainable members (tracking/gate.py): per member, its gate's decision and
     # its estimate; the gate_* fields above are then the first member's
     member_gates: dict | None = None
     rolled_back: bool = False

@@ -306,8 +306,7 @@ class Checkpointer:
         from drafttrain.policy import save_policy
 
         d = self.root / f"step-{step}"
-        if tracker.trainer is not None:  # self-drafters have no training state
-            tracker.trainer.save(tmp / "trainer.pt")  # every process: its buffer shard
+        tracker.save_training(tmp)  # every process: its buffer shard
         if self.acc.is_main_process:
             save_policy(grpo.policy, grpo.tok, str(tmp / "policy"))
             torch.save({"step": step, "recipe": cfg.recipe, "config": OmegaConf.to_container(cfg, resolve=True),

@@ -16,7 +16,7 @@ from drafttrain.engines import drafter_int8
 from drafttrain.spec import SpecStats
 from drafttrain.tracking.acceptance import teacher_forced_acceptance
 from drafttrain.tracking.buffer import collate
-from drafttrain.tracking.members import ALL, score
+from drafttrain.tracking.gate import ALL, score
 
 
 class Scorer:
@@ -55,7 +55,7 @@ class Scorer:
         self._serving_rt = (version, form)
 
     def estimate(self, drafter, rows: dict, members=(ALL,)) -> tuple[dict, object]:
-        """teacher_forced_acceptance of each member (tracking/members.py) of the trained drafter on the estimate's
+        """teacher_forced_acceptance of each member (tracking/gate.py) of the trained drafter on the estimate's
         rows ({member: result}), and the drafter's runtime form."""
         form = self.runtime_form(drafter)
         return {m: score(form, rows, self.k, m, teacher_forced_acceptance) for m in members}, form

@@ -8,18 +8,17 @@
     tracker.start_capture(policy, grad_only=True) ... tracker.stop_capture()   # the same, for callback APIs (TRL)
 
 Orchestration only: capture (capture.py), the time bank (bank.py), scoring (scoring.py), the publish gate (gate.py),
-publishing with a canary (hotswap.py), per auto member (members.py), agreement across processes (collective.py).
-online.mode=sync trains between RL steps within the time bank; online.mode=async trains and publishes in a
-background thread (wait() returns its record and raises what it raised; the next on_policy_update waits by itself).
-online.track=false keeps the drafter frozen but still captures for measurement. A non-finite or diverged update is
-not published (training goes back to the last good weights); online.publish_gate publishes one only if it beats the
-serving drafter on the same held-out rows.
+publishing with a canary (hotswap.py), per auto member (gate.py), agreement across processes (collective.py).
+online.mode=sync trains between RL steps within the time bank; async in a background thread (wait() returns its
+record and raises what it raised). online.track=false keeps the drafter frozen but still captures for measurement.
+A non-finite or diverged update is not published (training goes back to the last good weights).
 """
 from __future__ import annotations
 
 import contextlib
 import threading
 import time
+from pathlib import Path
 
 import torch
 
@@ -29,8 +28,8 @@ from drafttrain.tracking.bank import TimeBank
 from drafttrain.tracking.buffer import FeatureBuffer, collate
 from drafttrain.tracking.capture import PolicyCapture, choose_rows
 from drafttrain.tracking.collective import Collective
-from drafttrain.tracking.hotswap import Publisher
-from drafttrain.tracking.members import ALL, gate_members, members_of, merged, probation
+from drafttrain.tracking.gate import ALL, gate_members, members_of, merged
+from drafttrain.tracking.hotswap import Publisher, probation
 from drafttrain.tracking.record import UpdateRecord
 from drafttrain.tracking.scoring import Scorer
 from drafttrain.tracking.trainer import DrafterTrainer
@@ -64,10 +63,8 @@ class DraftTracker:
         pool = self.collective.sum if self.collective.n > 1 else None
         self.publisher = Publisher(self.engines, self.drafter.state_dict(), cfg.online, log, tag=0, pool=pool)
         self.bank = TimeBank(cfg.online.budget_frac, cfg.online.time_budget_s)
-        self._gen = {"estimate": torch.Generator().manual_seed(cfg.run.seed + 11),
-                     "measure": torch.Generator().manual_seed(cfg.run.seed + 12),
-                     "holdout": torch.Generator().manual_seed(cfg.run.seed + 13),
-                     "capture": torch.Generator().manual_seed(cfg.run.seed + 14)}
+        self._gen = {name: torch.Generator().manual_seed(cfg.run.seed + 11 + i)  # the row draws, resumable
+                     for i, name in enumerate(("estimate", "measure", "holdout", "capture"))}
         self.scorer = Scorer(cfg, self.drafter, self.publisher, self.steps, self._gen)
         self.pending: list[dict] = []  # features captured since the last on_policy_update
         self.latest: list[dict] = []  # the previous step's: the background update reads only these
@@ -158,9 +155,8 @@ class DraftTracker:
         verdict = self.publisher.settle()
         out = self._on_policy_update(policy, step, background)
         if verdict:
-            out["canary_mal"], out["rolled_back"] = verdict["canary_mal"], verdict["rolled_back"] or out.get(
-                "rolled_back", False)
-            out["drafter_version"] = self.version
+            rolled = verdict["rolled_back"] or out.get("rolled_back", False)
+            out.update(canary_mal=verdict["canary_mal"], rolled_back=rolled, drafter_version=self.version)
         return out
 
     def _on_policy_update(self, policy, step, background) -> dict:
@@ -269,7 +265,7 @@ class DraftTracker:
         losses, skipped = trained
         t_fixed = self._now()
         gating = oc.publish_gate and skipped < len(losses)
-        members = members_of(self.drafter)  # gated and canaried each on its own (tracking/members.py)
+        members = members_of(self.drafter)  # gated and canaried each on its own (tracking/gate.py)
         with self._lock:
             weights = {k: v.detach().clone() for k, v in self.drafter.state_dict().items()}
             ests = servs = new_rt = None  # scored here, then the MAL pooled over the processes
@@ -340,19 +336,9 @@ class DraftTracker:
         return self.publisher.observe(batch)
 
     def generate(self, engine, prompts, params, speculative: bool = True):
-        """engine.generate, with the inline canary watching: if it fails while a newly published drafter is on
-        probation, roll back to the last good drafter and generate again. Returns (batch, canary verdict)."""
+        """engine.generate with the inline canary watching (Publisher.generate): (batch, canary verdict)."""
         self._mark_rl_start()
-        try:
-            batch = engine.generate(prompts, params, speculative=speculative)
-        except (RuntimeError, ValueError) as err:  # e.g. NaN draft probabilities from broken weights
-            verdict = self.publisher.fail(err)
-            if not verdict:
-                raise
-            if verdict.get("deferred"):  # several processes: rolled back at the next update, everywhere alike;
-                return engine.generate(prompts, params, speculative=False), {}  # this batch decodes without it
-            return engine.generate(prompts, params, speculative=speculative), verdict
-        return batch, self.observe_rollout(batch)
+        return self.publisher.generate(engine, prompts, params, speculative)
 
     def _mark_rl_start(self) -> None:
         if self._last_update_t is None:
@@ -385,13 +371,23 @@ class DraftTracker:
         return {**out, "policy_minus_drafter_version": self.drafter_lag, "measure_s": dt}
 
     # ---- checkpointing ------------------------------------------------------------------------------------
+    def save_training(self, folder) -> None:  # every process: its optimizer and buffer shard (a self-drafter: none)
+        if self.trainer is not None:
+            self.trainer.save(Path(folder) / "trainer.pt")
+
+    def agreement(self) -> dict | None:  # several processes: the same drafter version, equal weights; None: untrained
+        return None if self.trainer is None else self.collective.agreement(self.version, self.drafter)
+
     def state_dict(self) -> dict:
         self.wait()
         return {"frozen": self.frozen.state_dict(), **self.publisher.state_dict(),
                 "policy_version": self.policy_version, **self.bank.state_dict(),
                 "row_gens": {k: g.get_state() for k, g in self._gen.items()}}
 
-    def load_state_dict(self, state: dict) -> None:
+    def load_state_dict(self, state: dict, folder=None) -> None:
+        """state_dict()'s; folder: also what save_training wrote there (CheckpointError / ValueError: unreadable)."""
+        if folder is not None and self.trainer is not None:
+            self.trainer.load(Path(folder) / "trainer.pt")
         self.scorer.load_frozen(state["frozen"])
         self.policy_version = state["policy_version"]
         self.bank.load_state_dict(state)

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from drafttrain.tracking import scoring
-from drafttrain.tracking import members as members_mod
+from drafttrain.tracking import gate as gate_mod
 from tests.integration.conftest import banked_tracker, engine_for, fake_clock, tracker_with_features
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -109,7 +109,7 @@ def test_publish_gate_scores_each_held_out_row_once_per_serving_version(trained,
         return real(drafter, batch, k)
 
     monkeypatch.setattr(scoring, "teacher_forced_acceptance", spy)
-    monkeypatch.setattr(members_mod, "gate_decision", lambda n, *a: {"n": int(n), "mean": 0.0, "lower": 0.0,
+    monkeypatch.setattr(gate_mod, "gate_decision", lambda n, *a: {"n": int(n), "mean": 0.0, "lower": 0.0,
                                                                 "publish": next(decide), "worse": False})
     versions = []
     for step in range(3):

@@ -114,12 +114,12 @@ def test_the_first_decision_imports_nothing():
 
 
 def test_several_members_publish_noise_no_more_often_than_one_drafter():
-    """drafter.kind=auto, each trainable member gated on its own (tracking/members.py): with three members, none of
+    """drafter.kind=auto, each trainable member gated on its own (tracking/gate.py): with three members, none of
     them better, an update publishes some member in at most 1 - confidence of the decisions (at the plain level per
     member it was 0.29); a member with a real gain still passes."""
     from types import SimpleNamespace
 
-    from drafttrain.tracking.members import gate_members
+    from drafttrain.tracking.gate import gate_members
 
     oc = SimpleNamespace(gate_confidence=0.9, gate_margin=0.0, gate_min_rows=2)
     gen, trials, alpha, members = torch.Generator().manual_seed(7), 2000, 0.1, ["a", "b", "c"]

@@ -1,6 +1,6 @@
-"""Per-member publishing (drafter.kind=auto with several trainable members, tracking/members.py): a member's weights
-are merged in alone, a batch's MAL is split by the member that drafted each step, and the canary judges and rolls
-back each member on its own, alone or pooled over processes."""
+"""Per-member publishing (drafter.kind=auto with several trainable members; tracking/gate.py and hotswap.py): a
+member's weights are merged in alone, a batch's MAL is split by the member that drafted each step, and the canary
+judges and rolls back each member on its own, alone or pooled over processes."""
 from __future__ import annotations
 
 import math
@@ -13,8 +13,9 @@ from drafttrain.config import Config
 from drafttrain.engines.base import RolloutBatch, Timeline
 from drafttrain.spec import SamplingParams, SpecStats
 from drafttrain.tracking.hotswap import CANARY_ROWS, Publisher
-from drafttrain.simulate import expected_tokens
-from drafttrain.tracking.members import ALL, batch_mal, members_of, merged
+from drafttrain.spec import expected_tokens
+from drafttrain.tracking.gate import ALL, members_of, merged
+from drafttrain.tracking.hotswap import batch_mal
 from tests import contract as C
 
 
