@@ -1,5 +1,5 @@
 """A roofline simulator of drafttrain at scale: the cost of AR and SD decode steps, rollouts with a long tail, and the
-RL step around them (training, drafter training, weight sync, sync or async). Pure math: no torch, no engine.
+RL step around them (training, drafter training, weight sync, sync or async). Pure math: no model, no engine.
 
     forward(B, t, ctx) = max(bytes / (HBM bandwidth x mbu), FLOPs / (peak x mfu)) + overhead
     bytes  = weights read (MoE: the non-expert weights + the distinct experts the B*t tokens touch, per layer)
@@ -172,9 +172,8 @@ def draft_model(m: Model, layers: int = DRAFT_MODEL_LAYERS) -> Model:
 
 @dataclass(frozen=True)
 class DraftShape:
-    """What the simulator knows of a drafter kind: one drafted token for every row costs the roofline of
-    forward(model, batch, ctx) -> (bytes, FLOPs) over `layers(model)` layers (None: host-side work, host_row_s per row
-    and token); it keeps memory(model) -> (weight bytes, KV bytes per token) beside the policy's."""
+    """A drafter kind to the simulator: one drafted token per row costs the roofline of forward(model, batch, ctx) ->
+    (bytes, FLOPs) over layers(model) (None: host_row_s per row on the host); memory(model) -> (weights, KV/token)."""
 
     forward: Optional[Callable]
     layers: Callable
@@ -183,11 +182,10 @@ class DraftShape:
 
 
 # The kinds with a shape of their own; any other name is a self-drafter: a copy of the policy at WEIGHT_BYTES[name]
-SHAPES = {
-    "eagle3": DraftShape(eagle3_forward, lambda m: 1,  # one layer's weights and KV cache
+SHAPES = {  # EAGLE-3 and MTP: one layer's weights and KV cache; the draft model: all its own
+    "eagle3": DraftShape(eagle3_forward, lambda m: 1,
                          lambda m: (2.0 * eagle3_params(m), m.kv_bytes_per_token() / m.layers)),
     "mtp": DraftShape(mtp_forward, lambda m: 1, lambda m: (2.0 * mtp_params(m), m.kv_bytes_per_token() / m.layers)),
-    # its layers, embedding and LM head, and their KV cache
     "draft_model": DraftShape(lambda m, b, ctx: policy_forward(draft_model(m), b, 1, ctx),
                               lambda m: draft_model(m).layers,
                               lambda m: (2.0 * draft_model(m).params(), draft_model(m).kv_bytes_per_token())),
