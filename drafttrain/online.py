@@ -10,7 +10,7 @@ import sys
 from drafttrain.config import RECIPES_DIR, ConfigError, key_docs, load_recipe
 from drafttrain.data import RewardError
 from drafttrain.rl.job import main
-from drafttrain.tracking.runfolder import RunStopped
+from drafttrain.rl.runfolder import RunStopped
 
 
 def recipe_summaries() -> list[tuple[str, str]]:

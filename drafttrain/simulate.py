@@ -1,5 +1,5 @@
 """A roofline simulator of drafttrain at scale: the cost of AR and SD decode steps, rollouts with a long tail, and the
-RL step around them (training, drafter training, weight sync, sync or async). Pure math: no torch, no engine.
+RL step around them (training, drafter training, weight sync, sync or async). Pure math: no model, no engine.
 
     forward(B, t, ctx) = max(bytes / (HBM bandwidth x mbu), FLOPs / (peak x mfu)) + overhead
     bytes  = weights read (MoE: the non-expert weights + the distinct experts the B*t tokens touch, per layer)
@@ -23,6 +23,7 @@ import random
 import statistics
 from dataclasses import dataclass, replace
 from functools import cached_property, lru_cache
+from typing import Callable, Optional
 
 from drafttrain.spec.expected import expected_tokens
 
@@ -170,6 +171,29 @@ def draft_model(m: Model, layers: int = DRAFT_MODEL_LAYERS) -> Model:
 
 
 @dataclass(frozen=True)
+class DraftShape:
+    """A drafter kind to the simulator: one drafted token per row costs the roofline of forward(model, batch, ctx) ->
+    (bytes, FLOPs) over layers(model) (None: host_row_s per row on the host); memory(model) -> (weights, KV/token)."""
+
+    forward: Optional[Callable]
+    layers: Callable
+    memory: Callable
+    host_row_s: float = 0.0
+
+
+# The kinds with a shape of their own; any other name is a self-drafter: a copy of the policy at WEIGHT_BYTES[name]
+SHAPES = {  # EAGLE-3 and MTP: one layer's weights and KV cache; the draft model: all its own
+    "eagle3": DraftShape(eagle3_forward, lambda m: 1,
+                         lambda m: (2.0 * eagle3_params(m), m.kv_bytes_per_token() / m.layers)),
+    "mtp": DraftShape(mtp_forward, lambda m: 1, lambda m: (2.0 * mtp_params(m), m.kv_bytes_per_token() / m.layers)),
+    "draft_model": DraftShape(lambda m, b, ctx: policy_forward(draft_model(m), b, 1, ctx),
+                              lambda m: draft_model(m).layers,
+                              lambda m: (2.0 * draft_model(m).params(), draft_model(m).kv_bytes_per_token())),
+    "suffix": DraftShape(None, lambda m: 0, lambda m: (0.0, 0.0), SUFFIX_ROW_S),  # host memory only
+}
+
+
+@dataclass(frozen=True)
 class Replica:
     """One rollout engine replica: a model on tp GPUs, with achievable fractions of the roofline."""
 
@@ -195,17 +219,13 @@ class Replica:
     def draft_s(self, kind: str, batch: float, ctx: float) -> float:
         """One drafted token for every row: an EAGLE-3 or MTP head step, a draft model's forward, the suffix
         index's host-side lookup, or a forward of the int8/int4 policy copy."""
-        if kind == "eagle3":
-            cost = self._t(*eagle3_forward(self.model, batch, ctx), 1)
-        elif kind == "mtp":
-            cost = self._t(*mtp_forward(self.model, batch, ctx), 1)
-        elif kind == "draft_model":
-            dm = draft_model(self.model)
-            cost = self._t(*policy_forward(dm, batch, 1, ctx), dm.layers)
-        elif kind == "suffix":
-            cost = SUFFIX_ROW_S * batch
+        shape, m = SHAPES.get(kind), self.model
+        if shape is None:  # a self-drafter
+            cost = self._t(*policy_forward(m, batch, 1, ctx, WEIGHT_BYTES[kind]), m.layers)
+        elif shape.forward is None:
+            cost = shape.host_row_s * batch
         else:
-            cost = self._t(*policy_forward(self.model, batch, 1, ctx, WEIGHT_BYTES[kind]), self.model.layers)
+            cost = self._t(*shape.forward(m, batch, ctx), shape.layers(m))
         return cost + self.row_s[1] * batch
 
     def sd_step_s(self, kind: str, batch: float, k: int, ctx: float) -> float:
@@ -321,18 +341,13 @@ def kv_rows(rep: Replica, kinds, ctx: float, mem_util: float = 0.9, shared_kv: b
     free = rep.gpu.hbm_bytes * rep.tp * mem_util - m.params() * 2.0
     per_tok = m.kv_bytes_per_token()
     for kind in kinds:
-        if kind in ("eagle3", "mtp"):  # one layer's weights and KV cache
-            free -= 2.0 * (eagle3_params(m) if kind == "eagle3" else mtp_params(m))
-            per_tok += m.kv_bytes_per_token() / m.layers
-        elif kind == "draft_model":  # its layers, embedding and LM head, and their KV cache
-            dm = draft_model(m)
-            free -= 2.0 * dm.params()
-            per_tok += dm.kv_bytes_per_token()
-        elif kind == "suffix":  # host memory only
-            continue
+        shape = SHAPES.get(kind)
+        if shape is None:  # a self-drafter: a quantized copy, and a KV cache of its own unless shared
+            w, kv = m.params() * WEIGHT_BYTES[kind], 0.0 if shared_kv else m.kv_bytes_per_token()
         else:
-            free -= m.params() * WEIGHT_BYTES[kind]
-            per_tok += 0.0 if shared_kv else m.kv_bytes_per_token()
+            w, kv = shape.memory(m)
+        free -= w
+        per_tok += kv
     return max(0, int(free // (per_tok * ctx)))
 
 

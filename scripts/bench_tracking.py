@@ -39,6 +39,7 @@ from pathlib import Path
 
 import torch
 
+from drafttrain.checkpoint import load_checkpoint
 from drafttrain.config import load_recipe, max_draft_len, resolve_path, script_config
 from drafttrain.drafters import build_drafter
 from drafttrain.engines import build_engine
@@ -50,7 +51,6 @@ from drafttrain.spec import SamplingParams, SpecStats
 from drafttrain.tracking.acceptance import teacher_forced_acceptance
 from drafttrain.tracking.buffer import FeatureBuffer
 from drafttrain.tracking.capture import teacher_forced_features
-from drafttrain.tracking.runfolder import load_checkpoint
 from drafttrain.tracking.trainer import DrafterTrainer
 
 DEFAULTS = dict(recipe="eagle3_track", seeds=[0, 1, 2], overrides=[], oracle_points=2, run_dir="runs/bench_tracking",

@@ -19,6 +19,7 @@ import torch
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2] / "scripts"))
 from bench_tracking import features, rollouts  # noqa: E402
 
+from drafttrain.checkpoint import load_checkpoint  # noqa: E402
 from drafttrain.config import load_recipe, max_draft_len, resolve_path  # noqa: E402
 from drafttrain.drafters import build_drafter  # noqa: E402
 from drafttrain.engines import build_engine  # noqa: E402
@@ -26,7 +27,6 @@ from drafttrain.policy import load_policy  # noqa: E402
 from drafttrain.spec import SpecStats  # noqa: E402
 from drafttrain.tracking.acceptance import teacher_forced_acceptance  # noqa: E402
 from drafttrain.tracking.buffer import FeatureBuffer, collate  # noqa: E402
-from drafttrain.tracking.runfolder import load_checkpoint  # noqa: E402
 from drafttrain.tracking.trainer import DrafterTrainer  # noqa: E402
 
 VARIANTS = {"base": {}, "ttt1": {"ttt_steps": 1}, "ttt2": {"ttt_steps": 2}, "ttt5": {"ttt_steps": 5},

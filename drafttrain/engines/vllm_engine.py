@@ -75,14 +75,14 @@ class VllmEngine:
         self._lock = threading.RLock()
         self._tmp = Path(tempfile.mkdtemp(prefix="drafttrain-vllm-"))
         shm = Path("/dev/shm")
-        self._shm = shm if shm.is_dir() and os.access(shm, os.W_OK) else self._tmp  # RAM-backed when there is one
+        self.shm = shm if shm.is_dir() and os.access(shm, os.W_OK) else self._tmp  # RAM-backed when there is one
         self._procs: list = []
         self._finalizer = weakref.finalize(self, shutdown, None, self._tmp, self._procs)
         self._llm = None
         self._module = None
         self._version = -1
-        self._template = None
-        self._method, self._form = "eagle3", None  # vLLM speculative method; the drafter kind's vLLM form
+        self.template = None
+        self.method, self._form = "eagle3", None  # vLLM speculative method; the drafter kind's vLLM form
         self._drafting = True
         self._rid = 0
         self.last_swap_s = 0.0
@@ -106,7 +106,7 @@ class VllmEngine:
                       weight_transfer_config={"backend": TRANSFER_BACKEND})
             if drafter_dir is not None:
                 kw["speculative_config"] = {
-                    "method": self._method, "model": str(drafter_dir), "num_speculative_tokens": int(cfg.k),
+                    "method": self.method, "model": str(drafter_dir), "num_speculative_tokens": int(cfg.k),
                     "draft_sample_method": "greedy" if cfg.draft_sampling == "greedy" else "probabilistic"}
                 kw["per_request_spec_decode_metrics"] = "detailed"
             kw.update(llm_kwargs)
@@ -121,9 +121,9 @@ class VllmEngine:
                 self._procs = [p for p in children() if p.pid not in before]
             self._finalizer.detach()
             self._finalizer = weakref.finalize(self, shutdown, self._llm, self._tmp, self._procs)
-            self.worker_info = self._rpc("dt_setup", os.getpid(), str(self._tmp))
+            self.worker_info = self.rpc("dt_setup", os.getpid(), str(self._tmp))
             if hasattr(self._form, "started"):
-                self._form.started(self, self._template)
+                self._form.started(self, self.template)
             try:  # some failures (an unsupported head size on CPU, say) only surface at the first step
                 self.generate([[0]], SamplingParams(temperature=0, max_new_tokens=2))
             except Exception as e:
@@ -171,7 +171,7 @@ class VllmEngine:
         self._form = form_of(kind)  # the kind's vLLM form (engines/vllm_forms.py)
         out = self._form.write(drafter, policy_dir, self._tmp / "drafter", int(self.cfg.k), self.target)
         check_compatible(drafter, SimpleNamespace(config=SimpleNamespace(**self.target)))  # as the embedded engine
-        self._template, self._method = self._form.template(drafter), self._form.method
+        self.template, self.method = self._form.template(drafter), self._form.method
         return out
 
     # ---- lifecycle ------------------------------------------------------------------------------------------
@@ -193,7 +193,9 @@ class VllmEngine:
             raise RuntimeError("VllmEngine: the engine is closed")
         return self._llm
 
-    def _rpc(self, method: str, *args):
+    def rpc(self, method: str, *args):
+        """`method` on every vLLM worker (collective_rpc), watched for a dead process: how the forms and the weight
+        transfer (vllm_forms.py, vllm_transfer.py) reach the workers; they also read shm, method and template."""
         llm = self.llm
         return watched(lambda: llm.collective_rpc(method, args=args), self._procs, method)[0]
 
@@ -207,7 +209,7 @@ class VllmEngine:
         """Atomic, versioned swap into the running engine. Validated first (names, shapes, finite: one-line
         ValueError), a version not newer than the served one is refused (StaleVersionError), and the weights
         are read back from the worker; on any refusal the previous drafter keeps serving."""
-        if self._template is None:
+        if self.template is None:
             raise ValueError("load_drafter: this engine was built without a drafter (build_engine(..., drafter=))")
         with self._lock:
             if version <= self._version:
@@ -223,7 +225,7 @@ class VllmEngine:
     def _swap(self, weights: dict, version: int) -> None:
         t0 = time.perf_counter()
         shared = set(self.worker_info["drafter_shared"])
-        weights = self._form.accept(self._template, weights)  # validated (one-line error), in the worker's form
+        weights = self._form.accept(self.template, weights)  # validated (one-line error), in the worker's form
         if "lm_head.weight" in self._fixed and not torch.equal(weights["lm_head.weight"],
                                                               self._fixed["lm_head.weight"]):
             raise ValueError("load_drafter: lm_head.weight is shared with the policy in this vLLM engine (they were "
@@ -248,7 +250,7 @@ class VllmEngine:
 
     def _vllm_form(self) -> dict:
         """The template drafter's weights under the names vLLM's draft model reads (the checkpoint's tensors)."""
-        return self._form.tensors(self._template)
+        return self._form.tensors(self.template)
 
     def _drafter_tensors(self, sd: dict) -> dict:
         """The tensors vLLM's EAGLE-3 head holds: no t2d (derived from d2t), no d2t for a full draft vocabulary,
@@ -312,7 +314,7 @@ class VllmEngine:
 
     def _set_drafting(self, on: bool) -> None:
         if on != self._drafting:
-            self._rpc("dt_set_drafting", on)
+            self.rpc("dt_set_drafting", on)
             self.llm.reset_prefix_cache()
             self._drafting = on
 
@@ -333,8 +335,8 @@ class VllmEngine:
         with self._lock:
             t0 = time.perf_counter()
             engine = self.llm.llm_engine
-            spec = speculative and self._template is not None
-            if self._template is not None:
+            spec = speculative and self.template is not None
+            if self.template is not None:
                 self._set_drafting(spec)
             if spec and hasattr(self._form, "before_generate"):
                 self._form.before_generate(self)
@@ -382,7 +384,7 @@ class VllmEngine:
                         pass  # the engine is dead; the original error says why
                 raise
             if any(math.isnan(x) for r in raw for x in r):
-                self._rpc("dt_zero_kv_cache")  # later requests must not inherit NaN from freed blocks
+                self.rpc("dt_zero_kv_cache")  # later requests must not inherit NaN from freed blocks
                 self.llm.reset_prefix_cache()
                 raise FloatingPointError("generate: the policy produced NaN/inf logits (check the policy weights)")
             for i, r in enumerate(raw):

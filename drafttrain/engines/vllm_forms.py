@@ -129,11 +129,11 @@ class SuffixForm:
         return {}
 
     def started(self, engine, template) -> None:
-        engine._rpc("dt_drafter_call", "configure", template.vocab_size, template.max_ngram, template.min_ngram,
+        engine.rpc("dt_drafter_call", "configure", template.vocab_size, template.max_ngram, template.min_ngram,
                     template.history, template.prompt_cache)
 
     def before_generate(self, engine) -> None:
-        engine._rpc("dt_drafter_call", "new_generation")
+        engine.rpc("dt_drafter_call", "new_generation")
 
 
 EAGLE3, SELFQUANT, DRAFT_MODEL, MTP, SUFFIX = Eagle3Form(), SelfQuantForm(), DraftModelForm(), MtpForm(), SuffixForm()

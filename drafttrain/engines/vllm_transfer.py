@@ -32,14 +32,14 @@ def push_weights(engine, weights: dict, draft: bool) -> None:
     collective_rpc's serialization and relays make of an inline blob."""
     from safetensors.torch import save_file
 
-    path = engine._shm / f"drafttrain-update-{os.getpid()}-{id(engine)}.safetensors"
+    path = engine.shm / f"drafttrain-update-{os.getpid()}-{id(engine)}.safetensors"
     save_file({n: t.detach().to("cpu").contiguous() for n, t in weights.items()}, str(path))
     try:
-        engine._rpc("start_draft_weight_update" if draft else "start_weight_update")
+        engine.rpc("start_draft_weight_update" if draft else "start_weight_update")
         try:
-            engine._rpc("update_weights", {"path": str(path)})
+            engine.rpc("update_weights", {"path": str(path)})
         finally:
-            engine._rpc("finish_weight_update")
+            engine.rpc("finish_weight_update")
     finally:
         path.unlink(missing_ok=True)
 
@@ -68,16 +68,16 @@ def read_back(engine, weights: dict, draft: bool, what: str) -> None:
     """Probe every sent tensor in the worker (through the layer's own kernel where weights are repacked, as on
     CPU) and compare with the same probe of the sent tensor; ValueError naming the first tensor that differs."""
     groups: dict[str, list[tuple[int, str]]] = {}
-    eagle = draft and engine._method in ("eagle3", "eagle")  # a draft_model uses the policy's own names
+    eagle = draft and engine.method in ("eagle3", "eagle")  # a draft_model uses the policy's own names
     # vLLM's W4A8 kernel: see vllm_worker.probe
-    asym = draft and not eagle and getattr(engine._template, "quant", None) == "int4"
+    asym = draft and not eagle and getattr(engine.template, "quant", None) == "int4"
     for name in weights:
         base = weights.get(name[:-len("_scale")]) if name.endswith(".weight_scale") else None
         if base is not None and base.dtype == torch.int8:
             continue  # read back through its weight's probe (quantized kernels may drop the parameter)
         theirs, shard = vllm_name(name, eagle)
         groups.setdefault(theirs, []).append((shard or 0, name))
-    got = unpack(engine._rpc("dt_probe", sorted(groups), draft))
+    got = unpack(engine.rpc("dt_probe", sorted(groups), draft))
     for theirs, members in groups.items():
         if theirs not in got:
             raise ValueError(f"{what}: read-back found no tensor {members[0][1]!r} in the worker's model")

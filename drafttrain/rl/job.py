@@ -10,7 +10,7 @@ over the processes, and the drafter's by DDP, or by DeepSpeed ZeRO under a DeepS
 
 A rerun into the same run.out_dir resumes it, if its settings are the checkpoint's (raising rl.steps continues a
 run; a finished run is left as it is). One job at a time holds a run folder. SIGTERM/SIGINT stop the job after the
-current step's checkpoint, and the job ends with the process that started it: see tracking/runfolder.py.
+current step's checkpoint, and the job ends with the process that started it: see rl/runfolder.py.
 """
 from __future__ import annotations
 
@@ -22,6 +22,7 @@ import torch
 import transformers
 from tqdm import tqdm
 
+from drafttrain.checkpoint import CheckpointError, load_checkpoint
 from drafttrain.config import ConfigError, resolve_path, save_config
 from drafttrain.data import Prompts, stop_ids
 from drafttrain.drafters import build_drafter
@@ -30,11 +31,10 @@ from drafttrain.policy import load_policy
 from drafttrain.report import RunLogger, accuracy_change, eval_table, plot_run, read_jsonl, summary_table, write_json
 from drafttrain.rl.grpo import GRPO
 from drafttrain.rl.restart import RestartingEngine, rebuild_engine
+from drafttrain.rl.runfolder import Checkpointer, RunStopped, Stopper, changed_settings, lock_run_folder
 from drafttrain.rl.watch import CollapseWatch, Diverged
 from drafttrain.tracking.collective import Collective
 from drafttrain.tracking.deliverable import export_run
-from drafttrain.tracking.runfolder import (CheckpointError, Checkpointer, RunStopped, Stopper, changed_settings,
-                                           load_checkpoint, lock_run_folder)
 from drafttrain.tracking.tracker import DraftTracker
 from drafttrain.tracking.trainer import make_accelerator
 

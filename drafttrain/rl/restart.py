@@ -14,7 +14,7 @@ import copy
 import threading
 
 from drafttrain.engines import EngineDied, build_engine
-from drafttrain.tracking.runfolder import RunStopped
+from drafttrain.rl.runfolder import RunStopped
 
 
 def rebuild_engine(cfg_engine, policy, drafter):

@@ -19,9 +19,9 @@ from pathlib import Path
 from omegaconf import OmegaConf
 
 from drafttrain.atomic import atomic_dir
+from drafttrain.checkpoint import load_checkpoint
 from drafttrain.config import Config, ConfigError, max_draft_len
 from drafttrain.drafters.base import DRAFTERS, build_drafter
-from drafttrain.tracking.runfolder import load_checkpoint
 
 
 def unservable(kind: str) -> str | None:

@@ -27,8 +27,8 @@ import torch.nn as nn
 from accelerate import Accelerator, InitProcessGroupKwargs
 from accelerate.utils import DistributedType
 
+from drafttrain.checkpoint import load_checkpoint
 from drafttrain.config import ConfigError
-from drafttrain.tracking.runfolder import load_checkpoint
 
 
 def make_accelerator() -> Accelerator:

@@ -197,7 +197,7 @@ def test_save_config_writes_resolved_yaml(tmp_path):
 # ---- run.out_dir and --help --------------------------------------------------------------------------------------
 
 def test_out_dir_must_be_a_folder_or_makeable(tmp_path):
-    from drafttrain.tracking.runfolder import check_out_dir
+    from drafttrain.rl.runfolder import check_out_dir
 
     f = tmp_path / "file.md"
     f.write_text("x")

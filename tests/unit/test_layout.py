@@ -145,3 +145,12 @@ def test_the_package_imports_without_vllm():
             "print(sorted(m for m in sys.modules if m == 'vllm' or m.startswith('drafttrain.engines.vllm')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=True)
     assert out.stdout.strip() == "[]", out.stdout
+
+
+def test_only_the_drafters_package_branches_on_a_drafter_kind():
+    """A kind is one file plus one registration: code outside drafters/ never tests which kind it has (`kind ==` or
+    `kind !=`, as drafter.kind or a variable of that name); it asks the drafter or a table keyed by kind."""
+    pattern = re.compile(r"\bkind\s*[!=]=")
+    found = [f"{p.relative_to(ROOT.parent)}:{i}" for p in _modules().values() if "drafters" not in p.parts
+             for i, line in enumerate(p.read_text().splitlines(), 1) if pattern.search(line.split("#")[0])]
+    assert not found, found

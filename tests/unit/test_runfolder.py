@@ -15,8 +15,8 @@ import torch
 import torch.multiprocessing as mp
 
 from drafttrain.config import ConfigError, load_recipe
-from drafttrain.tracking.runfolder import (CheckpointError, RunLock, Stopper, changed_settings, load_checkpoint,
-                                           lock_run_folder)
+from drafttrain.checkpoint import CheckpointError, load_checkpoint
+from drafttrain.rl.runfolder import RunLock, Stopper, changed_settings, lock_run_folder
 
 
 class Touch:
@@ -65,7 +65,7 @@ def test_unreadable_checkpoint_is_one_line_naming_it(tmp_path, how):
     assert str(path) in str(e.value) and "\n" not in str(e.value)
 
 
-HOLD = ("import sys; from pathlib import Path; from drafttrain.tracking.runfolder import RunLock; "
+HOLD = ("import sys; from pathlib import Path; from drafttrain.rl.runfolder import RunLock; "
         "RunLock(Path(sys.argv[1])).acquire(); print('locked', flush=True); sys.stdin.read()")
 
 
@@ -181,7 +181,7 @@ def test_a_job_started_from_a_shell_outlives_the_shell(tmp_path):
     alive, started = tmp_path / "alive", tmp_path / "started"
     job = ("import os, sys, time\n"
            "from pathlib import Path\n"
-           "from drafttrain.tracking.runfolder import Stopper\n"
+           "from drafttrain.rl.runfolder import Stopper\n"
            "class Acc: num_processes, is_main_process = 1, True\n"
            f"with Stopper(Acc(), Path({str(tmp_path)!r})):\n"
            f"    Path({str(started)!r}).touch()\n"

@@ -1,6 +1,6 @@
 """What keeps a run folder whole: one job at a time (RunLock), a job that stops cleanly on SIGTERM/SIGINT and never
-outlives the process that started it (Stopper), atomic checkpoints with the resolved config (Checkpointer), and
-checkpoint reads that unpickle nothing but tensors and plain containers (load_checkpoint).
+outlives the process that started it (Stopper), and atomic checkpoints with the resolved config (Checkpointer); they
+are read back through drafttrain.checkpoint.load_checkpoint.
 
 Every checkpoint is written to a temporary folder and renamed into place, so a job stopped at any moment leaves the
 last complete one behind: stopping at once is always safe, stopping at a step boundary only saves the step's work.
@@ -8,60 +8,22 @@ last complete one behind: stopping at once is always safe, stopping at a step bo
 from __future__ import annotations
 
 import errno
-import io
 import os
 import shutil
 import signal
 import sys
 import threading
-import zipfile
 from pathlib import Path
 
 import torch
 from omegaconf import OmegaConf
-from torch._weights_only_unpickler import get_globals_in_pkl
 
 from drafttrain.config import ConfigError, key_docs
-
-# every pickle global a checkpoint of this project holds: tensors (rebuilt from typed storages) and ordered dicts;
-# the rest is ints, floats, strings, bools, None, lists, tuples and dicts, which need no global
-SAFE_GLOBALS = frozenset({"collections.OrderedDict", "torch._utils._rebuild_tensor_v2",
-                          *(f"torch.{t}Storage" for t in ("Bool", "Byte", "Char", "Short", "Int", "Long", "Half",
-                                                          "BFloat16", "Float", "Double"))})
 
 
 class RunStopped(Exception):
     """The run cannot go on: one line saying why, that the last checkpoint stands, and what to do (the main job's
     error line). Not a RuntimeError: nothing that handles an engine's or a drafter's RuntimeError may take it."""
-
-
-class CheckpointError(ValueError):
-    """A checkpoint that cannot be read safely: truncated, corrupt, or holding a type outside SAFE_GLOBALS."""
-
-
-def load_checkpoint(path: str | Path) -> dict:
-    """torch.load a checkpoint this project wrote, running no code from it: the pickle's globals are read without
-    unpickling and must all be in SAFE_GLOBALS, then torch loads it with weights_only=True."""
-    path = Path(path)
-    try:
-        with zipfile.ZipFile(path) as z:
-            pkl = next(n for n in z.namelist() if n == "data.pkl" or n.endswith("/data.pkl"))
-            found = get_globals_in_pkl(io.BytesIO(z.read(pkl)))
-    except (OSError, EOFError, StopIteration, ValueError, zipfile.BadZipFile, RuntimeError) as e:
-        raise CheckpointError(f"{path} is unreadable (truncated or corrupt: {_first_line(e)})") from None
-    unsafe = sorted(set(found) - SAFE_GLOBALS)
-    if unsafe:
-        raise CheckpointError(f"{path} holds {', '.join(unsafe)}, which no drafttrain checkpoint holds: not loaded "
-                              f"(unpickling it could run code)")
-    try:
-        return torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as e:  # noqa: BLE001  the weights-only unpickler refuses what the scan could not see
-        raise CheckpointError(f"{path} is unreadable ({type(e).__name__}: {_first_line(e)})") from None
-
-
-def _first_line(e: BaseException) -> str:
-    s = str(e).strip().splitlines()
-    return (s[0] if s else type(e).__name__)[:160]
 
 
 class RunLock:
