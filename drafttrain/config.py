@@ -23,8 +23,9 @@ from typing import Any, Optional
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from drafttrain import drafter_config
+from drafttrain import drafter_config, train_config
 from drafttrain.drafter_config import DrafterConfig, drafter_checks
+from drafttrain.train_config import TrainConfig, train_checks
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 RECIPES_DIR = PROJECT_ROOT / "recipes"
@@ -65,19 +66,6 @@ class EngineConfig:
     draft_sampling: str = "sample"  # sample (draw from the drafter's q) | greedy (one-hot argmax drafts)
     drafter_int8: bool = True  # run the drafter's linears with torch.ao dynamic int8 (only affects acceptance)
     seed: int = 0  # the engine's sampling seed
-
-
-@dataclass
-class TrainConfig:
-    lr: float = 1e-3  # drafter AdamW learning rate
-    weight_decay: float = 0.0  # drafter AdamW weight decay
-    batch_size: int = 16  # sequences per drafter step
-    # every position still feeds the attention's keys; attention, MLP, head and deeper TTT steps run for the queries
-    query_frac: float = 1.0  # share of positions the drafter loss is taken at, in (0, 1]
-    max_grad_norm: float = 1.0  # drafter gradients are clipped to this norm (> 0; inf = no clipping)
-    # false: q_proj, k_proj frozen (a saturated attention); a fresh drafter always trains it; the draft model ignores it
-    score_grad: bool = True  # the attention scores pass gradient (false: a loaded chain drafter's are held constant)
-    seed: int = 0  # the drafter loss's query-position draws
 
 
 @dataclass
@@ -244,7 +232,8 @@ def load_recipe(name_or_path: str, overrides: list[str] | tuple[str, ...] = ()) 
 
 def validate(cfg: Config) -> None:
     """Checks that types alone cannot express; each error names its key."""
-    for ok, key, msg in [*_engine_online_checks(cfg), *_rl_train_checks(cfg), *drafter_checks(cfg.drafter)]:
+    for ok, key, msg in [*_engine_online_checks(cfg), *_rl_train_checks(cfg), *train_checks(cfg.train),
+                         *drafter_checks(cfg.drafter)]:
         if not ok:
             raise ConfigError(f"{key}: {msg}")
 
@@ -294,7 +283,7 @@ def _engine_online_checks(cfg: Config) -> list[tuple[bool, str, str]]:
 
 
 def _rl_train_checks(cfg: Config) -> list[tuple[bool, str, str]]:
-    """(ok, key, message) of rl.*, train.*, drafter's TTT, policy, run and data."""
+    """(ok, key, message) of rl.*, the drafter's TTT, policy, run and data (train.*: train_config.py)."""
     return [
         (cfg.rl.eval_prompts >= 0, "rl.eval_prompts", f"must be >= 0, got {cfg.rl.eval_prompts}"),
         (cfg.rl.eval_decode in ("ar", "rollout"), "rl.eval_decode",
@@ -307,9 +296,6 @@ def _rl_train_checks(cfg: Config) -> list[tuple[bool, str, str]]:
         (cfg.drafter.ttt_steps >= 1, "drafter.ttt_steps", f"must be >= 1, got {cfg.drafter.ttt_steps}"),
         # step i weighs ttt_decay**i; a negative decay can make the weights sum to 0 (a -inf loss)
         (cfg.drafter.ttt_decay > 0, "drafter.ttt_decay", f"must be > 0, got {cfg.drafter.ttt_decay}"),
-        (cfg.train.lr > 0, "train.lr", f"must be > 0, got {cfg.train.lr}"),
-        (cfg.train.batch_size >= 1, "train.batch_size", f"must be >= 1, got {cfg.train.batch_size}"),
-        (0 < cfg.train.query_frac <= 1, "train.query_frac", f"must be in (0, 1], got {cfg.train.query_frac}"),
         (cfg.online.steps_per_update >= 1, "online.steps_per_update",
          f"must be >= 1, got {cfg.online.steps_per_update}"),
         (1 <= cfg.online.min_steps_per_update <= cfg.online.steps_per_update, "online.min_steps_per_update",
@@ -326,10 +312,6 @@ def _rl_train_checks(cfg: Config) -> list[tuple[bool, str, str]]:
         (cfg.rl.lr > 0, "rl.lr", f"must be > 0, got {cfg.rl.lr}"),
         (cfg.policy.path.strip() != "", "policy.path", "is empty: give the policy's checkpoint folder"),
         (cfg.run.out_dir.strip() != "", "run.out_dir", "is empty: give the folder the run writes to"),
-        # a negative norm flips the clipped gradients (the drafter trained away from the target); 0 zeroes them
-        (cfg.train.max_grad_norm > 0, "train.max_grad_norm",
-         f"must be > 0 (inf = no clipping), got {cfg.train.max_grad_norm}"),
-        (cfg.train.weight_decay >= 0, "train.weight_decay", f"must be >= 0, got {cfg.train.weight_decay}"),
         (cfg.rl.clip_eps > 0, "rl.clip_eps", f"must be > 0, got {cfg.rl.clip_eps}"),
         (cfg.data.eval_size >= 1, "data.eval_size", f"must be >= 1, got {cfg.data.eval_size}"),
         (cfg.online.canary_min_ratio >= 0, "online.canary_min_ratio",
@@ -338,9 +320,10 @@ def _rl_train_checks(cfg: Config) -> list[tuple[bool, str, str]]:
 
 def key_docs() -> dict[str, tuple[Any, str]]:
     """Every config key -> (default, one-line doc). The doc is the trailing `# ...` comment of the key's dataclass
-    field in this file or drafter_config.py (the one source of the docs); the default is the field's."""
+    field in this file, drafter_config.py or train_config.py (the one source of the docs); the default is the
+    field's."""
     docs = {}
-    for path in (Path(__file__), Path(drafter_config.__file__)):
+    for path in (Path(__file__), Path(drafter_config.__file__), Path(train_config.__file__)):
         src = path.read_text()
         trailing = {t.start[0]: t.string.lstrip("#").strip()
                     for t in tokenize.generate_tokens(io.StringIO(src).readline) if t.type == tokenize.COMMENT}

@@ -27,6 +27,7 @@ import contextlib
 import torch
 import torch.nn as nn
 
+from drafttrain.drafters import ttt
 from drafttrain.drafters.contract import Reads, TrainableDrafter
 from drafttrain.drafters.pending import Pending
 from drafttrain.drafters.weights import check_tensors
@@ -124,13 +125,13 @@ class AutoDrafter(nn.Module, TrainableDrafter):
         return aux if cols is None else aux[..., cols]
 
     def ttt_loss(self, aux, next_ids, target_probs, valid, steps: int, decay: float, query_frac: float = 1.0,
-                 generator=None, first_ids=None):
+                 generator=None, first_ids=None, objective=ttt.KL):
         """The sum of the trainable members' losses; the per-step accuracy is the scored member's."""
         total, accs = 0.0, []
         for kind, m in self.members.items():
             if m.trains:
                 loss, a = m.ttt_loss(self._train_aux(kind, aux), next_ids, target_probs, valid, steps, decay,
-                                     query_frac, generator, first_ids=first_ids)
+                                     query_frac, generator, first_ids=first_ids, objective=objective)
                 total = total + loss
                 accs = a if kind == self.scored else accs
         return total, accs

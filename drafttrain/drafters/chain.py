@@ -112,12 +112,12 @@ class ChainDrafter(nn.Module, TrainableDrafter):
         return outs
 
     def ttt_loss(self, aux, next_ids, target_probs, valid, steps: int, decay: float, query_frac: float = 1.0,
-                 generator: torch.Generator | None = None, first_ids=None):
+                 generator: torch.Generator | None = None, first_ids=None, objective: ttt.Objective = ttt.KL):
         """ttt.ttt_loss unrolled `steps` steps: soft cross-entropy against the policy's distribution, or (hard_targets)
         cross-entropy on the rollout tokens. first_ids (token_0) is not read: position t's input is token_{t+1} with
         the policy's state there."""
         return ttt.ttt_loss(self, aux, next_ids, target_probs, valid, steps, decay, query_frac, generator,
-                            hard=self.hard_targets)
+                            hard=self.hard_targets, objective=objective)
 
     # ---- inference: chain drafting over a KV cache --------------------------------------------------------
     def new_state(self, batch: int, max_len: int, prompts: torch.Tensor | None = None) -> "ChainState":

@@ -13,8 +13,8 @@ A drafter, as an engine serves it (Drafter):
     propose(state, new_ids[B, m], aux[B, m, X] | None, n_new[B], start[B], k, params, greedy_drafts, generator)
         -> (draft_tokens[B, k], draft_probs[B, k, V] | None)      None: one-hot drafts
 A drafter the tracker trains (TrainableDrafter) adds what the trainer and the acceptance scorer call:
-    ttt_loss(aux, next_ids, target_probs, valid, steps, decay, query_frac=1.0, generator=None, first_ids=None)
-        -> (loss, [acc per step])
+    ttt_loss(aux, next_ids, target_probs, valid, steps, decay, query_frac=1.0, generator=None, first_ids=None,
+             objective=None) -> (loss, [acc per step])  objective: the loss and where it is taken (ttt.Objective)
     ttt_logits(aux[B, T, X], next_ids[B, T+steps-1], steps, queries=None, first_ids=None) -> steps x [B, T, Vd]
         step i at position t predicts token_{t+2+i}, fed the real tokens (teacher forcing); first_ids [B] = token_0
         (next_ids starts at token_1), for a kind that reads the text from its start (a draft model)
@@ -93,7 +93,7 @@ class Drafter(Protocol):
 
 class TrainableDrafter(Drafter, Protocol):
     def ttt_loss(self, aux, next_ids, target_probs, valid, steps: int, decay: float, query_frac: float = 1.0,
-                 generator=None, first_ids=None): ...
+                 generator=None, first_ids=None, objective=None): ...
 
     def ttt_logits(self, aux, next_ids, steps: int, queries=None, first_ids=None) -> list: ...
 

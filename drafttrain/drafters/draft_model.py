@@ -80,10 +80,10 @@ class DraftModelDrafter(nn.Module, TrainableDrafter):
         return _steps(logits, T, steps, queries)
 
     def ttt_loss(self, aux, next_ids, target_probs, valid, steps: int, decay: float, query_frac: float = 1.0,
-                 generator=None, first_ids=None):
-        """Forward KL to the policy's distributions (soft cross-entropy), unrolled `steps` steps (ttt.ttt_loss)."""
+                 generator=None, first_ids=None, objective: ttt.Objective = ttt.KL):
+        """ttt.ttt_loss against the policy's distributions (objective: kl, tv or both), unrolled `steps` steps."""
         return ttt.ttt_loss(self, aux, next_ids, target_probs, valid, steps, decay, query_frac, generator,
-                            first_ids=first_ids)
+                            first_ids=first_ids, objective=objective)
 
     @torch.no_grad()
     def fuse_for_inference(self, int8: bool) -> "DraftModelRuntime":

@@ -5,8 +5,8 @@ DeepSpeed ZeRO-1/2: the launcher's accelerate config decides, see make_accelerat
     out = trainer.step(trainer.buffer.sample(cfg.train.batch_size))   # {loss, acc[steps], grad_norm, nonfinite}
     trainer.save("runs/x/.state/trainer.pt"); trainer.load(...)        # drafter + optimizer + step + buffer + rng
 
-The loss is the drafter's own `ttt_loss` (soft cross-entropy against the policy, unrolled cfg.drafter.ttt_steps
-steps, step i weighted ttt_decay**i). Under `accelerate launch` with N processes each process feeds its own shard
+The loss is the drafter's own `ttt_loss` (train.loss against the policy: soft cross-entropy, total variation or
+both, at train.positions; unrolled cfg.drafter.ttt_steps steps, step i weighted ttt_decay**i). Under `accelerate launch` with N processes each process feeds its own shard
 and DDP averages the gradients. A non-finite loss or gradient on any process skips the update on every process
 (no weight or optimizer change) and reports nonfinite=True. `step` is the single unit of work: time budgets and
 background modes wrap it, they do not change it.
@@ -29,6 +29,8 @@ from accelerate.utils import DistributedType
 
 from drafttrain.checkpoint import load_checkpoint
 from drafttrain.config import ConfigError
+from drafttrain.drafters import ttt
+from drafttrain.train_config import check_train
 
 
 def make_accelerator() -> Accelerator:
@@ -67,14 +69,17 @@ def _configure_deepspeed(acc: Accelerator, cfg_train) -> None:
 class _TTTLoss(nn.Module):
     """Routes the loss through forward() so a DDP wrapper sees the call and syncs the gradients."""
 
-    def __init__(self, drafter: nn.Module, steps: int, decay: float, query_frac: float = 1.0, seed: int = 0):
+    def __init__(self, drafter: nn.Module, steps: int, decay: float, query_frac: float = 1.0, seed: int = 0,
+                 objective: ttt.Objective = ttt.KL):
         super().__init__()
         self.drafter, self.steps, self.decay, self.query_frac = drafter, steps, decay, query_frac
+        self.objective = objective
         self.gen = torch.Generator().manual_seed(seed)
 
     def forward(self, aux, next_ids, target_probs, valid, first_ids=None):
         return self.drafter.ttt_loss(aux, next_ids, target_probs, valid, self.steps, self.decay,
-                                     query_frac=self.query_frac, generator=self.gen, first_ids=first_ids)
+                                     query_frac=self.query_frac, generator=self.gen, first_ids=first_ids,
+                                     objective=self.objective)
 
 
 class DrafterTrainer:
@@ -94,11 +99,10 @@ class DrafterTrainer:
         # fused: one kernel over all parameters, cheaper than foreach (bench/NOTES.md; DeepSpeed brings its own step)
         opt = torch.optim.AdamW(params, lr=cfg_train.lr, weight_decay=cfg_train.weight_decay,
                                 fused=not self.deepspeed)
-        qf = float(getattr(cfg_train, "query_frac", 1.0))
-        if not 0.0 < qf <= 1.0:
-            raise ValueError(f"train.query_frac must be in (0, 1], got {qf}")
+        check_train(cfg_train)  # also built from sections that skipped config.validate (scripts, probes)
         # kept unwrapped: its generator (the query positions' draws) is part of the resume state
-        self.ttt = _TTTLoss(drafter, self.steps, self.decay, qf, int(getattr(cfg_train, "seed", 0)))
+        self.ttt = _TTTLoss(drafter, self.steps, self.decay, float(getattr(cfg_train, "query_frac", 1.0)),
+                            int(getattr(cfg_train, "seed", 0)), ttt.Objective.of(cfg_train))
         self.model, self.opt = self.acc.prepare(self.ttt, opt)
         self.params = params
         self.step_count = 0
