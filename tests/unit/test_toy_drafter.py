@@ -9,7 +9,7 @@ import torch
 import torch.nn as nn
 
 from drafttrain.config import load_recipe
-from drafttrain.drafters import DRAFTERS, Reads, TrainableDrafter, build_drafter, register_drafter
+from drafttrain.drafters import DRAFTERS, Reads, TrainableDrafter, build_drafter, register_drafter, ttt
 from drafttrain.engines import build_engine
 from drafttrain.spec import SamplingParams
 from drafttrain.tracking.tracker import DraftTracker
@@ -51,14 +51,10 @@ class BigramDrafter(nn.Module, TrainableDrafter):
         return [self.table[next_ids[:, pos + i]] for i in range(steps)]  # step i at t is fed token_{t+1+i}
 
     def ttt_loss(self, aux, next_ids, target_probs, valid, steps: int, decay: float, query_frac: float = 1.0,
-                 generator=None, first_ids=None):
-        T, loss, accs = aux.shape[1], 0.0, []
-        for i, lg in enumerate(self.ttt_logits(aux, next_ids, steps)):
-            p, m = target_probs[:, 1 + i:1 + i + T], valid[:, 1 + i:1 + i + T].float()  # [B, T, V], [B, T]
-            n = m.sum().clamp_min(1.0)
-            loss = loss + decay ** i * (-(p * lg.log_softmax(-1)).sum(-1) * m).sum() / n
-            accs.append(float(((lg.argmax(-1) == p.argmax(-1)).float() * m).sum() / n))
-        return loss, accs
+                 generator=None, first_ids=None, objective=ttt.KL):
+        """The shared TTT loss over its own ttt_logits: every train.loss and train.positions come with it."""
+        return ttt.ttt_loss(self, aux, next_ids, target_probs, valid, steps, decay, query_frac, generator,
+                            first_ids=first_ids, objective=objective)
 
 
 class _LastToken:
