@@ -13,8 +13,10 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import inspect
 import io
 import math
+import textwrap
 import tokenize
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,13 +25,13 @@ from typing import Any, Optional
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from drafttrain import drafter_config, train_config
+from drafttrain import drafter_config
 from drafttrain.drafter_config import DrafterConfig, drafter_checks
+from drafttrain.drafters.base import DRAFTERS
+from drafttrain.paths import PROJECT_ROOT, SHIPPED, resolve_path  # noqa: F401 (re-exported)
 from drafttrain.train_config import TrainConfig, train_checks
 
-PROJECT_ROOT = Path(__file__).resolve().parent.parent
 RECIPES_DIR = PROJECT_ROOT / "recipes"
-SHIPPED = ("checkpoints", "recipes")  # the installed copy's asset folders (resolve_path)
 
 
 class ConfigError(ValueError):
@@ -174,20 +176,6 @@ def _one_line(e: OmegaConfBaseException) -> str:
     return f"{key}: {msg}" if key else msg
 
 
-def resolve_path(p: str | None) -> Path | None:
-    """An input path, absolute: a relative one against the working directory, unless it names a shipped asset
-    (its first part in SHIPPED) that the working directory does not hold and the installed copy does."""
-    if p is None:
-        return None
-    path = Path(p).expanduser()
-    if path.is_absolute():
-        return path
-    here, shipped = Path.cwd() / path, PROJECT_ROOT / path
-    if not here.exists() and path.parts[0] in SHIPPED and shipped.exists():
-        return shipped
-    return here
-
-
 def recipe_path(name_or_path: str) -> Path:
     p = Path(name_or_path)
     if p.suffix in (".yaml", ".yml"):
@@ -204,6 +192,7 @@ def load_recipe(name_or_path: str, overrides: list[str] | tuple[str, ...] = ()) 
     """recipe YAML + `key=value` overrides -> validated Config (a typed OmegaConf DictConfig)."""
     path = recipe_path(name_or_path)
     schema = OmegaConf.structured(Config)
+    drafter_config.with_sections(schema.drafter)  # kinds registered after import bring their sections too
     try:
         data = OmegaConf.load(path)
     except Exception as e:  # malformed YAML
@@ -320,16 +309,8 @@ def _rl_train_checks(cfg: Config) -> list[tuple[bool, str, str]]:
 
 def key_docs() -> dict[str, tuple[Any, str]]:
     """Every config key -> (default, one-line doc). The doc is the trailing `# ...` comment of the key's dataclass
-    field in this file, drafter_config.py or train_config.py (the one source of the docs); the default is the
-    field's."""
-    docs = {}
-    for path in (Path(__file__), Path(drafter_config.__file__), Path(train_config.__file__)):
-        src = path.read_text()
-        trailing = {t.start[0]: t.string.lstrip("#").strip()
-                    for t in tokenize.generate_tokens(io.StringIO(src).readline) if t.type == tokenize.COMMENT}
-        docs.update({(c.name, f.target.id): trailing.get(f.end_lineno, "")  # a comment on its last line trails it
-                     for c in ast.parse(src).body if isinstance(c, ast.ClassDef)
-                     for f in c.body if isinstance(f, ast.AnnAssign) and isinstance(f.target, ast.Name)})
+    field, read from the class that declares it (this file, train_config.py, drafter_config.py or a drafter kind's
+    section: the one source of the docs); the default is the field's."""
     out: dict[str, tuple[Any, str]] = {}
 
     def walk(obj, prefix: str) -> None:
@@ -338,10 +319,24 @@ def key_docs() -> dict[str, tuple[Any, str]]:
             if dataclasses.is_dataclass(value):
                 walk(value, f"{prefix}{f.name}.")
             else:
-                out[prefix + f.name] = (value, docs.get((type(obj).__name__, f.name), ""))
+                owner = next(c for c in type(obj).__mro__ if f.name in c.__dict__.get("__annotations__", {}))
+                out[prefix + f.name] = (value, _field_docs(owner).get(f.name, ""))
 
     walk(Config(), "")
+    built = {f.name for f in dataclasses.fields(DrafterConfig)}
+    for kind, k in DRAFTERS.items():  # kinds registered after DrafterConfig was built
+        if k.section is not None and kind not in built:
+            walk(k.section(), f"drafter.{kind}.")
     return out
+
+
+def _field_docs(cls) -> dict[str, str]:
+    """A dataclass's own fields -> the trailing comment on each field's last line."""
+    src = textwrap.dedent("".join(inspect.getsourcelines(cls)[0]))
+    trailing = {t.start[0]: t.string.lstrip("#").strip()
+                for t in tokenize.generate_tokens(io.StringIO(src).readline) if t.type == tokenize.COMMENT}
+    return {f.target.id: trailing.get(f.end_lineno, "")  # a comment on its last line trails it
+            for f in ast.parse(src).body[0].body if isinstance(f, ast.AnnAssign) and isinstance(f.target, ast.Name)}
 
 
 def save_config(cfg: Config, out_dir: str | Path) -> Path:

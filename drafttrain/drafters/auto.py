@@ -23,6 +23,8 @@ every member, each validated by its own load_state_dict.
 from __future__ import annotations
 
 import contextlib
+from dataclasses import dataclass, field
+from typing import Optional
 
 import torch
 import torch.nn as nn
@@ -228,3 +230,18 @@ class AutoState:
             s.select_rows(idx)
         for b in self.backlog.values():
             b.select_rows(idx)
+
+
+# ---- its config section: drafter.auto ---------------------------------------------------------------------------
+@dataclass
+class Section:  # drafter.auto: several drafters at once; the engine picks one (or none) per active-batch bucket
+    kinds: list[str] = field(default_factory=lambda: ["eagle3", "suffix"])  # member kinds (not selfquant, not auto)
+    paths: list[Optional[str]] = field(default_factory=lambda: ["checkpoints/eagle3", None])  # each member's checkpoint
+
+
+def checks(s) -> list[tuple[bool, str, str]]:
+    """(ok, key within drafter.auto, message)."""
+    return [(len(s.kinds) == len(s.paths), "paths",
+             f"must give one path (or null) per drafter.auto.kinds entry: {len(s.kinds)} kinds, {len(s.paths)} paths"),
+            (len(set(s.kinds)) == len(s.kinds) and not {"auto", "selfquant"} & set(s.kinds), "kinds",
+             f"must be distinct kinds other than auto and selfquant, got {list(s.kinds)}")]

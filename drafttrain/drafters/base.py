@@ -1,7 +1,7 @@
 """The drafter registry: adding a drafter kind is one file plus one registration (DRAFTERS, or register_drafter).
-A kind brings what it needs (DrafterKind): how to build a fresh one, how to load one from drafter.path, and its
-vLLM form; its settings are its own config section (drafter.<kind>). The protocols a kind implements are in
-contract.py."""
+A kind brings what it needs (DrafterKind): how to build a fresh one, how to load and save one at drafter.path, the
+name of its vLLM form, and its settings: a config section (drafter.<kind>, a dataclass) with its checks, from which
+drafter_config.py builds drafter.*. The protocols a kind implements are in contract.py."""
 from __future__ import annotations
 
 import copy
@@ -23,6 +23,10 @@ class DrafterKind:
     vllm: Optional[str] = None
     # save(drafter, path, verifier=, k=, extra=) -> path: the folder `load` reads back; None: nothing to save
     save: Optional[Callable] = None
+    # its settings, drafter.<kind>: a dataclass whose fields' trailing comments are their keys' docs; None: none
+    section: Optional[type] = None
+    # checks(section) -> [(ok, key within the section, message)]: what types alone cannot say (config.validate)
+    checks: Optional[Callable] = None
 
 
 def _fresh_eagle3(cfg, policy):
@@ -37,7 +41,7 @@ def _fresh_eagle3(cfg, policy):
 def _load_eagle3(cfg, policy):
     """The speculators-format folder at cfg.path; it fixes its own sizes: drafter.eagle3 settings that ask for other
     ones are an error, not silently overridden."""
-    from drafttrain.config import resolve_path
+    from drafttrain.paths import resolve_path
 
     d = speculators.load_drafter(resolve_path(cfg.path), target_num_layers=policy.config.num_hidden_layers)
     try:
@@ -73,19 +77,21 @@ def _save_eagle3(d, path, **kw):
 
 
 DRAFTERS: dict[str, DrafterKind] = {
-    "eagle3": DrafterKind(_fresh_eagle3, _load_eagle3, "EAGLE3", _save_eagle3),
-    "selfquant": DrafterKind(selfquant.from_config, None, "SELFQUANT"),
-    "suffix": DrafterKind(suffix.from_config, None, "SUFFIX"),
-    "draft_model": DrafterKind(draft_model.fresh, draft_model.load, "DRAFT_MODEL",
-                               draft_model.save),
-    "mtp": DrafterKind(mtp.fresh, mtp.load, "MTP", mtp.save),
-    "auto": DrafterKind(_build_auto),
+    "eagle3": DrafterKind(_fresh_eagle3, _load_eagle3, "EAGLE3", _save_eagle3, eagle3.Section, eagle3.checks),
+    "selfquant": DrafterKind(selfquant.from_config, None, "SELFQUANT", None, selfquant.Section, selfquant.checks),
+    "suffix": DrafterKind(suffix.from_config, None, "SUFFIX", None, suffix.Section, suffix.checks),
+    "draft_model": DrafterKind(draft_model.fresh, draft_model.load, "DRAFT_MODEL", draft_model.save,
+                               draft_model.Section, draft_model.checks),
+    "mtp": DrafterKind(mtp.fresh, mtp.load, "MTP", mtp.save, mtp.Section, mtp.checks),
+    "auto": DrafterKind(_build_auto, section=auto.Section, checks=auto.checks),
 }
 
 
-def register_drafter(kind: str, build, load=None, vllm: str | None = None, save=None) -> None:
-    """Add a drafter kind: build(cfg.drafter, policy) -> a fresh Drafter (contract.py); see DrafterKind."""
-    DRAFTERS[kind] = DrafterKind(build, load, vllm, save)
+def register_drafter(kind: str, build, load=None, vllm: str | None = None, save=None, section=None,
+                     checks=None) -> None:
+    """Add a drafter kind: build(cfg.drafter, policy) -> a fresh Drafter (contract.py); see DrafterKind. A section
+    takes effect in the configs loaded after the registration (load_recipe)."""
+    DRAFTERS[kind] = DrafterKind(build, load, vllm, save, section, checks)
 
 
 def save_drafter(kind: str, drafter, path, **kw):
@@ -111,7 +117,7 @@ def build_drafter(cfg, policy):
 
 def _check_kind(cfg) -> None:
     """A checkpoint of another kind at drafter.path is a one-line error (before its own loader misreads it)."""
-    from drafttrain.config import resolve_path
+    from drafttrain.paths import resolve_path
 
     path = resolve_path(cfg.path)
     c = speculators.read_speculators_config(path)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import copy
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -131,7 +132,7 @@ def load(cfg, policy) -> DraftModelDrafter:
     """The HF folder at cfg.path (`save`'s); its vocabulary must be the policy's."""
     from transformers import AutoModelForCausalLM
 
-    from drafttrain.config import resolve_path
+    from drafttrain.paths import resolve_path
 
     path = resolve_path(cfg.path)
     model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
@@ -151,3 +152,14 @@ def save(d: DraftModelDrafter, path, verifier="", k: int = 4, extra: dict | None
         cfg["drafttrain"] = {"kind": KIND, "verifier": str(verifier), "k": k, **({"extra": extra} if extra else {})}
         (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
     return path
+
+
+# ---- its config section: drafter.draft_model --------------------------------------------------------------------
+@dataclass
+class Section:  # drafter.draft_model: a small separate LM (own KV cache), distilled online from the policy
+    layers: int = 1  # decoder layers of a fresh draft model: the policy's first ones, copied
+
+
+def checks(s) -> list[tuple[bool, str, str]]:
+    """(ok, key within drafter.draft_model, message)."""
+    return [(s.layers >= 1, "layers", f"must be >= 1, got {s.layers}")]

@@ -13,6 +13,7 @@ output back as the next position's hidden. Training unrolls that chain n steps (
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 import torch.nn as nn
@@ -237,3 +238,19 @@ def rope_theta_of(pc) -> float:
     """The policy config's RoPE base (rope_parameters, else rope_theta, else 10000)."""
     rp = getattr(pc, "rope_parameters", None) or {}
     return rp.get("rope_theta", getattr(pc, "rope_theta", 10000.0))
+
+
+# ---- its config section: drafter.eagle3 -------------------------------------------------------------------------
+@dataclass
+class Section:  # drafter.eagle3: sizes of a fresh EAGLE-3 drafter (a checkpoint at drafter.path fixes its own)
+    aux_layer_ids: Optional[list[int]] = None  # policy layers whose inputs feed the drafter; null = kind's default
+    draft_vocab_size: Optional[int] = None  # draft vocabulary size; null = the policy's vocabulary
+    intermediate_size: Optional[int] = None  # drafter MLP width; null = the policy's
+
+
+def checks(s) -> list[tuple[bool, str, str]]:
+    """(ok, key within drafter.eagle3, message)."""
+    return [(s.draft_vocab_size is None or s.draft_vocab_size >= 1, "draft_vocab_size",
+             f"must be >= 1 or null (the policy's), got {s.draft_vocab_size}"),
+            (s.intermediate_size is None or s.intermediate_size >= 1, "intermediate_size",
+             f"must be >= 1 or null (the policy's), got {s.intermediate_size}")]

@@ -27,6 +27,7 @@ import dataclasses
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Optional
 
 import torch
 import torch.nn as nn
@@ -204,7 +205,7 @@ def fresh(cfg, policy) -> MtpDrafter:
 
 def load(cfg, policy) -> MtpDrafter:
     """The folder at cfg.path (`save`'s): its own config; the policy's hidden and vocabulary sizes must match."""
-    from drafttrain.config import resolve_path
+    from drafttrain.paths import resolve_path
 
     path = resolve_path(cfg.path)
     block = (read_speculators_config(path).get("drafttrain") or {}).get("config")
@@ -248,3 +249,15 @@ def save(d: MtpDrafter, path, verifier="", k: int = 4, extra: dict | None = None
         save_file(weights, str(tmp / "model.safetensors"))
         (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
     return path
+
+
+# ---- its config section: drafter.mtp ----------------------------------------------------------------------------
+@dataclass
+class Section:  # drafter.mtp: a DeepSeek-style MTP head on the policy's final hidden state (vLLM: its eagle form)
+    intermediate_size: Optional[int] = None  # the head's MLP width; null = the policy's (a checkpoint fixes its own)
+
+
+def checks(s) -> list[tuple[bool, str, str]]:
+    """(ok, key within drafter.mtp, message)."""
+    return [(s.intermediate_size is None or s.intermediate_size >= 1, "intermediate_size",
+             f"must be >= 1 or null (the policy's), got {s.intermediate_size}")]

@@ -3,7 +3,7 @@ It cannot drift from the policy: after each policy update, `requantize(policy)` 
 existing quantized storage (same tensors, same data pointers). No trainer, no hidden states (follows_policy, reads
 nothing).
 
-    d = build_drafter(DrafterConfig(kind="selfquant", path=None, quant="int8", backend="ao"), policy)
+    d = build_drafter(load_recipe("selfdraft_int8_track").drafter, policy)   # drafter.selfquant.quant=int8
     d.requantize(policy)                      # after an RL step: in place
     engine.load_drafter(policy.state_dict() or d.state_dict(), version)
 
@@ -20,6 +20,7 @@ cache extension pads rows to the longest (stale padding entries are masked, then
 from __future__ import annotations
 
 import copy
+from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
@@ -216,3 +217,18 @@ def _is_linear(name: str) -> bool:
 def from_config(cfg, policy) -> SelfQuantDrafter:
     """The registry entry: cfg is a DrafterConfig (its selfquant section: quant, backend, group_size)."""
     return SelfQuantDrafter(policy, cfg.selfquant.quant, cfg.selfquant.backend, cfg.selfquant.group_size)
+
+
+# ---- its config section: drafter.selfquant ----------------------------------------------------------------------
+@dataclass
+class Section:  # drafter.selfquant: the policy quantized into its own drafter
+    quant: str = "int8"  # int8 (per-output-channel) | int4 (group-wise)
+    backend: str = "ao"  # ao (torch fbgemm int8 / aten int4 CPU kernels) | bnb (bitsandbytes) | ref
+    group_size: int = 64  # int4: in-features per scale (bnb: nf4 blocksize)
+
+
+def checks(s) -> list[tuple[bool, str, str]]:
+    """(ok, key within drafter.selfquant, message)."""
+    return [(s.quant in ("int8", "int4"), "quant", f"must be int8 or int4, got {s.quant!r}"),
+            (s.backend in ("ao", "bnb", "ref"), "backend", f"must be ao, bnb or ref, got {s.backend!r}"),
+            (s.group_size >= 1, "group_size", f"must be >= 1, got {s.group_size}")]

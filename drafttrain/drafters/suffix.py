@@ -36,6 +36,7 @@ from __future__ import annotations
 
 from array import array
 from collections import OrderedDict, deque
+from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
@@ -299,3 +300,21 @@ def from_config(cfg, policy) -> SuffixDrafter:
     """The registry entry: cfg is a DrafterConfig (its suffix section); the policy gives its vocabulary size."""
     s = cfg.suffix
     return SuffixDrafter(policy.config.vocab_size, s.max_ngram, s.min_ngram, s.history, s.prompt_cache)
+
+
+# ---- its config section: drafter.suffix -------------------------------------------------------------------------
+@dataclass
+class Section:  # drafter.suffix: drafts copied from sibling rows and recent rollouts; nothing to train
+    max_ngram: int = 8  # longest context suffix looked up
+    min_ngram: int = 2  # shortest context suffix that may propose a continuation
+    history: int = 2  # earlier generate() calls (RL steps) whose rollouts stay in the index
+    prompt_cache: int = 4096  # prompts whose rollouts outlive the history, reused when one recurs (~4 B/token); 0 = off
+
+
+def checks(s) -> list[tuple[bool, str, str]]:
+    """(ok, key within drafter.suffix, message)."""
+    return [(s.min_ngram >= 1, "min_ngram", f"must be >= 1, got {s.min_ngram}"),
+            (s.max_ngram >= s.min_ngram, "max_ngram",
+             f"must be >= drafter.suffix.min_ngram = {s.min_ngram}, got {s.max_ngram}"),
+            (s.history >= 0, "history", f"must be >= 0, got {s.history}"),
+            (s.prompt_cache >= 0, "prompt_cache", f"must be >= 0 (0 = off), got {s.prompt_cache}")]

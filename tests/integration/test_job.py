@@ -115,9 +115,19 @@ def test_frozen_drafter_records_the_same_keys(policy_dir, tmp_path):
 
 
 # ---- kill and resume ------------------------------------------------------------------------------------------
+RESUME_RECIPES = ["eagle3_track", "mtp_track", "draft_model_track", "selfdraft_int8_track", "suffix_track",
+                  "auto_track"]
+
+
+def test_kill_and_resume_covers_every_registered_kind():
+    """One recipe per kind of the registry: a kind added to it without a kill-and-resume run here fails."""
+    from drafttrain.drafters import DRAFTERS
+
+    assert sorted(load_recipe(r).drafter.kind for r in RESUME_RECIPES) == sorted(DRAFTERS)
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("recipe", ["eagle3_track", "mtp_track", "draft_model_track", "selfdraft_int8_track",
-                                    "suffix_track", "auto_track"])
+@pytest.mark.parametrize("recipe", RESUME_RECIPES)
 def test_kill_and_resume(policy_dir, tmp_path, recipe):
     """Each drafter kind (suffix: nothing to save; its index is rebuilt from the resumed run's rollouts)."""
     out, steps = tmp_path / "run", 6
