@@ -82,7 +82,7 @@ class VllmEngine:
         self._module = None
         self._version = -1
         self.template = None
-        self.method, self._form = "eagle3", None  # vLLM speculative method; the drafter kind's vLLM form
+        self.method, self.form = "eagle3", None  # vLLM speculative method; the drafter kind's vLLM form
         self._drafting = True
         self._rid = 0
         self.last_swap_s = 0.0
@@ -122,8 +122,8 @@ class VllmEngine:
             self._finalizer.detach()
             self._finalizer = weakref.finalize(self, shutdown, self._llm, self._tmp, self._procs)
             self.worker_info = self.rpc("dt_setup", os.getpid(), str(self._tmp))
-            if hasattr(self._form, "started"):
-                self._form.started(self, self.template)
+            if self.form is not None:
+                self.form.started(self, self.template)
             try:  # some failures (an unsupported head size on CPU, say) only surface at the first step
                 self.generate([[0]], SamplingParams(temperature=0, max_new_tokens=2))
             except Exception as e:
@@ -168,10 +168,10 @@ class VllmEngine:
         if kind not in DRAFTERS:
             raise ValueError(f"drafter: the vLLM engine serves registered drafter kinds ({', '.join(DRAFTERS)}), got "
                              f"{kind or type(drafter).__name__!r}")
-        self._form = form_of(kind)  # the kind's vLLM form (engines/vllm_forms.py)
-        out = self._form.write(drafter, policy_dir, self._tmp / "drafter", int(self.cfg.k), self.target)
+        self.form = form_of(kind)  # the kind's vLLM form (engines/vllm_forms.py)
+        out = self.form.write(drafter, policy_dir, self._tmp / "drafter", int(self.cfg.k), self.target)
         check_compatible(drafter, SimpleNamespace(config=SimpleNamespace(**self.target)))  # as the embedded engine
-        self.template, self.method = self._form.template(drafter), self._form.method
+        self.template, self.method = self.form.template(drafter), self.form.method
         return out
 
     # ---- lifecycle ------------------------------------------------------------------------------------------
@@ -195,7 +195,7 @@ class VllmEngine:
 
     def rpc(self, method: str, *args):
         """`method` on every vLLM worker (collective_rpc), watched for a dead process: how the forms and the weight
-        transfer (vllm_forms.py, vllm_transfer.py) reach the workers; they also read shm, method and template."""
+        transfer (vllm_forms.py, vllm_transfer.py) reach the workers; they also read shm, form and template."""
         llm = self.llm
         return watched(lambda: llm.collective_rpc(method, args=args), self._procs, method)[0]
 
@@ -225,7 +225,7 @@ class VllmEngine:
     def _swap(self, weights: dict, version: int) -> None:
         t0 = time.perf_counter()
         shared = set(self.worker_info["drafter_shared"])
-        weights = self._form.accept(self.template, weights)  # validated (one-line error), in the worker's form
+        weights = self.form.accept(self.template, weights)  # validated (one-line error), in the worker's form
         if "lm_head.weight" in self._fixed and not torch.equal(weights["lm_head.weight"],
                                                               self._fixed["lm_head.weight"]):
             raise ValueError("load_drafter: lm_head.weight is shared with the policy in this vLLM engine (they were "
@@ -250,7 +250,7 @@ class VllmEngine:
 
     def _vllm_form(self) -> dict:
         """The template drafter's weights under the names vLLM's draft model reads (the checkpoint's tensors)."""
-        return self._form.tensors(self.template)
+        return self.form.tensors(self.template)
 
     def _drafter_tensors(self, sd: dict) -> dict:
         """The tensors vLLM's EAGLE-3 head holds: no t2d (derived from d2t), no d2t for a full draft vocabulary,
@@ -338,8 +338,8 @@ class VllmEngine:
             spec = speculative and self.template is not None
             if self.template is not None:
                 self._set_drafting(spec)
-            if spec and hasattr(self._form, "before_generate"):
-                self._form.before_generate(self)
+            if spec:
+                self.form.before_generate(self)
             version = self._version
             ids: dict[str, int] = {}
             pending: set[str] = set()

@@ -16,9 +16,28 @@ from pathlib import Path
 from drafttrain.drafters.weights import check_finite
 
 
-class Eagle3Form:
+class Form:
+    """What the vLLM engine asks of every form, with the defaults a form without the need inherits:
+    method (vLLM's speculative method), write / template / accept / tensors (each form's own), and below."""
+    method = ""
+    eagle_names = False  # its weights go under vLLM's EAGLE head names (vllm_transfer.vllm_name), not the policy's
+    needs_engine: str | None = None  # why only drafttrain's vLLM engine can serve it (plain vLLM cannot); None: any
+
+    def asym_int4(self, template) -> bool:
+        """The worker holds its weights in vLLM's asymmetric W4A8 kernel (read-back probes them that way)."""
+        return False
+
+    def started(self, engine, template) -> None:
+        """The engine has started (configure what vLLM built in its worker)."""
+
+    def before_generate(self, engine) -> None:
+        """A speculative generate() is about to run."""
+
+
+class Eagle3Form(Form):
     """An EAGLE-3 drafter as vLLM's `eagle3` head: the speculators export, weights under its own names."""
     method = "eagle3"
+    eagle_names = True
 
     def write(self, drafter, policy_dir: Path, out: Path, k: int, target) -> Path:
         from drafttrain.drafters import speculators
@@ -41,7 +60,7 @@ class Eagle3Form:
         return template.state_dict()
 
 
-class SelfQuantForm:
+class SelfQuantForm(Form):
     """A self-drafter as vLLM's `draft_model`: a compressed-tensors copy of the policy (vllm_selfdraft.py); a swap
     is requantized (policy form) or copied (own form) into the template, then sent in the checkpoint's form."""
     method = "draft_model"
@@ -50,6 +69,9 @@ class SelfQuantForm:
         from drafttrain.engines import vllm_selfdraft
 
         return vllm_selfdraft.save_checkpoint(drafter, policy_dir, out)
+
+    def asym_int4(self, template) -> bool:  # vLLM's W4A8 kernel: see vllm_worker.probe
+        return template.quant == "int4"
 
     def template(self, drafter):
         return copy.deepcopy(drafter)
@@ -64,7 +86,7 @@ class SelfQuantForm:
         return vllm_tensors(template)
 
 
-class _StateDictForm:
+class _StateDictForm(Form):
     """A drafter whose state dict is what vLLM holds, under its names: a swap is that state dict, validated whole."""
 
     def template(self, drafter):
@@ -98,6 +120,7 @@ class MtpForm(_StateDictForm):
     from the target's, so vLLM keeps them. Chosen over `medusa` (no embedding input, no recurrence over steps) and
     `mlp_speculator` (no attention block): only EAGLE-1 runs the module as it is."""
     method = "eagle"
+    eagle_names = True
 
     def write(self, drafter, policy_dir: Path, out: Path, k: int, target) -> Path:
         from drafttrain.drafters import mtp
@@ -106,7 +129,7 @@ class MtpForm(_StateDictForm):
         return mtp.save(drafter, out, verifier=policy_dir, k=k)
 
 
-class SuffixForm:
+class SuffixForm(Form):
     """The suffix drafter as vLLM's `custom_class` proposer (vllm_suffix.py says why that method): vLLM builds it
     in its worker from its import path; this form configures it at start and starts a generation per generate() call.
     No weights: a swap carries none."""

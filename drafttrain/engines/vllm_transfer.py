@@ -68,9 +68,8 @@ def read_back(engine, weights: dict, draft: bool, what: str) -> None:
     """Probe every sent tensor in the worker (through the layer's own kernel where weights are repacked, as on
     CPU) and compare with the same probe of the sent tensor; ValueError naming the first tensor that differs."""
     groups: dict[str, list[tuple[int, str]]] = {}
-    eagle = draft and engine.method in ("eagle3", "eagle")  # a draft_model uses the policy's own names
-    # vLLM's W4A8 kernel: see vllm_worker.probe
-    asym = draft and not eagle and getattr(engine.template, "quant", None) == "int4"
+    eagle = draft and engine.form.eagle_names  # a draft_model uses the policy's own names
+    asym = draft and engine.form.asym_int4(engine.template)
     for name in weights:
         base = weights.get(name[:-len("_scale")]) if name.endswith(".weight_scale") else None
         if base is not None and base.dtype == torch.int8:

@@ -31,7 +31,7 @@ def unservable(kind: str) -> str | None:
     entry = DRAFTERS.get(kind)
     if entry is None or entry.vllm is None:
         return f"drafter.kind={kind} has no vLLM form"
-    why = getattr(form_of(kind), "needs_engine", None)
+    why = form_of(kind).needs_engine
     return f"drafter.kind={kind}: {why}" if why else None
 
 
