@@ -1,7 +1,7 @@
 """The prompts a run trains and evaluates on, how they are tokenized, and how a response is rewarded: the shipped
 task (data.path unset), or the user's own prompts (data.*) and verifier (reward.fn).
 
-    prompts = Prompts(cfg, tok)
+    prompts = Prompts(cfg.data, cfg.reward, tok)   # its two sections
     rows = prompts.rows(16, seed)                  # training prompts: dicts with at least "prompt"
     ids = prompts.encode(rows[0])                  # token ids (the tokenizer's chat template where data.chat_template)
     r = prompts.reward(rows[0], prompts.decode(response_ids))
@@ -118,10 +118,11 @@ def load_reward(spec: str):
 
 
 class Prompts:
-    def __init__(self, cfg, tok, stop_ids: tuple[int, ...] | None = None):
-        self.cfg, self.tok, d = cfg, tok, cfg.data
+    def __init__(self, data, reward, tok, stop_ids: tuple[int, ...] | None = None):
+        """data, reward: the config's data.* and reward.* sections."""
+        self.data, self.reward_fn, self.tok, d = data, reward.fn, tok, data
         self.own = d.path is not None
-        self.fn = load_reward(cfg.reward.fn) if cfg.reward.fn else None
+        self.fn = load_reward(reward.fn) if reward.fn else None
         self.stop_ids = tuple(stop_ids) if stop_ids else (tok.eos_token_id,)
         self.chat = False
         self.notes: list[str] = []  # one-line warnings about the data, for the job to print once
@@ -151,7 +152,7 @@ class Prompts:
         self.longest = max(map(len, ids))
 
     def _row(self, row: dict) -> dict:
-        return {**row, "prompt": row[self.cfg.data.prompt_field]}
+        return {**row, "prompt": row[self.data.prompt_field]}
 
     @staticmethod
     def _task_rows(n: int, seed: int) -> list[dict]:
@@ -206,15 +207,15 @@ class Prompts:
             try:
                 v = self.fn(row["prompt"], text, row)
             except Exception as e:
-                raise RewardError(f"reward.fn: {self.cfg.reward.fn} raised {type(e).__name__}: {e} on the row with "
+                raise RewardError(f"reward.fn: {self.reward_fn} raised {type(e).__name__}: {e} on the row with "
                                   f"prompt {_short(row['prompt'])}") from None
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
-                raise RewardError(f"reward.fn: {self.cfg.reward.fn} returned {v!r}, not a finite number, on the row "
+                raise RewardError(f"reward.fn: {self.reward_fn} returned {v!r}, not a finite number, on the row "
                                   f"with prompt {_short(row['prompt'])}")
             return float(v)
         if not self.own:
             return task_reward(row["answer"], text)
-        return float(text.strip() == str(row[self.cfg.data.answer_field]).strip())
+        return float(text.strip() == str(row[self.data.answer_field]).strip())
 
 
 def _short(text: str, n: int = 60) -> str:

@@ -120,7 +120,7 @@ def measure(args) -> dict:
             check_compatible(drafter, policy)
         except ValueError as e:
             raise ValueError(f"CHECKPOINT: {path} does not fit the drafter: {e}") from None
-        prompts = Prompts(cfg, tok, stop_ids(policy, tok))
+        prompts = Prompts(cfg.data, cfg.reward, tok, stop_ids(policy, tok))
         ids = [prompts.encode(r) for r in prompts.rows(args.prompts, args.seed)]
         params = SamplingParams(temperature=1.0, max_new_tokens=args.max_new_tokens,
                                 stop_token_ids=prompts.stop_ids, seed=args.seed)

@@ -87,7 +87,7 @@ def main(pc: PretrainConfig) -> dict:
     acc = make_accelerator()  # as launched: one process, DDP, or DeepSpeed ZeRO (accelerate config)
     rank, world, main_proc = acc.process_index, acc.num_processes, acc.is_main_process
     policy, tok = load_policy(str(resolve_path(cfg.policy.path)), cfg.engine.kind)
-    prompts = Prompts(cfg, tok, stop_ids(policy, tok))  # the task's, or data.path's
+    prompts = Prompts(cfg.data, cfg.reward, tok, stop_ids(policy, tok))  # the task's, or data.path's
     torch.manual_seed(pc.seed)
     drafter = build_drafter(cfg.drafter, policy)
     if not drafter.trains:

@@ -16,7 +16,7 @@ def setup():
     """(recipe, policy, a FeatureBuffer of the shipped policy's own 128 rollouts) at the default recipe."""
     cfg = load_recipe("eagle3_track")
     policy, tok = load_policy(str(resolve_path(cfg.policy.path)))
-    src = Prompts(cfg, tok, stop_ids(policy, tok))
+    src = Prompts(cfg.data, cfg.reward, tok, stop_ids(policy, tok))
     prompts = [src.encode(r) for r in src.rows(128, seed=5)]
     resp = build_engine(cfg.engine, policy).generate(
         prompts, sampling_params(cfg, stop_token_ids=src.stop_ids, seed=5), speculative=False).tokens

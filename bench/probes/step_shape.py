@@ -37,7 +37,7 @@ def measure(threads: int = 2) -> tuple[dict, dict, float, float]:
     cfg = load_recipe("eagle3_track", ["rl.eval_prompts=0"])
     policy, tok = load_policy("checkpoints/policy", "torch")
     engine = build_engine(cfg.engine, policy, build_drafter(cfg.drafter, policy))
-    prompts = Prompts(cfg, tok, stop_ids(policy, tok))
+    prompts = Prompts(cfg.data, cfg.reward, tok, stop_ids(policy, tok))
     out = {}
     for spec in (False, True):
         for b in BATCHES:

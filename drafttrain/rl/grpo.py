@@ -42,7 +42,7 @@ class GRPO:
         self.cfg, self.policy, self.tok, self.engine, self.tracker = cfg, policy, tok, engine, tracker
         self.rank = rank
         # the task's, or data.path's (with reward.fn)
-        self.prompts = prompts if prompts is not None else Prompts(cfg, tok, stop_ids(policy, tok))
+        self.prompts = prompts if prompts is not None else Prompts(cfg.data, cfg.reward, tok, stop_ids(policy, tok))
         self._check_room(policy)
         self.opt = torch.optim.AdamW(policy.parameters(), lr=cfg.rl.lr, weight_decay=0.0)
         # several processes: the gradients are averaged once per update (average_grads), as DDP would, and the

@@ -80,7 +80,8 @@ def _run(cfg, acc, out: Path, stopper: Stopper, closing: contextlib.ExitStack) -
     state = _resume_state(cfg, last, out) if last else None
     policy, tok = load_policy(str(last / "policy") if last else str(resolve_path(cfg.policy.path)), cfg.engine.kind)
     say = (lambda m: tqdm.write(m)) if acc.is_main_process else (lambda m: None)
-    prompts = Prompts(cfg, tok, stop_ids(policy, tok))  # bad data.* or reward.fn: one line, before any heavy set-up
+    # bad data.* or reward.fn: one line, before any heavy set-up
+    prompts = Prompts(cfg.data, cfg.reward, tok, stop_ids(policy, tok))
     for note in prompts.notes:
         say(note)
     try:  # a drafter that does not fit the policy is bad input: one line, and nothing written yet

@@ -20,13 +20,14 @@ from drafttrain.tracking.gate import ALL, score
 
 
 class Scorer:
-    def __init__(self, cfg, drafter, publisher, steps: int, gens: dict):
-        self.cfg, self.publisher, self.steps, self.gen = cfg, publisher, steps, gens
+    def __init__(self, online, engine, drafter, publisher, steps: int, gens: dict):
+        """online, engine: the config's online.* and engine.* sections."""
+        self.online, self.engine_cfg, self.publisher, self.steps, self.gen = online, engine, publisher, steps, gens
         self.frozen = copy.deepcopy(drafter).eval().requires_grad_(False)  # the step-0 drafter
         self._frozen_rt = None  # its runtime form, for measure()
         self._serving_rt = None  # (engine version, runtime form of the weights it serves), for the publish gate
         self.heldout: list[dict] = []  # the most recent held-out rows (records), the estimate's and the gate's
-        self.k = max_draft_len(cfg.engine)  # the estimate's and the gate's k
+        self.k = max_draft_len(engine)  # the estimate's and the gate's k
 
     @property
     def version(self) -> int:
@@ -35,7 +36,7 @@ class Scorer:
     def runtime_form(self, drafter, owned: bool = False):
         """`drafter` as the torch engine runs it (int8 linears if engine.drafter_int8, also cheaper to score).
         vLLM runs the fp32 head: fp32 there."""
-        return runtime_copy(drafter, drafter_int8(self.cfg.engine), owned)
+        return runtime_copy(drafter, drafter_int8(self.engine_cfg), owned)
 
     def serving_weights(self) -> dict:
         """The weights the engines serve now: the version on probation (inline canary), else the last good one."""
@@ -83,7 +84,7 @@ class Scorer:
     def keep_heldout(self, latest: list[dict]) -> None:
         """The latest step's rows held out of training join the estimate's rows: the most recent, over the last
         steps, up to online.estimate_rows (a random sample of one step's where it holds more)."""
-        n = self.cfg.online.estimate_rows
+        n = self.online.estimate_rows
         new = sample(records(latest, self.steps, heldout_only=True), n, self.gen["estimate"])
         self.heldout = ([{k: v.clone() if torch.is_tensor(v) else v for k, v in r.items()} for r in new]
                         + self.heldout)[:n]
@@ -93,17 +94,17 @@ class Scorer:
         a sample of the latest step's rows, which the update trained on. None: no rows at all."""
         if self.heldout:
             return collate(self.heldout, self.steps)
-        return rows(latest, self.steps, self.cfg.online.estimate_rows, self.gen["estimate"]) if latest else None
+        return rows(latest, self.steps, self.online.estimate_rows, self.gen["estimate"]) if latest else None
 
     def due(self, step: int | None, last: bool = False) -> bool:
         """measure() scores at step 0, every online.measure_every steps and the last (step None: always)."""
-        return step is None or last or step % self.cfg.online.measure_every == 0
+        return step is None or last or step % self.online.measure_every == 0
 
     def measure(self, pending: list[dict], k: int, serving_form) -> dict:
         """Live (serving_form) vs frozen step-0 drafter on the rows captured since the last update: the held-out
         ones first, then a random sample of the rest, online.measure_rows in all. The served drafter's scores of
         held-out rows are kept with them for the gate."""
-        every, m = records(pending, self.steps, where=True), self.cfg.online.measure_rows
+        every, m = records(pending, self.steps, where=True), self.online.measure_rows
         held = [bool(pending[r["where"][0]]["heldout"][r["where"][1]]) for r in every]
         recs = [r for r, h in zip(every, held) if h][:m]
         recs += sample([r for r, h in zip(every, held) if not h], m - len(recs), self.gen["measure"])

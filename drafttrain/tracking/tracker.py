@@ -65,7 +65,7 @@ class DraftTracker:
         self.bank = TimeBank(cfg.online.budget_frac, cfg.online.time_budget_s)
         self._gen = {name: torch.Generator().manual_seed(cfg.run.seed + 11 + i)  # the row draws, resumable
                      for i, name in enumerate(("estimate", "measure", "holdout", "capture"))}
-        self.scorer = Scorer(cfg, self.drafter, self.publisher, self.steps, self._gen)
+        self.scorer = Scorer(cfg.online, cfg.engine, self.drafter, self.publisher, self.steps, self._gen)
         self.pending: list[dict] = []  # features captured since the last on_policy_update
         self.latest: list[dict] = []  # the previous step's: the background update reads only these
         self.probe_prompts, self.probe_stop = [], ()  # set_probe: recent prompts, the rollouts' stop tokens

@@ -32,7 +32,8 @@ def test_the_main_job_reads_a_relative_data_path_from_where_the_user_stands(own,
 
 def _prompts(own, tmp_path, *extra):  # noqa: F811
     _, tok = load_policy(str(own / "qwen3"))
-    return Prompts(load_recipe("eagle3_track", keys(own, f"data.path={tmp_path / 'p.jsonl'}", *extra)), tok)
+    cfg = load_recipe("eagle3_track", keys(own, f"data.path={tmp_path / 'p.jsonl'}", *extra))
+    return Prompts(cfg.data, cfg.reward, tok)
 
 
 def test_an_empty_file_is_no_rows_in_one_line(own, tmp_path):  # noqa: F811

@@ -41,6 +41,10 @@ def keys(own, *extra):
             "reward.fn=tests.own_reward:has_digit", "data.eval_size=8", *extra]
 
 
+def _prompts(cfg, tok) -> Prompts:
+    return Prompts(cfg.data, cfg.reward, tok)
+
+
 def test_pretrain_then_main_job_on_your_own_model(own, monkeypatch):
     """pretrain_drafter.py on the user's Qwen3 and prompts (a few steps; its features cached, and a second run
     loads them instead of regenerating), then the main job: 2 RL steps with EAGLE-3 tracking and a hot-swap,
@@ -87,8 +91,8 @@ def test_chat_template_on_where_the_tokenizer_has_one(own):
     pol, tok = load_policy(str(own / "qwen3"))
     a_id = tok.convert_tokens_to_ids("A")
     row = {"prompt": "Q:12*3="}
-    assert Prompts(cfg, tok).encode(row)[-1] == a_id  # data.chat_template unset: the tokenizer has one
-    plain = Prompts(load_recipe("eagle3_track", keys(own, "data.chat_template=false")), tok).encode(row)
+    assert Prompts(cfg.data, cfg.reward, tok).encode(row)[-1] == a_id  # data.chat_template unset: the tokenizer has one
+    plain = _prompts(load_recipe("eagle3_track", keys(own, "data.chat_template=false")), tok).encode(row)
     assert plain == tok("Q:12*3=")["input_ids"] and plain[-1] != a_id
     assert stop_ids(pol, tok) == (tok.eos_token_id,)
 
@@ -104,7 +108,7 @@ def test_chat_template_on_where_the_tokenizer_has_one(own):
 def test_bad_data_or_reward_is_one_line_naming_the_key(own, extra, key):
     _, tok = load_policy(str(own / "qwen3"))
     with pytest.raises(ConfigError) as e:
-        Prompts(load_recipe("eagle3_track", keys(own, *extra)), tok)
+        _prompts(load_recipe("eagle3_track", keys(own, *extra)), tok)
     msg = str(e.value)
     assert msg.startswith(f"{key}:") and "\n" not in msg
 
@@ -112,7 +116,7 @@ def test_bad_data_or_reward_is_one_line_naming_the_key(own, extra, key):
 @pytest.mark.parametrize("fn, why", [("not_finite", "not a finite number"), ("raises", "raised KeyError")])
 def test_a_bad_reward_stops_with_one_line_naming_reward_fn_and_the_row(own, fn, why):
     _, tok = load_policy(str(own / "qwen3"))
-    prompts = Prompts(load_recipe("eagle3_track", keys(own, f"reward.fn=tests.own_reward:{fn}")), tok)
+    prompts = _prompts(load_recipe("eagle3_track", keys(own, f"reward.fn=tests.own_reward:{fn}")), tok)
     row = prompts.rows(1, seed=0)[0]
     with pytest.raises(RewardError) as e:
         prompts.reward(row, "12")
@@ -148,7 +152,7 @@ def test_a_saved_dataset_folder_and_parquet_read_alike(own, tmp_path):
     datasets.Dataset.from_list(rows).save_to_disk(str(tmp_path / "saved"))
     datasets.Dataset.from_list(rows).to_parquet(str(tmp_path / "p.parquet"))
     _, tok = load_policy(str(own / "qwen3"))
-    got = [Prompts(load_recipe("eagle3_track", keys(own, f"data.path={p}")), tok).rows(6, seed=3)
+    got = [_prompts(load_recipe("eagle3_track", keys(own, f"data.path={p}")), tok).rows(6, seed=3)
            for p in (own / "prompts.jsonl", tmp_path / "saved", tmp_path / "p.parquet")]
     assert got[0] == got[1] == got[2] and all(r["prompt"] == r["question"] for r in got[0])
 
