@@ -11,8 +11,8 @@ query_frac < 1: the loss over a random subset of that share of the positions who
 row (ttt_logits' queries; prompt and padding positions would score nothing). positions=rejected: each (row, position)
 term of step i weighs its own rejection 1 - alpha there, read from the step's logits (no extra pass; detached, and
 normalized to mean 1 over the valid terms), so the loss is what positions drawn in proportion to the drafter's
-rejection would give, in expectation: spent where the drafter is rejected (a no-grad pass scoring every position
-first costs ~45% of a step on this CPU: bench/NOTES.md, EAGLE-3).
+rejection would give, in expectation: spent where the drafter is rejected (drawing the positions instead needs a
+no-grad pass over every position first, a large share of a step: bench/NOTES.md, EAGLE-3).
 first_ids [B]: token_0 of each row (read by a draft model; None: not given).
 Returns (loss, per-step accuracy list), accuracy = draft argmax == policy argmax (hard: == the rollout token).
 """
