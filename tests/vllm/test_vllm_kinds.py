@@ -20,6 +20,14 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 KINDS = {"draft_model": {"layers": 1}, "mtp": {}, "suffix": {"max_ngram": 3, "min_ngram": 1}}
 METHOD = {"draft_model": "draft_model", "mtp": "eagle"}
 WEIGHTED = [k for k in KINDS if k != "suffix"]
+ELSEWHERE = {"eagle3": "test_vllm_engine.py", "selfquant": "test_vllm_selfdraft.py"}  # kinds served by vLLM
+
+
+def test_every_kind_with_a_vllm_form_is_served_in_these_tests():
+    """The registry's kinds with a vLLM form: each runs here (KINDS) or in its own file; a new one fails this."""
+    from drafttrain.drafters import DRAFTERS
+
+    assert {k for k, e in DRAFTERS.items() if e.vllm is not None} == set(KINDS) | set(ELSEWHERE)
 
 
 # weight noise: a drafter its own policy accepts more than another policy does (a fresh draft model is its policy's
