@@ -5,6 +5,7 @@
     python scripts/pretrain_drafter.py drafter.kind=mtp threads=2        # -> checkpoints/mtp/
     python scripts/pretrain_drafter.py drafter.kind=draft_model threads=2   # -> checkpoints/draft_model/
     python scripts/pretrain_drafter.py prompts=256 epochs=2 out=/tmp/e3 train.lr=1e-3 drafter.ttt_steps=4
+    python scripts/pretrain_drafter.py train.loss=kl_tv train.positions=rejected out=/tmp/e3tv   # the loss: ttt.py
     accelerate launch --config_file recipes/accelerate/ddp2.yaml scripts/pretrain_drafter.py threads=1
     accelerate launch --config_file recipes/accelerate/zero2.yaml scripts/pretrain_drafter.py threads=1   # ZeRO-2
 
@@ -162,7 +163,8 @@ def resume_key(pc: PretrainConfig, cfg, world: int) -> str:
     return (f"drafter.kind={cfg.drafter.kind} prompts={pc.prompts} chunk={pc.chunk} epochs={pc.epochs} "
             f"seed={pc.seed} world={world} "
             f"drafter.ttt_steps={cfg.drafter.ttt_steps} train.batch_size={cfg.train.batch_size} "
-            f"train.lr={cfg.train.lr} policy.path={cfg.policy.path} data.path={cfg.data.path}")
+            f"train.lr={cfg.train.lr} train.loss={cfg.train.loss} train.tv_weight={cfg.train.tv_weight} "
+            f"train.positions={cfg.train.positions} policy.path={cfg.policy.path} data.path={cfg.data.path}")
 
 
 def add_chunk(pc, cfg, policy, source: Prompts, engine, buffer, reads, c: int, rank: int, world: int) -> None:

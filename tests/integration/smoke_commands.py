@@ -327,7 +327,8 @@ SMOKE: list[Smoke] = [
           (File("p2", ("config.json", "model.safetensors", "tokenizer.json", "task_eval.json")),)),
     Smoke("pretrain_drafter", "python scripts/pretrain_drafter.py threads=1 prompts=8 epochs=1 out={tmp}/e3 "
           "train.lr=1e-3 drafter.ttt_steps=2 chunk=8 warmup=1 eval_prompts=2 sampling.max_new_tokens=16 "
-          "train.batch_size=4", (File("e3", ("config.json", "model.safetensors")),)),
+          "train.batch_size=4 train.loss=kl_tv train.positions=rejected",
+          (File("e3", ("config.json", "model.safetensors")),)),
     Smoke("pretrain_drafter_mtp", "python scripts/pretrain_drafter.py drafter.kind=mtp threads=1 prompts=8 epochs=1 "
           "out={tmp}/m chunk=8 warmup=1 eval_prompts=2 sampling.max_new_tokens=16 train.batch_size=4",
           (File("m", ("config.json", "model.safetensors")),)),

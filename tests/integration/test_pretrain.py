@@ -48,6 +48,10 @@ def test_pretrain_stops_resumes_and_exports(policy_dir, tmp_path, capsys):
     tpath.write_bytes(saved)
     with pytest.raises(ConfigError, match="resume: .*other settings"):  # a changed schedule does not resume
         P.main(P.parse([*pc.overrides, f"out={out}", "prompts=16", "chunk=8", "epochs=2"]))
+    for other in ("train.loss=tv", "train.positions=rejected"):  # nor another objective (it did, silently)
+        with pytest.raises(ConfigError, match="resume: .*other settings"):
+            P.main(P.parse([*pc.overrides, other, f"out={out}", "prompts=16", "chunk=8", "epochs=1", "warmup=1",
+                            "eval_prompts=4"]))
     r2 = P.main(pc)
     assert "at step 3, chunk 2" in capsys.readouterr().out
     assert r2["pretrain"]["steps"] == r2["pretrain"]["total_steps"] == 4
