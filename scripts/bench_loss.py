@@ -4,6 +4,8 @@
     python scripts/bench_loss.py arms=[kl:uniform,tv:uniform] seeds=[0] offline_prompts=512   # a quick look
 
 An arm is `loss:positions` (train.loss, train.positions); the first arm is the reference (today's kl:uniform).
+online_arms (null: every arm) runs the online part for those alone (the reference among them): a screen can take
+the offline leaders online.
 Per seed s and arm, each a job of its own (`parallel` at once, one torch thread each; a finished job's JSON under
 run_dir is reused, so a stopped benchmark picks up where it was):
 1. Offline: scripts/pretrain_drafter.py from scratch (seed s: the same data, cached per seed, the same initial
@@ -40,7 +42,7 @@ from drafttrain.report import format_table, read_jsonl, write_json
 
 DEFAULTS = dict(recipe="eagle3_track", seeds=[0, 1, 2], overrides=[],
                 arms=["kl:uniform", "tv:uniform", "kl_tv:uniform", "kl:rejected"],
-                offline=True, online=True, step_cost=True, parallel=2, run_dir="runs/bench_loss",
+                online_arms=None, offline=True, online=True, step_cost=True, parallel=2, run_dir="runs/bench_loss",
                 offline_prompts=2048, offline_epochs=3.0, offline_k=5, offline_eval=128, offline_overrides=[],
                 oracle_rollouts=96, oracle_steps=300, oracle_lr=3e-4, oracle_batch=16, oracle_ttt_steps=3,
                 eval_rollouts=48, max_new_tokens=None, step_batches=12, step_repeats=8,
@@ -213,6 +215,7 @@ def summarize(cfg, per_seed: dict, steps: dict[str, list[float]]) -> dict:
     if cost_arm and by[cost_arm]["step_ms"] and by[ref]["step_ms"]:
         summary["step_cost_ratio"] = by[cost_arm]["step_ms"] / by[ref]["step_ms"]
     return {"recipe": cfg.recipe, "overrides": list(cfg.overrides), "seeds": list(cfg.seeds), "arms": list(cfg.arms),
+            "online_arms": [a for a in cfg.arms if by[a]["live_mal"] is not None],
             "offline_prompts": cfg.offline_prompts, "offline_epochs": cfg.offline_epochs, "offline_k": cfg.offline_k,
             "rows": rows, "summary": summary,
             "per_seed": [{"arm": a, "seed": s, **v} for (a, s), v in per_seed.items()]}
@@ -223,7 +226,12 @@ def main(cfg) -> dict:
         return run_job(cfg)
     for a in cfg.arms:  # a bad arm fails here, in one line naming the key, before any job starts
         load_recipe(cfg.recipe, [*cfg.overrides, *arm_overrides(a)])
-    jobs = [(k, a, s) for k in ("offline", "online") if cfg[k] for a in cfg.arms for s in cfg.seeds]
+    online_arms = list(cfg.online_arms) if cfg.online_arms is not None else list(cfg.arms)
+    if cfg.arms[0] not in online_arms or not set(online_arms) <= set(cfg.arms):
+        raise SystemExit(f"error: online_arms: must be arms, the reference {cfg.arms[0]} among them, got "
+                         f"{online_arms}")
+    jobs = [(k, a, s) for k in ("offline", "online") if cfg[k] for a in (cfg.arms if k == "offline" else online_arms)
+            for s in cfg.seeds]
     jobs.sort(key=lambda j: (j[0] != "offline", j[1] != cfg.arms[0]))  # each seed's data cache: the first arm's
     with ThreadPoolExecutor(max(1, cfg.parallel)) as pool:
         results = dict(zip(jobs, pool.map(lambda j: launch(cfg, *j), jobs)))
