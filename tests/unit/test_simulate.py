@@ -239,3 +239,12 @@ def test_explicit_curves_and_bad_inputs(sim, tmp_path):
     broken.write_text("{not json")
     with pytest.raises(ConfigError, match="tracking="):
         sim.load_inputs(OmegaConf.create({**sim.DEFAULTS, "tracking": str(broken)}))
+
+
+def test_every_drafting_kind_of_the_registry_has_a_simulated_shape():
+    """A kind added to the registry without a DraftShape fails here (the self-drafter is the policy's own forward
+    at its weight width, the chooser picks among the others)."""
+    from drafttrain.drafters import DRAFTERS
+    from drafttrain.simulate import SHAPES
+
+    assert set(SHAPES) == set(DRAFTERS) - {"selfquant", "auto"}
