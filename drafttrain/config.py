@@ -348,10 +348,11 @@ def save_config(cfg: Config, out_dir: str | Path) -> Path:
     return path
 
 
-def sampling_params(cfg: Config, **extra):
+def sampling_params(sampling, **extra):
+    """The sampling.* section as SamplingParams; extra fields override it."""
     from drafttrain.spec import SamplingParams
 
-    s = cfg.sampling
+    s = sampling
     kw = dict(temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, max_new_tokens=s.max_new_tokens)
     return SamplingParams(**{**kw, **extra})
 

@@ -41,7 +41,7 @@ def main(cfg) -> dict:
     drafter = build_drafter(rc.drafter, policy).eval()
     engine = build_engine(rc.engine, policy, drafter)
     prompts = [encode_prompt(tok, p.prompt) for p in make_prompts(cfg.rollouts, seed=cfg.seed)]
-    params = sampling_params(rc, max_new_tokens=cfg.max_new_tokens, stop_token_ids=(tok.eos_token_id,),
+    params = sampling_params(rc.sampling, max_new_tokens=cfg.max_new_tokens, stop_token_ids=(tok.eos_token_id,),
                              seed=cfg.seed)
     b = engine.generate(prompts, params, speculative=True)
 

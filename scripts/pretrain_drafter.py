@@ -179,7 +179,7 @@ def add_chunk(pc, cfg, policy, source: Prompts, engine, buffer, reads, c: int, r
                 buffer.add(feats)
             return
     prompts = [source.encode(r) for r in source.rows(pc.chunk, seed=seed)]
-    params = sampling_params(cfg, stop_token_ids=source.stop_ids, seed=seed)
+    params = sampling_params(cfg.sampling, stop_token_ids=source.stop_ids, seed=seed)
     resp = engine.generate(prompts, params, speculative=False).tokens
     order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]) + len(resp[i]))  # little padding
     feats = []
@@ -217,7 +217,7 @@ def evaluate(cfg, policy, source: Prompts, drafter, pc: PretrainConfig) -> dict:
     sampling) and sampling."""
     engine = build_engine(cfg.engine, policy, drafter)
     problems = source.eval_rows(pc.eval_prompts, seed=10**9 + pc.seed)
-    params = sampling_params(cfg, stop_token_ids=source.stop_ids, seed=pc.seed)
+    params = sampling_params(cfg.sampling, stop_token_ids=source.stop_ids, seed=pc.seed)
     stats, t0 = SpecStats(), time.time()
     for i in range(0, len(problems), cfg.engine.max_batch):
         prompts = [source.encode(p) for p in problems[i:i + cfg.engine.max_batch]]

@@ -19,7 +19,7 @@ def setup():
     src = Prompts(cfg.data, cfg.reward, tok, stop_ids(policy, tok))
     prompts = [src.encode(r) for r in src.rows(128, seed=5)]
     resp = build_engine(cfg.engine, policy).generate(
-        prompts, sampling_params(cfg, stop_token_ids=src.stop_ids, seed=5), speculative=False).tokens
+        prompts, sampling_params(cfg.sampling, stop_token_ids=src.stop_ids, seed=5), speculative=False).tokens
     drafter = build_drafter(cfg.drafter, policy)
     buf = FeatureBuffer(256 << 20, seed=0)
     for i in range(0, 128, 16):

@@ -19,7 +19,7 @@ torch.set_num_threads(int(kv.get("threads", 2)))
 cfg = load_recipe("eagle3_track", [f"policy.path={src}", "engine.speculative=false",
                                    f"sampling.max_new_tokens={kv.get('max_new_tokens', 496)}"])
 policy, tok = load_policy(src)
-grpo = GRPO(cfg, policy, tok, build_engine(cfg.engine, policy))
+grpo = GRPO.from_config(cfg, policy, tok, build_engine(cfg.engine, policy))
 grpo.opt.step = lambda: None  # the cost, not the update
 for s in range(int(kv.get("steps", 3))):
     ro = grpo.rollout(s)

@@ -14,7 +14,7 @@ extra = [a for a in sys.argv[7:]]
 cfg = load_recipe("eagle3_track", [f"policy.path={src}", f"rl.lr={lr}", f"rl.prompt_seed={seed}"] + extra)
 policy, tok = load_policy(src)
 engine = build_engine(cfg.engine, policy, None)
-g = GRPO(cfg, policy, tok, engine)
+g = GRPO.from_config(cfg, policy, tok, engine)
 log = []
 t0 = time.time()
 for s in range(steps):

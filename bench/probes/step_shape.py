@@ -42,14 +42,14 @@ def measure(threads: int = 2) -> tuple[dict, dict, float, float]:
     for spec in (False, True):
         for b in BATCHES:
             rows = [prompts.encode(r) for r in prompts.rows(b, seed=7)]
-            params = sampling_params(cfg, stop_token_ids=(), seed=1, max_new_tokens=48)
+            params = sampling_params(cfg.sampling, stop_token_ids=(), seed=1, max_new_tokens=48)
             engine.generate(rows, params, speculative=spec)  # warm-up
             best = []
             for _ in range(3):
                 e = engine.generate(rows, params, speculative=spec).timeline.ends
                 best.append((e[-1] - e[0]) / (len(e) - 1) * 1e3)
             out[(spec, b)] = min(best)
-    grpo = GRPO(cfg, policy, tok, engine, None)
+    grpo = GRPO.from_config(cfg, policy, tok, engine, None)
     ro = grpo.rollout(0)
     ntok = sum(len(p) + len(r) for p, r in zip(ro.prompts, ro.responses))
     natural = _timed(grpo, ro) / ntok * 1e3

@@ -47,7 +47,7 @@ def rl(src, out, seed, kv):
                                        *[f"{k}={v}" for k, v in kv.items()]])
     policy, tok = load_policy(src)
     engine = build_engine(cfg.engine, policy, None)
-    g = GRPO(cfg, policy, tok, engine)
+    g = GRPO.from_config(cfg, policy, tok, engine)
     log = []
     for s in range(steps):
         t = time.perf_counter()

@@ -38,23 +38,31 @@ class Rollouts:
 
 
 class GRPO:
-    def __init__(self, cfg, policy, tok, engine, tracker=None, accelerator=None, rank: int = 0, prompts=None):
-        self.cfg, self.policy, self.tok, self.engine, self.tracker = cfg, policy, tok, engine, tracker
+    def __init__(self, rl, sampling, engine_cfg, policy, tok, engine, prompts: Prompts, tracker=None,
+                 accelerator=None, rank: int = 0):
+        """rl, sampling, engine_cfg: the config's rl.*, sampling.* and engine.* sections (from_config: a Config)."""
+        self.rl, self.sampling, self.engine_cfg = rl, sampling, engine_cfg
+        self.policy, self.tok, self.engine, self.tracker = policy, tok, engine, tracker
         self.rank = rank
-        # the task's, or data.path's (with reward.fn)
-        self.prompts = prompts if prompts is not None else Prompts(cfg.data, cfg.reward, tok, stop_ids(policy, tok))
+        self.prompts = prompts  # the task's, or data.path's (with reward.fn)
         self._check_room(policy)
-        self.opt = torch.optim.AdamW(policy.parameters(), lr=cfg.rl.lr, weight_decay=0.0)
+        self.opt = torch.optim.AdamW(policy.parameters(), lr=rl.lr, weight_decay=0.0)
         # several processes: the gradients are averaged once per update (average_grads), as DDP would, and the
         # policy is never handed to accelerate, whose DeepSpeed engine (under a DeepSpeed launch) is the drafter's
         self.acc = accelerator
         self.model = policy
-        self._pool = ThreadPoolExecutor(max_workers=1) if cfg.rl.mode == "async" else None
+        self._pool = ThreadPoolExecutor(max_workers=1) if rl.mode == "async" else None
+
+    @classmethod
+    def from_config(cls, cfg, policy, tok, engine, tracker=None, accelerator=None, rank: int = 0, prompts=None):
+        """From a whole Config: its sections, and its data.* / reward.* prompts unless given."""
+        prompts = prompts if prompts is not None else Prompts(cfg.data, cfg.reward, tok, stop_ids(policy, tok))
+        return cls(cfg.rl, cfg.sampling, cfg.engine, policy, tok, engine, prompts, tracker, accelerator, rank)
 
     def _check_room(self, policy) -> None:
         """At start-up: a row's positions (engine.max_len, capped by the policy's) hold the longest prompt plus a full
         response. generate refuses a longer prompt, and a shorter room would cut responses off unscored."""
-        s, max_len = self.cfg.sampling, self.cfg.engine.max_len
+        s, max_len = self.sampling, self.engine_cfg.max_len
         prompt = self.prompts.longest_prompt()
         need, pos = prompt + s.max_new_tokens, getattr(policy.config, "max_position_embeddings", max_len)
         if max_len < need:
@@ -65,20 +73,20 @@ class GRPO:
                               f"tokens) exceeds the policy's {pos} positions (max_position_embeddings)")
 
     def rollout(self, step: int) -> Rollouts:
-        rl = self.cfg.rl
+        rl = self.rl
         seed = rl.prompt_seed * 1_000_003 + step * 101 + self.rank  # each step (and process) its own prompts
         rows = self.prompts.rows(rl.prompts_per_step, seed=seed)
         prompts = [self.prompts.encode(r) for r in rows for _ in range(rl.group_size)]
-        params = sampling_params(self.cfg, stop_token_ids=self.prompts.stop_ids, seed=seed)
+        params = sampling_params(self.sampling, stop_token_ids=self.prompts.stop_ids, seed=seed)
         if self.tracker is not None:  # the first batch of a new drafter version is its (inline) canary
-            batch, canary = self.tracker.generate(self.engine, prompts, params, speculative=self.cfg.engine.speculative)
+            batch, canary = self.tracker.generate(self.engine, prompts, params, speculative=self.engine_cfg.speculative)
             self.tracker.set_probe(prompts[:: rl.group_size], self.prompts.stop_ids)
         else:
-            batch, canary = self.engine.generate(prompts, params, speculative=self.cfg.engine.speculative), {}
+            batch, canary = self.engine.generate(prompts, params, speculative=self.engine_cfg.speculative), {}
         P = self.prompts
         rewards = [P.reward(rows[i // rl.group_size], P.decode(r)) for i, r in enumerate(batch.tokens)]
         if rl.truncated_reward is not None:
-            cap, stop = self.cfg.sampling.max_new_tokens, set(self.prompts.stop_ids)
+            cap, stop = self.sampling.max_new_tokens, set(self.prompts.stop_ids)
             rewards = [rl.truncated_reward if unfinished(t, cap, stop) else r for r, t in zip(rewards, batch.tokens)]
         return Rollouts(step, prompts, batch.tokens, batch.logprobs, rewards, batch, canary)
 
@@ -86,13 +94,13 @@ class GRPO:
         """Held-out accuracy (mean reward) of the current policy on rl.eval_prompts fixed problems (rl.eval_seed), or
         on data.path's held-out rows: sampled (sampling.temperature) and greedy, through the rollout engine, seeded;
         decoded plainly or as the rollouts are (rl.eval_decode: SD is lossless, so only the time differs)."""
-        rl, P = self.cfg.rl, self.prompts
+        rl, P = self.rl, self.prompts
         rows = P.eval_rows(rl.eval_prompts, seed=rl.eval_seed)
         prompts = [P.encode(r) for r in rows]
         out = {}
-        for name, T in (("sampled", self.cfg.sampling.temperature), ("greedy", 0.0)):
-            params = sampling_params(self.cfg, temperature=T, stop_token_ids=P.stop_ids, seed=rl.eval_seed)
-            spec = self.cfg.engine.speculative and rl.eval_decode == "rollout"
+        for name, T in (("sampled", self.sampling.temperature), ("greedy", 0.0)):
+            params = sampling_params(self.sampling, temperature=T, stop_token_ids=P.stop_ids, seed=rl.eval_seed)
+            spec = self.engine_cfg.speculative and rl.eval_decode == "rollout"
             batch = self.engine.generate(prompts, params, speculative=spec)
             out[f"eval_{name}_acc"] = statistics.fmean(P.reward(r, P.decode(t)) for r, t in zip(rows, batch.tokens))
         return out
@@ -109,7 +117,7 @@ class GRPO:
             p.grad = g.view_as(p).clone()
 
     def advantages(self, rewards: list[float]) -> torch.Tensor:
-        G = self.cfg.rl.group_size
+        G = self.rl.group_size
         r = torch.tensor(rewards).view(-1, G)  # [P, G]
         return ((r - r.mean(1, keepdim=True)) / (r.std(1, keepdim=True) + 1e-4)).view(-1)  # [P*G]
 
@@ -120,8 +128,8 @@ class GRPO:
         0 (its group's rewards were all equal) adds no gradient, so those go last and run without autograd, and only
         where the tracker reads their features (tracker.reads_rows): the policy's update itself needs no forward of
         them."""
-        rl, T = self.cfg.rl, self.cfg.sampling.temperature or 1.0
-        params = sampling_params(self.cfg, temperature=T)  # the rollouts' top-k / top-p (greedy rollouts: T = 1)
+        rl, T = self.rl, self.sampling.temperature or 1.0
+        params = sampling_params(self.sampling, temperature=T)  # the rollouts' top-k / top-p (greedy rollouts: T = 1)
         adv = self.advantages(ro.rewards)  # [N]
         n_tok = sum(len(r) for r in ro.responses)
         reads = self.tracker is not None and self.tracker.reads_rows(ro.step, last)

@@ -93,7 +93,7 @@ def _run(cfg, acc, out: Path, stopper: Stopper, closing: contextlib.ExitStack) -
         tracker = DraftTracker(cfg, policy, [engine], drafter, acc, log=say)
     except ValueError as e:
         raise ConfigError(str(e)) from None
-    grpo = GRPO(cfg, policy, tok, engine, tracker, acc, rank=acc.process_index, prompts=prompts)
+    grpo = GRPO.from_config(cfg, policy, tok, engine, tracker, acc, rank=acc.process_index, prompts=prompts)
     start = 0
     if state is not None:
         start = _restore(state, last, tracker, grpo)

@@ -295,7 +295,8 @@ class DraftTracker:
             with self._lock:
                 self.trainer.set_weights(merged(weights, self.scorer.serving_weights(), worse))
         if skipped < len(losses) and not rec.gated:
-            params = sampling_params(self.cfg, max_new_tokens=oc.canary_max_new_tokens, stop_token_ids=self.probe_stop)
+            params = sampling_params(self.cfg.sampling, max_new_tokens=oc.canary_max_new_tokens,
+                                     stop_token_ids=self.probe_stop)
             probe = self.probe_prompts if oc.canary == "probe" else None
             out = weights if passed == members else merged(self.scorer.serving_weights(), weights, passed)
             per = probation(self.collective.sum, ests, expected, passed, self.scorer.k)  # what each canary expects

@@ -51,7 +51,7 @@ def trained():
                                        "online.canary_max_new_tokens=48"])
     prompts = [encode_prompt(tok, p.prompt) for p in make_prompts(8, seed=0)]
     engine = build_engine(cfg.engine, policy, build_drafter(cfg.drafter, policy))
-    ro = engine.generate(prompts, sampling_params(cfg, max_new_tokens=32, seed=0), speculative=False)
+    ro = engine.generate(prompts, sampling_params(cfg.sampling, max_new_tokens=32, seed=0), speculative=False)
     drafter = build_drafter(cfg.drafter, policy)
     feats = teacher_forced_features(policy, prompts, ro.tokens, drafter.aux_layer_ids, 4)
     trainer = DrafterTrainer(drafter, cfg.train, cfg.drafter)

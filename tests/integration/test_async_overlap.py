@@ -27,7 +27,7 @@ def async_grpo(seed: int, *overrides: str):
     policy, tok = build_policy(TINY).eval(), build_tokenizer()
     cfg = load_recipe("eagle3_track", ["drafter.path=null", "rl.mode=async", "rl.prompts_per_step=4", "rl.group_size=4",
                                        "sampling.max_new_tokens=12", "rl.lr=3e-2", *overrides])
-    return GRPO(cfg, policy, tok, build_engine(cfg.engine, policy))
+    return GRPO.from_config(cfg, policy, tok, build_engine(cfg.engine, policy))
 
 
 @pytest.mark.slow

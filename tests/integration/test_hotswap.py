@@ -102,7 +102,7 @@ def test_canary_rolls_back_a_corrupt_drafter(trained, how, canary):
     engine, logs = engine_for(trained), []
     cfg, probe = trained["cfg"].copy(), trained["prompts"][:4]
     cfg.online.canary = canary
-    params = sampling_params(cfg, max_new_tokens=cfg.online.canary_max_new_tokens)
+    params = sampling_params(cfg.sampling, max_new_tokens=cfg.online.canary_max_new_tokens)
     pub = Publisher([engine], engine.drafter.state_dict(), cfg.online, log=logs.append)
 
     def publish(weights):
@@ -129,7 +129,7 @@ def test_inline_canary_waits_for_a_batch_of_the_new_version(trained):
     from drafttrain.tracking.hotswap import Publisher
 
     engine, cfg, probe = engine_for(trained), trained["cfg"], trained["prompts"][:2]
-    params = sampling_params(cfg, max_new_tokens=16)
+    params = sampling_params(cfg.sampling, max_new_tokens=16)
     pub = Publisher([engine], engine.drafter.state_dict(), cfg.online, log=lambda m: None)
     old_batch = engine.generate(probe, params)
     assert pub.publish(corrupt(trained["good"], "zeroed"), trained["expected"])["published"]
@@ -145,7 +145,7 @@ def test_pooled_canary_judges_with_every_process(trained):
     from drafttrain.tracking.hotswap import Publisher
 
     engine, cfg, probe = engine_for(trained), trained["cfg"], trained["prompts"][:2]
-    params = sampling_params(cfg, max_new_tokens=16)
+    params = sampling_params(cfg.sampling, max_new_tokens=16)
     other = [0.0] * 4  # the other process's failures, MAL x verify rows, verify rows, expected MAL x verify rows
     pub = Publisher([engine], engine.drafter.state_dict(), cfg.online, log=lambda m: None,
                     pool=lambda xs: [a + b for a, b in zip(xs, other)])
@@ -184,7 +184,7 @@ def test_canary_rolls_back_a_drafter_that_crashes_the_engine(trained, canary):
     engine, logs = engine_for(trained, int8=True), []
     cfg, probe = trained["cfg"].copy(), trained["prompts"][:2]
     cfg.online.canary = canary
-    params = sampling_params(cfg, max_new_tokens=16)
+    params = sampling_params(cfg.sampling, max_new_tokens=16)
     huge = {k: v * 1e10 if v.is_floating_point() else v for k, v in trained["good"].items()}
     if canary == "probe":
         pub = Publisher([engine], trained["good"], cfg.online, log=logs.append)
@@ -202,7 +202,7 @@ def test_canary_rolls_back_a_drafter_that_crashes_the_engine(trained, canary):
     # bound on 2 unseeded rows of 16 tokens sat at its edge on one CPU's int8 kernels)
     ref = engine_for(trained, int8=True)
     ref.load_drafter(trained["good"], 2)
-    seeded = sampling_params(cfg, max_new_tokens=16, seed=3)
+    seeded = sampling_params(cfg.sampling, max_new_tokens=16, seed=3)
     got, want = engine.generate(probe, seeded), ref.generate(probe, seeded)
     assert got.tokens == want.tokens and got.stats.accepted_per_position == want.stats.accepted_per_position
     assert want.stats.mean_accepted_length > 1.0  # the good drafter is accepted at all
@@ -270,7 +270,7 @@ def test_resume_after_rollback_serves_the_good_weights(trained):
     engine = engine_for(trained)
     tracker, _ = tracker_with_features(trained, engine, "online.canary=probe")
     cfg, probe = tracker.cfg, trained["prompts"][:4]
-    params = sampling_params(cfg, max_new_tokens=48)
+    params = sampling_params(cfg.sampling, max_new_tokens=48)
     assert tracker.publisher.publish(trained["good"], trained["expected"], probe, params)["published"]
     zeros = corrupt(trained["good"], "zeroed")
     tracker.drafter.load_state_dict(zeros)  # the trainer's drafter went bad
@@ -310,6 +310,6 @@ def test_resume_serves_a_published_version_its_canary_has_not_judged_yet(trained
     assert pend is not None and pend["version"] == engine2.drafter_version == state["version"] == 1
     assert all(torch.equal(pend["weights"][k], newer[k]) for k in newer)
     # judged as before the restart: a batch drafted with it passes its canary and it becomes the good version
-    params = sampling_params(tracker.cfg, max_new_tokens=32)
+    params = sampling_params(tracker.cfg.sampling, max_new_tokens=32)
     tracker2.observe_rollout(engine2.generate(trained["prompts"], params))
     assert tracker2.publisher.pending is None and tracker2.publisher.good_version == 1

@@ -21,7 +21,7 @@ def test_the_shipped_policy_learns_in_a_short_run():
     cfg = load_recipe("eagle3_track", ["drafter.path=null", f"rl.eval_prompts={n_eval}"])
     policy, tok = load_policy(str(resolve_path(cfg.policy.path)))
     engine = build_engine(cfg.engine, policy)
-    grpo = GRPO(cfg, policy, tok, engine)
+    grpo = GRPO.from_config(cfg, policy, tok, engine)
     before = grpo.evaluate()["eval_sampled_acc"]
     rewards = []
     for step in range(steps):

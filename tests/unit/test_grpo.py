@@ -23,7 +23,7 @@ def setup():
     policy, tok = build_policy(TINY).eval(), build_tokenizer()
     cfg = load_recipe("eagle3_track", ["drafter.path=null", "rl.prompts_per_step=4", "rl.group_size=4",
                                        "rl.micro_batch=4", "sampling.max_new_tokens=12"])
-    grpo = GRPO(cfg, policy, tok, build_engine(cfg.engine, policy))
+    grpo = GRPO.from_config(cfg, policy, tok, build_engine(cfg.engine, policy))
     ro = grpo.rollout(0)
     ro.rewards = [float(r) for r in REWARDS]
     return grpo, ro
@@ -93,7 +93,7 @@ def test_the_update_does_not_depend_on_how_the_rows_are_cut(setup, monkeypatch):
     monkeypatch.setattr(grpo.opt, "step", lambda: grads.append(
         {n: p.grad.clone() for n, p in grpo.policy.named_parameters()}))
     for tokens in (2048, 1):  # four rows a forward, then every row alone
-        monkeypatch.setattr(grpo.cfg.rl, "micro_tokens", tokens)
+        monkeypatch.setattr(grpo.rl, "micro_tokens", tokens)
         grpo.train_step(ro)
     for n, g in grads[0].items():
         torch.testing.assert_close(grads[1][n], g, atol=1e-6, rtol=1e-4, msg=n)
@@ -137,7 +137,7 @@ def test_zero_advantage_rows_are_forwarded_only_where_the_tracker_reads_them(set
 
 def test_evaluate_scores_fixed_held_out_problems(setup):
     grpo, _ = setup
-    grpo.cfg.rl.eval_prompts = 8
+    grpo.rl.eval_prompts = 8
     first, again = grpo.evaluate(), grpo.evaluate()
     assert first == again and set(first) == {"eval_sampled_acc", "eval_greedy_acc"}  # seeded: repeatable
     assert all(0.0 <= v <= 1.0 for v in first.values())
@@ -156,7 +156,7 @@ def test_fresh_rollouts_have_ratio_one_under_truncated_sampling(over):
     policy, tok = build_policy(TINY).eval(), build_tokenizer()
     cfg = load_recipe("eagle3_track", ["drafter.path=null", "rl.prompts_per_step=2", "rl.group_size=2",
                                        "rl.micro_batch=4", "sampling.max_new_tokens=12", over])
-    grpo = GRPO(cfg, policy, tok, build_engine(cfg.engine, policy))
+    grpo = GRPO.from_config(cfg, policy, tok, build_engine(cfg.engine, policy))
     ro = grpo.rollout(0)
     ro.rewards = [1.0, 0.0, 0.0, 1.0]
     assert grpo.train_step(ro)["clip_frac"] == 0.0
@@ -176,13 +176,13 @@ def test_rows_too_short_for_the_task_are_refused_at_start_up(over, key):
     policy, tok = build_policy(TINY).eval(), build_tokenizer()
     cfg = load_recipe("eagle3_track", ["drafter.path=null", *over])
     with pytest.raises(ConfigError, match=key.replace(".", r"\.")) as e:
-        GRPO(cfg, policy, tok, build_engine(cfg.engine, policy))
+        GRPO.from_config(cfg, policy, tok, build_engine(cfg.engine, policy))
     assert str(e.value).startswith(key) and "\n" not in str(e.value)
     short = load_recipe("eagle3_track", ["drafter.path=null", "engine.max_len=504"])  # one position short
     with pytest.raises(ConfigError, match=r"engine\.max_len"):
-        GRPO(short, policy, tok, build_engine(short.engine, policy))
+        GRPO.from_config(short, policy, tok, build_engine(short.engine, policy))
     ok = load_recipe("eagle3_track", ["drafter.path=null", "engine.max_len=505"])  # 9-token prompt + 496 fits
-    GRPO(ok, policy, tok, build_engine(ok.engine, policy))
+    GRPO.from_config(ok, policy, tok, build_engine(ok.engine, policy))
 
 
 @pytest.mark.parametrize("speculative", [True, False])
@@ -203,7 +203,7 @@ def test_engine_speculative_false_decodes_ar_and_the_unused_drafter_costs_nothin
     drafter = build_drafter(cfg.drafter, policy)
     engine = build_engine(cfg.engine, policy, drafter)
     tracker = DraftTracker(cfg, policy, [engine], drafter)
-    grpo = GRPO(cfg, policy, tok, engine, tracker)
+    grpo = GRPO.from_config(cfg, policy, tok, engine, tracker)
     flags, generate = [], engine.generate
     engine.generate = lambda *a, **kw: (flags.append(kw.get("speculative")), generate(*a, **kw))[1]  # noqa: E731
     ro = grpo.rollout(0)
@@ -292,13 +292,13 @@ def test_truncated_reward_replaces_the_reward_of_rows_cut_at_the_cap_unfinished(
 
     grpo, _ = setup
     monkeypatch.setattr(grpo.prompts, "reward", lambda row, text: 1.0)  # every answer right, whatever its length
-    cap, stop = grpo.cfg.sampling.max_new_tokens, set(grpo.prompts.stop_ids)
-    monkeypatch.setattr(grpo.cfg.rl, "truncated_reward", -0.5)
+    cap, stop = grpo.sampling.max_new_tokens, set(grpo.prompts.stop_ids)
+    monkeypatch.setattr(grpo.rl, "truncated_reward", -0.5)
     ro = grpo.rollout(3)
     cut = [unfinished(t, cap, stop) for t in ro.responses]
     assert any(cut) and ro.rewards == [-0.5 if c else 1.0 for c in cut]
     assert all(len(t) == cap for t, c in zip(ro.responses, cut) if c)
-    monkeypatch.setattr(grpo.cfg.rl, "truncated_reward", None)  # as scored
+    monkeypatch.setattr(grpo.rl, "truncated_reward", None)  # as scored
     assert grpo.rollout(3).rewards == [1.0] * len(cut)
 
 
