@@ -306,7 +306,8 @@ SMOKE: list[Smoke] = [
     _main_job("auto_track", MAIN, "recipe=auto_track", trainer=False),
     _main_job("module_entry", "python -m drafttrain.online", "recipe=eagle3_track", steps=2),
     _main_job("online_options", MAIN, "recipe=eagle3_track engine.k=auto online.budget_frac=0 online.canary=probe "
-              "online.measure_every=1 rl.eval_decode=ar online.capture_rows=graded", steps=2),
+              "online.measure_every=1 rl.eval_decode=ar online.capture_rows=graded train.positions=rejected "
+              "train.loss=kl_tv", steps=2),
     _main_job("two_processes", f"{TWO_PROC} drafttrain/online.py", "recipe=eagle3_track", processes=2),
     _main_job("one_process_config", "accelerate launch --config_file recipes/accelerate/one_process.yaml "
               "drafttrain/online.py", "recipe=eagle3_track"),
