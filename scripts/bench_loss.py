@@ -36,6 +36,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
+from omegaconf import ListConfig, OmegaConf
 
 from drafttrain.config import PROJECT_ROOT, load_recipe, max_draft_len, resolve_path, script_config
 from drafttrain.report import format_table, read_jsonl, write_json
@@ -123,13 +124,21 @@ def run_job(cfg) -> None:
     write_json({"arm": cfg.arm, "seed": int(cfg.seed), **res}, job_file(cfg, cfg.job, cfg.arm, int(cfg.seed)))
 
 
+def child_argv(cfg) -> list[str]:
+    """This run's settings as a job's key=value arguments: lists as JSON, None as null (its str "None" would reach
+    the job as the string "None")."""
+    def value(v):
+        if isinstance(v, ListConfig):
+            v = OmegaConf.to_container(v)
+        return "null" if v is None else json.dumps(v) if isinstance(v, list) else v
+    return [f"{k}={value(v)}" for k, v in cfg.items() if k not in ("job", "arm", "seed")]
+
+
 def launch(cfg, kind: str, arm: str, seed: int) -> dict:
     """One job in a child process (skipped when its JSON is there); its result."""
     f = job_file(cfg, kind, arm, seed)
     if not f.is_file():
-        argv = [f"{k}={json.dumps(v) if isinstance(v, list) else v}" for k, v in cfg.items()
-                if k not in ("job", "arm", "seed")]
-        cmd = [sys.executable, __file__, *argv, f"job={kind}", f"arm={arm}", f"seed={seed}"]
+        cmd = [sys.executable, __file__, *child_argv(cfg), f"job={kind}", f"arm={arm}", f"seed={seed}"]
         f.parent.mkdir(parents=True, exist_ok=True)
         print(f"[bench_loss] {kind} {arm} seed {seed}", flush=True)
         with open(f.with_suffix(".log"), "w") as log:
