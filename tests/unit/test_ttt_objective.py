@@ -1,7 +1,7 @@
 """The drafter loss aimed at acceptance (train.loss=tv | kl_tv) and the rejected-position draws (train.positions)."""
 from __future__ import annotations
 
-import copy
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -9,16 +9,7 @@ from scipy.stats import chisquare
 
 from drafttrain.drafters.ttt import Objective, rejection_weights, tv_loss
 from drafttrain.train_config import check_train
-from types import SimpleNamespace
-
-
-def _perturbed(drafter, seed):
-    d = copy.deepcopy(drafter)
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in d.parameters():
-            p.add_(torch.randn(p.shape, generator=g) * 0.1)
-    return d
+from tests.unit.test_drafter import perturbed
 
 
 def _inputs(d, B=2, T=9, steps=3, seed=0):
@@ -60,7 +51,7 @@ def test_tv_gradient_moves_q_toward_p_only_where_they_differ():
 def test_ttt_loss_through_the_unroll_is_the_decayed_mean_of_the_per_position_losses(drafter, loss):
     """The TV (and KL + w * TV) through the TTT unroll: step i's mean over valid positions of 1 - sum min(p, q),
     weighted decay**i, recomputed here from ttt_logits and the policy's distributions."""
-    d = _perturbed(drafter, 3)
+    d = perturbed(drafter, 3)
     steps, decay, w = 3, 0.8, 0.7
     aux, next_ids, probs, valid = _inputs(d, steps=steps)
     T = aux.shape[1]
@@ -77,7 +68,7 @@ def test_ttt_loss_through_the_unroll_is_the_decayed_mean_of_the_per_position_los
 
 def test_hard_targets_tv_is_one_minus_the_rollout_tokens_probability(drafter):
     """MTP's hard loss under tv: 1 - q(x) for the rollout token x (the one-hot target's total variation)."""
-    d = _perturbed(drafter, 4)
+    d = perturbed(drafter, 4)
     aux, next_ids, probs, valid = _inputs(d, steps=1)
     T = aux.shape[1]
     from drafttrain.drafters import ttt
@@ -114,7 +105,7 @@ def test_rejected_weights_equal_draws_in_proportion_to_the_rejection():
 def test_rejected_positions_shift_the_loss_to_where_the_drafter_is_rejected(drafter):
     """The policy's distribution made the drafter's own at every target but a few (row, position) terms: under
     positions=rejected the loss (and its gradient) comes from those terms alone; uniform spreads it over all."""
-    d = _perturbed(drafter, 6)
+    d = perturbed(drafter, 6)
     steps = 1
     aux, next_ids, _, valid = _inputs(d, steps=steps)
     valid[:] = True
