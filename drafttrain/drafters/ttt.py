@@ -76,6 +76,7 @@ def ttt_loss(drafter, aux, next_ids, target_probs, valid, steps: int, decay: flo
         at = slice(1 + i, 1 + i + T) if S is None else 1 + i + S  # the positions step i is scored at
         m = valid[:, at].float()  # [B, S]
         lp = lg.log_softmax(-1)
+        q = lp.exp() if use_tv or weigh else None  # the draft distribution, read by the TV and the weights
         p = target_probs[:, at].float()[..., ids]  # [B, S, Vd] the policy's mass on the draft vocab
         if hard:  # the rollout token x = token_{t+2+i} = next_ids[:, t+1+i]; a token outside the draft vocab: no loss
             x = nxt[:, at]
@@ -92,10 +93,10 @@ def ttt_loss(drafter, aux, next_ids, target_probs, valid, steps: int, decay: flo
                 tp = p / p.sum(-1, keepdim=True).clamp_min(1e-8)
                 per = -(tp * lp).sum(-1)  # [B, S]
             if use_tv:  # against p itself: its mass off the draft vocab is rejected whatever q does
-                per = per + tv_w * tv_loss(p, lp.exp())
+                per = per + tv_w * tv_loss(p, q)
             hit = lg.argmax(-1) == p.argmax(-1)
         # the terms' weights (sum w = sum m); acceptance is p against q whatever the target (hard: the token)
-        w = m * rejection_weights(p, lp.exp(), m) if weigh else m
+        w = m * rejection_weights(p, q, m) if weigh else m
         denom = m.sum().clamp_min(1.0)
         total = total + (decay ** i) * (per * w).sum() / denom
         wsum += decay ** i
