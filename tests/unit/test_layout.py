@@ -1,4 +1,5 @@
-"""The package's shape: no import circle among its modules or its packages, and no module over 400 lines. An edge is
+"""The package's shape: no import circle among its modules or its packages, no module over 400 lines and no function
+over 80. An edge is
 every way one module makes Python run another: an import anywhere in its body (lazy imports inside functions hide a
 circle, they do not remove it), a module named in a string ("drafttrain.engines.vllm_forms:EAGLE3" for importlib, a
 vLLM class path), and the __init__ of each package above an imported module that the importer is not inside."""
@@ -13,6 +14,7 @@ import drafttrain
 
 ROOT = Path(drafttrain.__file__).parent
 MAX_LINES = 400
+MAX_FUNCTION_LINES = 80  # a function reads on one screen: longer ones split into named steps
 NAMED = re.compile(r"drafttrain(\.\w+)+(:\w+)?")  # a whole string naming a module (optionally ":attribute")
 # Known edges that still close a circle, each with the reason it stays: (importer, imported). Empty: keep it so.
 ALLOWED: set[tuple[str, str]] = set()
@@ -136,6 +138,39 @@ def test_no_module_is_over_400_lines():
     assert not long, long
 
 
+def long_functions(source: str, limit: int = MAX_FUNCTION_LINES) -> dict[str, int]:
+    """Each function (or method) in `source` longer than `limit` lines, def line to last line, by qualified name."""
+    out: dict[str, int] = {}
+
+    def walk(node, prefix=""):
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                name = prefix + child.name
+                n = child.end_lineno - child.lineno + 1
+                if not isinstance(child, ast.ClassDef) and n > limit:
+                    out[name] = n
+                walk(child, name + ".")
+            else:
+                walk(child, prefix)
+
+    walk(ast.parse(source))
+    return out
+
+
+def test_long_functions_finds_a_long_method_and_a_nested_one():
+    body = "\n".join(f"        x{i} = {i}" for i in range(80))
+    inner = "\n".join("    " + line for line in body.splitlines())
+    src = f"class A:\n    def f(self):\n{body}\n\n    def g(self):\n        def h():\n{inner}\n        return h\n"
+    assert long_functions(src) == {"A.f": 81, "A.g": 83, "A.g.h": 81}
+    assert long_functions(src, limit=90) == {}
+
+
+def test_no_function_is_over_80_lines():
+    long = {f"{p.relative_to(ROOT.parent)}:{name}": n for p in _modules().values()
+            for name, n in long_functions(p.read_text()).items()}
+    assert not long, long
+
+
 def test_the_package_imports_without_vllm():
     """vLLM is an optional extra and heavy to import (every spawned process of a multi-process run pays it):
     only an engine.kind=vllm build imports it."""
@@ -154,3 +189,13 @@ def test_only_the_drafters_package_branches_on_a_drafter_kind():
     found = [f"{p.relative_to(ROOT.parent)}:{i}" for p in _modules().values() if "drafters" not in p.parts
              for i, line in enumerate(p.read_text().splitlines(), 1) if pattern.search(line.split("#")[0])]
     assert not found, found
+
+
+def test_no_module_probes_a_drafter_with_hasattr():
+    """The drafter contract is declared (drafters/contract.py gives every optional method a default): nothing outside
+    it asks a drafter whether it has a method."""
+    pattern = re.compile(r"hasattr\(\s*[\w.]*(drafter|member)\b")
+    found = [f"{p.relative_to(ROOT.parent)}:{i}" for p in _modules().values() if p.name != "contract.py"
+             for i, line in enumerate(p.read_text().splitlines(), 1) if pattern.search(line.split("#")[0])]
+    assert not found, found
+    assert pattern.search("if hasattr(self.drafter, 'adopt'):")  # what it would catch
