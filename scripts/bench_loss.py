@@ -16,7 +16,7 @@ run_dir is reused, so a stopped benchmark picks up where it was):
    step-0 drafter at every step. Its last quarter: live_mal and tracking_over_frozen. At its end, an oracle (the
    step-0 drafter trained to convergence on fresh rollouts of the final policy, bench_tracking's, with the arm's
    loss) and the run's drafter are scored on other fresh rollouts: tracking_over_oracle (the oracle is the bar, so
-   it is trained the same way as the arm).
+   it is trained the same way as the arm); oracle_mal is the oracle's own MAL there, what the arm's loss can reach.
 3. Step cost: ms per drafter step at the recipe (DrafterTrainer.step on the shipped policy's own rollouts), the arms
    interleaved in this process over `step_repeats` rounds (step_ms: median of the rounds, step_ms_sd their sd).
 Writes `out` (bench/loss.json): `rows`, one per arm with each metric's mean over seeds and `_sd`; `per_seed`; and
@@ -48,7 +48,8 @@ DEFAULTS = dict(recipe="eagle3_track", seeds=[0, 1, 2], overrides=[],
                 oracle_rollouts=96, oracle_steps=300, oracle_lr=3e-4, oracle_batch=16, oracle_ttt_steps=3,
                 eval_rollouts=48, max_new_tokens=None, step_batches=12, step_repeats=8,
                 job="", arm="", seed=0, out="bench/loss.json")
-METRICS = ("offline_mal", "live_mal", "tracking_over_frozen", "tracking_over_oracle", "step_ms")
+METRICS = ("offline_mal", "live_mal", "tracking_over_frozen", "tracking_over_oracle", "oracle_mal", "step_ms")
+SOURCE = {"oracle_mal": "end_oracle_tf_mal"}  # a metric under another name in a job's JSON
 
 
 def arm_overrides(arm: str) -> list[str]:
@@ -203,7 +204,7 @@ def summarize(cfg, per_seed: dict, steps: dict[str, list[float]]) -> dict:
         loss, _, pos = a.partition(":")
         row = {"arm": a, "loss": loss, "positions": pos or "uniform", "seeds": list(cfg.seeds)}
         for m in METRICS[:-1]:
-            row[m], row[f"{m}_sd"] = mean_sd([per_seed[a, s].get(m) for s in cfg.seeds])
+            row[m], row[f"{m}_sd"] = mean_sd([per_seed[a, s].get(SOURCE.get(m, m)) for s in cfg.seeds])
         x = steps.get(a) or []
         row["step_ms"], row["step_ms_sd"] = (statistics.median(x), statistics.stdev(x) if len(x) > 1 else None) \
             if x else (None, None)
