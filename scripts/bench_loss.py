@@ -1,11 +1,11 @@
 """Which drafter loss buys the longest accepted length? train.loss x train.positions arms, paired by seed.
 
-    python scripts/bench_loss.py                                     # 4 arms x seeds 0-2, offline and online
-    python scripts/bench_loss.py arms=[kl:uniform,tv:uniform] seeds=[0] offline_prompts=512   # a quick look
+    python scripts/bench_loss.py                # 6 arms (4 offline) x seeds 0-2, offline and online
+    python scripts/bench_loss.py arms=[kl:uniform,tv:uniform] offline_arms=null seeds=[0] offline_prompts=512  # a look
 
 An arm is `loss:positions` (train.loss, train.positions); the first arm is the reference (today's kl:uniform).
-online_arms (null: every arm) runs the online part for those alone (the reference among them): a screen can take
-the offline leaders online.
+online_arms / offline_arms (null: every arm) run that part for those arms alone (the reference among them): a screen
+can take the offline leaders online, and an online-only arm needs no offline job.
 Per seed s and arm, each a job of its own (`parallel` at once, one torch thread each; a finished job's JSON under
 run_dir is reused, so a stopped benchmark picks up where it was):
 1. Offline: scripts/pretrain_drafter.py from scratch (seed s: the same data, cached per seed, the same initial
@@ -42,8 +42,10 @@ from drafttrain.config import PROJECT_ROOT, load_recipe, max_draft_len, resolve_
 from drafttrain.report import format_table, read_jsonl, write_json
 
 DEFAULTS = dict(recipe="eagle3_track", seeds=[0, 1, 2], overrides=[],
-                arms=["kl:uniform", "tv:uniform", "kl_tv:uniform", "kl:rejected"],
-                online_arms=None, offline=True, online=True, step_cost=True, parallel=2, run_dir="runs/bench_loss",
+                arms=["kl:uniform", "tv:uniform", "kl_tv:uniform", "kl:rejected", "tv:rejected", "kl_tv:rejected"],
+                # offline (pretraining from scratch, the costly part): each loss, and the positions on kl
+                online_arms=None, offline_arms=["kl:uniform", "tv:uniform", "kl_tv:uniform", "kl:rejected"],
+                offline=True, online=True, step_cost=True, parallel=2, run_dir="runs/bench_loss",
                 offline_prompts=2048, offline_epochs=3.0, offline_k=5, offline_eval=128, offline_overrides=[],
                 oracle_rollouts=96, oracle_steps=300, oracle_lr=3e-4, oracle_batch=16, oracle_ttt_steps=3,
                 eval_rollouts=48, max_new_tokens=None, step_batches=12, step_repeats=8,
@@ -226,9 +228,18 @@ def summarize(cfg, per_seed: dict, steps: dict[str, list[float]]) -> dict:
         summary["step_cost_ratio"] = by[cost_arm]["step_ms"] / by[ref]["step_ms"]
     return {"recipe": cfg.recipe, "overrides": list(cfg.overrides), "seeds": list(cfg.seeds), "arms": list(cfg.arms),
             "online_arms": [a for a in cfg.arms if by[a]["live_mal"] is not None],
+            "offline_arms": [a for a in cfg.arms if by[a]["offline_mal"] is not None],
             "offline_prompts": cfg.offline_prompts, "offline_epochs": cfg.offline_epochs, "offline_k": cfg.offline_k,
             "rows": rows, "summary": summary,
             "per_seed": [{"arm": a, "seed": s, **v} for (a, s), v in per_seed.items()]}
+
+
+def part_arms(cfg, part: str) -> list[str]:
+    """The arms that run `part` (offline | online): its `<part>_arms`, null meaning every arm."""
+    arms = list(cfg[f"{part}_arms"]) if cfg[f"{part}_arms"] is not None else list(cfg.arms)
+    if cfg.arms[0] not in arms or not set(arms) <= set(cfg.arms):
+        raise SystemExit(f"error: {part}_arms: must be arms, the reference {cfg.arms[0]} among them, got {arms}")
+    return arms
 
 
 def main(cfg) -> dict:
@@ -236,12 +247,7 @@ def main(cfg) -> dict:
         return run_job(cfg)
     for a in cfg.arms:  # a bad arm fails here, in one line naming the key, before any job starts
         load_recipe(cfg.recipe, [*cfg.overrides, *arm_overrides(a)])
-    online_arms = list(cfg.online_arms) if cfg.online_arms is not None else list(cfg.arms)
-    if cfg.arms[0] not in online_arms or not set(online_arms) <= set(cfg.arms):
-        raise SystemExit(f"error: online_arms: must be arms, the reference {cfg.arms[0]} among them, got "
-                         f"{online_arms}")
-    jobs = [(k, a, s) for k in ("offline", "online") if cfg[k] for a in (cfg.arms if k == "offline" else online_arms)
-            for s in cfg.seeds]
+    jobs = [(k, a, s) for k in ("offline", "online") if cfg[k] for a in part_arms(cfg, k) for s in cfg.seeds]
     jobs.sort(key=lambda j: (j[0] != "offline", j[1] != cfg.arms[0]))  # each seed's data cache: the first arm's
     with ThreadPoolExecutor(max(1, cfg.parallel)) as pool:
         results = dict(zip(jobs, pool.map(lambda j: launch(cfg, *j), jobs)))

@@ -188,8 +188,8 @@ class Json:
 
 @dataclass(frozen=True)
 class LossRows(Json):
-    """bench_loss' JSON: one row per arm, every number finite (the online ones for online_arms alone), and the
-    summary's numbers."""
+    """bench_loss' JSON: one row per arm, every number finite (the online ones for online_arms alone, the offline
+    one for offline_arms alone), and the summary's numbers."""
 
     def check(self, tmp: Path, out: str) -> dict:
         js = json.loads((tmp / self.path).read_text())
@@ -199,7 +199,8 @@ class LossRows(Json):
         assert [r["arm"] for r in js["rows"]] == js["arms"] and len(js["per_seed"]) == len(js["arms"]) * 2
         online = ("live_mal", "tracking_over_frozen", "tracking_over_oracle")
         for row in js["rows"]:
-            assert all(_finite(row[k]) for k in ("offline_mal", "step_ms")), row
+            assert _finite(row["step_ms"]), row
+            assert _finite(row["offline_mal"]) if row["arm"] in js["offline_arms"] else row["offline_mal"] is None, row
             assert all(_finite(row[k]) if row["arm"] in js["online_arms"] else row[k] is None for k in online), row
         return js
 
@@ -369,7 +370,7 @@ SMOKE: list[Smoke] = [
           (Json("t.json", ("tracking_over_frozen", "tracking_over_oracle", "frozen_decay_pct", "overhead_pct"),
                 ("seeds", "per_seed")),)),
     Smoke("bench_loss", "python scripts/bench_loss.py seeds=[0,1] arms=[kl:uniform,tv:rejected,kl_tv:uniform] "
-          "online_arms=[kl:uniform,tv:rejected] online=true "
+          "online_arms=[kl:uniform,tv:rejected] offline_arms=[kl:uniform,kl_tv:uniform] online=true "
           "offline=true step_cost=true parallel=2 offline_prompts=8 offline_epochs=1 offline_eval=2 offline_k=3 "
           "offline_overrides=[chunk=8,warmup=1,train.batch_size=4] oracle_steps=2 oracle_rollouts=4 eval_rollouts=4 "
           "max_new_tokens=16 step_batches=2 step_repeats=2 run_dir={tmp}/run out={tmp}/l.json "

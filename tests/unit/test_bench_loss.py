@@ -1,6 +1,9 @@
 """bench_loss hands its settings to each job process: they arrive as given. A null max_new_tokens once arrived as
-the string "None" and every online job failed at its oracle's rollouts (the smoke run sets max_new_tokens)."""
+the string "None" and every online job failed at its oracle's rollouts (the smoke run sets max_new_tokens). Its
+summary pairs arms by seed; each part's arms are checked."""
 from __future__ import annotations
+
+import pytest
 
 from drafttrain.config import script_config
 from tests.conftest import load_script
@@ -31,3 +34,12 @@ def test_the_summary_pairs_gains_by_seed_and_reports_each_arms_oracle():
     assert abs(rows["tv:uniform"]["oracle_mal"] - 3.9) < 1e-9 and abs(rows["kl:uniform"]["oracle_mal"] - 4.3) < 1e-9
     assert s["best_tracking_over_oracle"] == 1.0 and s["step_cost_ratio"] == 1.0
     assert out["online_arms"] == ["kl:uniform", "tv:uniform"] and "offline_mal_gain_pct" not in s
+
+
+@pytest.mark.parametrize("part,value", [("online", "[tv:uniform]"), ("offline", "[kl:uniform,l2:uniform]")])
+def test_a_parts_arms_must_be_arms_with_the_reference_among_them(part, value):
+    B = load_script("bench_loss")
+    cfg = script_config(B.DEFAULTS, [f"{part}_arms={value}"])
+    with pytest.raises(SystemExit, match=f"^error: {part}_arms: must be arms, the reference kl:uniform among them"):
+        B.part_arms(cfg, part)
+    assert B.part_arms(script_config(B.DEFAULTS, [f"{part}_arms=null"]), part) == list(cfg.arms)

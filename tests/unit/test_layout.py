@@ -199,3 +199,18 @@ def test_no_module_probes_a_drafter_with_hasattr():
              for i, line in enumerate(p.read_text().splitlines(), 1) if pattern.search(line.split("#")[0])]
     assert not found, found
     assert pattern.search("if hasattr(self.drafter, 'adopt'):")  # what it would catch
+
+
+def private_imports(source: str) -> list[str]:
+    """`from drafttrain.x import _name` anywhere in `source` (inside functions too): a private name crossing modules."""
+    return [f"{n.module}.{a.name}" for n in ast.walk(ast.parse(source))
+            if isinstance(n, ast.ImportFrom) and (n.level or (n.module or "").startswith("drafttrain"))
+            for a in n.names if a.name.startswith("_") and not a.name.startswith("__")]
+
+
+def test_no_module_imports_another_modules_private_name():
+    assert private_imports("def f():\n    from drafttrain.engines.chooser import _bucket, Chooser\n") == \
+        ["drafttrain.engines.chooser._bucket"]
+    assert private_imports("from .chooser import _bucket\n") == ["chooser._bucket"]
+    found = {str(p.relative_to(ROOT.parent)): x for p in _modules().values() if (x := private_imports(p.read_text()))}
+    assert not found, found
