@@ -1,7 +1,7 @@
 """Which drafter loss buys the longest accepted length? train.loss x train.positions arms, paired by seed.
 
     python scripts/bench_loss.py                # 6 arms (4 offline) x seeds 0-2, offline and online
-    python scripts/bench_loss.py arms=[kl:uniform,tv:uniform] offline_arms=null seeds=[0] offline_prompts=512  # a look
+    python scripts/bench_loss.py arms=[kl:uniform,tv:uniform] offline_arms=[kl:uniform,tv:uniform] seeds=[0]  # a look
 
 An arm is `loss:positions` (train.loss, train.positions); the first arm is the reference (today's kl:uniform).
 online_arms / offline_arms (null: every arm) run that part for those arms alone (the reference among them): a screen
