@@ -182,12 +182,16 @@ def test_the_package_imports_without_vllm():
     assert out.stdout.strip() == "[]", out.stdout
 
 
+def code_lines_matching(pattern: re.Pattern, where) -> list[str]:
+    """`path:line` of each package line whose code (before any #) matches `pattern`, in the modules `where` keeps."""
+    return [f"{p.relative_to(ROOT.parent)}:{i}" for p in _modules().values() if where(p)
+            for i, line in enumerate(p.read_text().splitlines(), 1) if pattern.search(line.split("#")[0])]
+
+
 def test_only_the_drafters_package_branches_on_a_drafter_kind():
     """A kind is one file plus one registration: code outside drafters/ never tests which kind it has (`kind ==` or
     `kind !=`, as drafter.kind or a variable of that name); it asks the drafter or a table keyed by kind."""
-    pattern = re.compile(r"\bkind\s*[!=]=")
-    found = [f"{p.relative_to(ROOT.parent)}:{i}" for p in _modules().values() if "drafters" not in p.parts
-             for i, line in enumerate(p.read_text().splitlines(), 1) if pattern.search(line.split("#")[0])]
+    found = code_lines_matching(re.compile(r"\bkind\s*[!=]="), lambda p: "drafters" not in p.parts)
     assert not found, found
 
 
@@ -195,8 +199,7 @@ def test_no_module_probes_a_drafter_with_hasattr():
     """The drafter contract is declared (drafters/contract.py gives every optional method a default): nothing outside
     it asks a drafter whether it has a method."""
     pattern = re.compile(r"hasattr\(\s*[\w.]*(drafter|member)\b")
-    found = [f"{p.relative_to(ROOT.parent)}:{i}" for p in _modules().values() if p.name != "contract.py"
-             for i, line in enumerate(p.read_text().splitlines(), 1) if pattern.search(line.split("#")[0])]
+    found = code_lines_matching(pattern, lambda p: p.name != "contract.py")
     assert not found, found
     assert pattern.search("if hasattr(self.drafter, 'adopt'):")  # what it would catch
 
