@@ -25,6 +25,7 @@ from omegaconf import OmegaConf
 from drafttrain.config import Config, ConfigError, resolve_path
 from drafttrain.data import Prompts, stop_ids
 from drafttrain.drafters.base import build_drafter, check_compatible
+from drafttrain.drafters.targets import TargetHead
 from drafttrain.engines import build_engine
 from drafttrain.export import read_speculators_config
 from drafttrain.policy import load_policy
@@ -78,15 +79,15 @@ def features(policy, drafter, prompts, responses, k: int) -> list[dict]:
             for i in range(0, len(prompts), CHUNK)]
 
 
-def score(drafter, feats: list[dict], k: int) -> dict:
+def score(drafter, feats: list[dict], k: int, head) -> dict:
     st = SpecStats()
     for f in feats:
-        st = st.merge(teacher_forced_acceptance(drafter, f, k)["stats"])
+        st = st.merge(teacher_forced_acceptance(drafter, f, k, head)["stats"])
     return {"mal": round(st.mean_accepted_length, 4),
             "acceptance_per_position": [round(a, 4) for a in st.acceptance_per_position]}
 
 
-def catch_up(drafter, feats: list[dict], seconds: float, seed: int):
+def catch_up(drafter, feats: list[dict], seconds: float, seed: int, head):
     """A copy of the drafter after `seconds` of drafter steps (the online trainer's, the default train.* settings)
     on feats."""
     cfg = OmegaConf.structured(Config)
@@ -94,7 +95,7 @@ def catch_up(drafter, feats: list[dict], seconds: float, seed: int):
     buf = FeatureBuffer(1 << 30, seed=seed)
     for f in feats:
         buf.add(f)
-    tr, spent = DrafterTrainer(d, cfg.train, cfg.drafter, buffer=buf), 0.0
+    tr, spent = DrafterTrainer(d, cfg.train, cfg.drafter, buffer=buf, head=head), 0.0
     while spent < seconds:
         batch = collate(buf.sample_groups(cfg.train.batch_size, 1)[0], buf.steps)
         t0 = time.perf_counter()
@@ -126,11 +127,13 @@ def measure(args) -> dict:
                                 stop_token_ids=prompts.stop_ids, seed=args.seed)
         torch.manual_seed(args.seed)
         feats = features(policy, drafter, ids, rollouts(policy, ids, params, args.seed), args.k)
-        row = {"checkpoint": label, "path": str(path), **score(drafter, feats, args.k)}
+        head = TargetHead.of(policy)
+        row = {"checkpoint": label, "path": str(path), **score(drafter, feats, args.k, head)}
         if args.catch_up:
             train = [prompts.encode(r) for r in prompts.rows(args.prompts, args.seed + 1)]
             tf = features(policy, drafter, train, rollouts(policy, train, params, args.seed + 1), args.k)
-            row["catch_up_mal"] = score(catch_up(drafter, tf, args.catch_up, args.seed), feats, args.k)["mal"]
+            row["catch_up_mal"] = score(catch_up(drafter, tf, args.catch_up, args.seed, head), feats, args.k,
+                                        head)["mal"]
         rows.append(row)
         print(f"[staleness] {label}: MAL {row['mal']:.3f}", flush=True)
     return {"drafter": str(args.drafter), "k": args.k, "prompts": args.prompts, "catch_up_s": args.catch_up,

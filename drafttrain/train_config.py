@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Optional
 
 LOSSES = ("kl", "tv", "kl_tv")
 POSITIONS = ("uniform", "rejected")
@@ -26,6 +27,9 @@ class TrainConfig:
     # false: q_proj, k_proj frozen (a saturated attention); a fresh drafter always trains it; the draft model ignores it
     score_grad: bool = True  # the attention scores pass gradient (false: a loaded chain drafter's are held constant)
     seed: int = 0  # the drafter loss's query-position draws
+    # a longer record trains on a window of this many positions drawn in its response (its hidden states carry the
+    # context before the window); bounds a drafter step's work and memory on very long rollouts
+    max_len: Optional[int] = 4096  # positions of one record in a drafter step, at most (null = whole rows)
 
 
 def train_checks(t) -> list[tuple[bool, str, str]]:
@@ -45,6 +49,8 @@ def train_checks(t) -> list[tuple[bool, str, str]]:
          f"must be a finite number >= 0, got {w}"),
         (get("positions") in POSITIONS, "train.positions",
          f"must be one of {', '.join(POSITIONS)}, got {get('positions')!r}"),
+        (get("max_len") is None or get("max_len") >= 2, "train.max_len",
+         f"must be >= 2 or null (whole rows), got {get('max_len')}"),
     ]
 
 

@@ -40,7 +40,7 @@ import torch
 from omegaconf import OmegaConf
 
 from drafttrain.config import PROJECT_ROOT, load_recipe, resolve_path, script_config
-from drafttrain.drafters import build_drafter
+from drafttrain.drafters import TargetHead, build_drafter
 from drafttrain.engines import build_engine
 from drafttrain.engines.schedule import measure_costs
 from drafttrain.policy import encode_prompt, load_policy, make_prompts
@@ -109,7 +109,7 @@ def train_ms(rc, policy, d, prompts, params, eng) -> float:
     buf = FeatureBuffer(1 << 30, seed=0)
     for i in range(0, len(prompts), 16):
         buf.add(teacher_forced_features(policy, prompts[i:i + 16], resp[i:i + 16], d.reads, steps))
-    tr = DrafterTrainer(copy.deepcopy(d), rc.train, rc.drafter, buffer=buf)
+    tr = DrafterTrainer(copy.deepcopy(d), rc.train, rc.drafter, buffer=buf, head=TargetHead.of(policy))
     tr.step(buf.sample(rc.train.batch_size))  # warm-up
     n = rc.online.steps_per_update
     t0 = time.perf_counter()

@@ -83,7 +83,7 @@ def offline_job(cfg, arm: str, seed: int) -> dict:
 def online_job(cfg, arm: str, seed: int) -> dict:
     """The main job with AR rollouts (paired across arms), then the run's drafter against the arm's oracle."""
     import bench_tracking as bt  # this script's folder is on the path
-    from drafttrain.drafters import build_drafter
+    from drafttrain.drafters import TargetHead, build_drafter
     from drafttrain.engines import build_engine
     from drafttrain.policy import load_policy
     from drafttrain.rl.job import main as run_main
@@ -109,14 +109,14 @@ def online_job(cfg, arm: str, seed: int) -> dict:
     ar = build_engine(rc.engine, policy, None)
     p_or, b_or = bt.rollouts(ar, tok, cfg.oracle_rollouts, 10_000 + rc.rl.steps, max_new)
     p_ev, b_ev = bt.rollouts(ar, tok, cfg.eval_rollouts, 20_000 + rc.rl.steps, max_new)
-    f_ev = bt.features(policy, frozen, p_ev, b_ev.tokens, k)
+    f_ev, head = bt.features(policy, frozen, p_ev, b_ev.tokens, k), TargetHead.of(policy)
     oracle = bt.train_oracle(frozen, bt.features(policy, frozen, p_or, b_or.tokens, max(k, cfg.oracle_ttt_steps)),
-                             rc, cfg)
-    live, orc = bt.score(tracking, f_ev, k), bt.score(oracle, f_ev, k)
+                             rc, cfg, head)
+    live, orc = bt.score(tracking, f_ev, k, head), bt.score(oracle, f_ev, k, head)
     q = bt.scored_last_quarter(recs)
     return {"live_mal": statistics.fmean(r["live_tf_mal"] for r in q), "tracking_over_frozen":
             bt.tracking_over_frozen(recs), "tracking_over_oracle": live / orc, "end_tracking_tf_mal": live,
-            "end_oracle_tf_mal": orc, "end_frozen_tf_mal": bt.score(frozen, f_ev, k),
+            "end_oracle_tf_mal": orc, "end_frozen_tf_mal": bt.score(frozen, f_ev, k, head),
             "drafter_steps": sum(r.get("drafter_steps") or 0 for r in recs),
             "publishes": sum(bool(r.get("published")) for r in recs), "run_s": round(run_s, 1)}
 
@@ -156,7 +156,7 @@ def launch(cfg, kind: str, arm: str, seed: int) -> dict:
 def step_cost(cfg) -> dict[str, list[float]]:
     """ms per drafter step per arm, interleaved: each round runs every arm over the same batches."""
     import bench_tracking as bt
-    from drafttrain.drafters import build_drafter
+    from drafttrain.drafters import TargetHead, build_drafter
     from drafttrain.engines import build_engine
     from drafttrain.policy import load_policy
     from drafttrain.tracking import DrafterTrainer, FeatureBuffer
@@ -175,7 +175,8 @@ def step_cost(cfg) -> dict[str, list[float]]:
     trainers = {}
     for a, c in rcs.items():
         torch.manual_seed(0)
-        trainers[a] = DrafterTrainer(build_drafter(c.drafter, policy), c.train, c.drafter)
+        trainers[a] = DrafterTrainer(build_drafter(c.drafter, policy), c.train, c.drafter,
+                                     head=TargetHead.of(policy))
     ms = {a: [] for a in trainers}
     for _ in range(cfg.step_repeats + 1):
         for a, tr in trainers.items():

@@ -41,7 +41,7 @@ import torch
 
 from drafttrain.checkpoint import load_checkpoint
 from drafttrain.config import load_recipe, max_draft_len, resolve_path, script_config
-from drafttrain.drafters import build_drafter
+from drafttrain.drafters import TargetHead, build_drafter
 from drafttrain.engines import build_engine
 from drafttrain.policy import encode_prompt, load_policy, make_prompts
 from drafttrain.report import (accuracy_change, format_table, last_quarter, overhead, plot_run, read_jsonl,
@@ -75,14 +75,15 @@ def features(policy, drafter, prompts, responses, k):
     return out
 
 
-def score(drafter, feats, k) -> float:
+def score(drafter, feats, k, head) -> float:
+    """MAL of `drafter` on feats, against the distributions of the policy whose LM head is `head`."""
     st = SpecStats()
     for f in feats:  # pooled as the engine pools rows
-        st = st.merge(teacher_forced_acceptance(drafter, f, k)["stats"])
+        st = st.merge(teacher_forced_acceptance(drafter, f, k, head)["stats"])
     return st.mean_accepted_length
 
 
-def train_oracle(base, feats, rc, cfg):
+def train_oracle(base, feats, rc, cfg, head):
     """The upper bound: the step-0 drafter trained to convergence on the current policy's rollouts, with its own
     fixed settings (every position, the full gradient, cfg.oracle_lr, cfg.oracle_batch, cfg.oracle_ttt_steps),
     whatever the recipe's online steps use."""
@@ -94,7 +95,7 @@ def train_oracle(base, feats, rc, cfg):
     tc.query_frac, tc.lr, tc.batch_size, tc.score_grad = 1.0, cfg.oracle_lr, cfg.oracle_batch, True
     dc = copy.deepcopy(rc.drafter)
     dc.ttt_steps = cfg.oracle_ttt_steps
-    tr = DrafterTrainer(oracle, tc, dc, buffer=buf)
+    tr = DrafterTrainer(oracle, tc, dc, buffer=buf, head=head)
     for _ in range(cfg.oracle_steps):
         tr.step(buf.sample(tc.batch_size))
     return oracle.eval()
@@ -234,11 +235,11 @@ def run_seed(cfg, seed: int) -> dict:
         ar = build_engine(rc.engine, policy, None)
         p_or, b_or = rollouts(ar, tok, cfg.oracle_rollouts, 10_000 + c, cfg.max_new_tokens)
         p_ev, b_ev = rollouts(ar, tok, cfg.eval_rollouts, 20_000 + c, cfg.max_new_tokens)
-        f_ev = features(policy, frozen, p_ev, b_ev.tokens, k)
+        f_ev, head = features(policy, frozen, p_ev, b_ev.tokens, k), TargetHead.of(policy)
         oracle = train_oracle(frozen, features(policy, frozen, p_or, b_or.tokens, max(k, cfg.oracle_ttt_steps)), rc,
-                              cfg)
-        pt = {"seed": seed, "step": c, "tracking_tf_mal": score(tracking, f_ev, k),
-              "frozen_tf_mal": score(frozen, f_ev, k), "oracle_tf_mal": score(oracle, f_ev, k)}
+                              cfg, head)
+        pt = {"seed": seed, "step": c, "tracking_tf_mal": score(tracking, f_ev, k, head),
+              "frozen_tf_mal": score(frozen, f_ev, k, head), "oracle_tf_mal": score(oracle, f_ev, k, head)}
         pt["tracking_over_frozen"] = pt["tracking_tf_mal"] / pt["frozen_tf_mal"]
         pt["tracking_over_oracle"] = pt["tracking_tf_mal"] / pt["oracle_tf_mal"]
         points.append(pt)
@@ -247,7 +248,7 @@ def run_seed(cfg, seed: int) -> dict:
     mal = {}
     for name, pol in (("step0", pol0), ("final", policy)):
         p_d, b_d = rollouts(build_engine(rc.engine, pol, None), tok, cfg.decay_prompts, DECAY_SEED, cfg.max_new_tokens)
-        mal[name] = score(frozen, features(pol, frozen, p_d, b_d.tokens, k), k)
+        mal[name] = score(frozen, features(pol, frozen, p_d, b_d.tokens, k), k, TargetHead.of(pol))
     eng = build_engine(rc.engine, policy, tracking)
     wall = rollout_speed(eng, tok, {"tracking": tracking, "frozen": frozen}, cfg)
     recs = read_jsonl(run_dir / "metrics.jsonl")

@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 
 from drafttrain.config import load_recipe, max_draft_len, resolve_path, sampling_params, script_config
-from drafttrain.drafters import build_drafter
+from drafttrain.drafters import TargetHead, build_drafter
 from drafttrain.engines import build_engine
 from drafttrain.tracking.acceptance import teacher_forced_acceptance
 from drafttrain.tracking.capture import teacher_forced_features
@@ -45,11 +45,11 @@ def main(cfg) -> dict:
                              seed=cfg.seed)
     b = engine.generate(prompts, params, speculative=True)
 
-    tf = SpecStats()
+    tf, head = SpecStats(), TargetHead.of(policy)
     for i in range(0, len(prompts), cfg.fwd_batch):
         f = teacher_forced_features(policy, prompts[i:i + cfg.fwd_batch], b.tokens[i:i + cfg.fwd_batch],
                                     drafter.aux_layer_ids, k)
-        tf = tf.merge(teacher_forced_acceptance(drafter, f, k)["stats"])
+        tf = tf.merge(teacher_forced_acceptance(drafter, f, k, head)["stats"])
 
     rows = []
     for name, st in (("engine", b.stats), ("teacher_forced", tf)):

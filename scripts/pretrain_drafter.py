@@ -45,10 +45,11 @@ from tqdm import tqdm
 
 from drafttrain.config import ConfigError, load_recipe, resolve_path, sampling_params
 from drafttrain.data import Prompts, stop_ids
-from drafttrain.drafters import build_drafter
+from drafttrain.drafters import TargetHead, build_drafter
 from drafttrain.drafters.base import save_drafter
 from drafttrain.engines import build_engine
 from drafttrain.tracking import DrafterTrainer, FeatureBuffer, teacher_forced_features
+from drafttrain.tracking.buffer import FORMAT as FEATURE_FORMAT
 from drafttrain.tracking.buffer import collate
 from drafttrain.tracking.trainer import make_accelerator
 from drafttrain.policy import load_policy
@@ -95,7 +96,7 @@ def main(pc: PretrainConfig) -> dict:
         raise ConfigError(f"drafter.kind: {cfg.drafter.kind} trains nothing: there is nothing to pretrain")
     pc.out = pc.out or f"checkpoints/{cfg.drafter.kind}"
     buffer = FeatureBuffer(pc.buffer_mb << 20, torch.bfloat16, seed=pc.seed * 7919 + rank, name="buffer_mb")
-    trainer = DrafterTrainer(drafter, cfg.train, cfg.drafter, acc, buffer)
+    trainer = DrafterTrainer(drafter, cfg.train, cfg.drafter, acc, buffer, head=TargetHead.of(policy))
     out, state = Path(pc.out), Path(f"{pc.out}.state") / "trainer.pt"
     chunks_done, run_key, queue = 0, resume_key(pc, cfg, world), []
     if pc.resume and DrafterTrainer.saved(state):
@@ -201,7 +202,7 @@ def cache_key(pc: PretrainConfig, cfg, reads) -> str:
             f"eval_size={cfg.data.eval_size} chat={cfg.data.chat_template} seed={pc.seed} chunk={pc.chunk} "
             f"fwd_batch={pc.fwd_batch} "
             f"sampling={dict(cfg.sampling)} drafter.ttt_steps={cfg.drafter.ttt_steps} "
-            f"reads={reads}")
+            f"reads={reads} format={FEATURE_FORMAT}")
 
 
 def lr_factor(step: int, total: int, warmup: int) -> float:

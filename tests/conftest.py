@@ -24,6 +24,14 @@ def tiny_policy(vocab=32, hidden=64, layers=4, heads=4, kv_heads=2, inter=128, m
     return m
 
 
+def dense_targets(probs: torch.Tensor):
+    """Targets whose distributions are the given ones [B, N, V] (no zeros): hidden = log p under an identity head,
+    so softmax(head . hidden) = p. For tests that pick the policy's distributions by hand."""
+    from drafttrain.drafters import TargetHead, Targets
+
+    return Targets(probs.clamp_min(1e-30).log(), TargetHead(torch.eye(probs.shape[-1]), clone=False))
+
+
 def set_drafter_keys(cfg, **kw):
     """Set drafter settings on a DrafterConfig: a kind's own key (aux_layer_ids, quant, ...) in its section."""
     for k, v in kw.items():

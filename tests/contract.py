@@ -399,6 +399,7 @@ def learns_on_drifted_policy(make_engine, policy, drafter, steps: int = 40, k: i
     """Features of the drifted policy's own rollouts: the stale drafter's loss falls and its teacher-forced MAL on
     held-out rollouts of the drifted policy rises."""
     from drafttrain.config import load_recipe
+    from drafttrain.drafters import TargetHead
     from drafttrain.drafters.base import runtime_copy
     from drafttrain.tracking import DrafterTrainer, FeatureBuffer, teacher_forced_features
     from drafttrain.tracking.acceptance import teacher_forced_acceptance
@@ -411,10 +412,11 @@ def learns_on_drifted_policy(make_engine, policy, drafter, steps: int = 40, k: i
     buf.add(train)
     cfg = load_recipe("eagle3_track")
     cfg.train.lr, cfg.train.query_frac, cfg.train.batch_size = 3e-3, 1.0, 8
-    tr = DrafterTrainer(drafter, cfg.train, cfg.drafter, buffer=buf)
-    before = teacher_forced_acceptance(runtime_copy(drafter, int8=False), held, k)["mal"]
+    head = TargetHead.of(new)
+    tr = DrafterTrainer(drafter, cfg.train, cfg.drafter, buffer=buf, head=head)
+    before = teacher_forced_acceptance(runtime_copy(drafter, int8=False), held, k, head)["mal"]
     losses = [tr.step(buf.sample(8))["loss"] for _ in range(steps)]
-    after = teacher_forced_acceptance(runtime_copy(drafter, int8=False), held, k)["mal"]
+    after = teacher_forced_acceptance(runtime_copy(drafter, int8=False), held, k, head)["mal"]
     assert sum(losses[-5:]) / 5 < 0.9 * sum(losses[:5]) / 5, losses  # the soft loss keeps the policy entropy
     assert after > before + 0.1, (before, after)
 

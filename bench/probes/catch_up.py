@@ -25,6 +25,7 @@ from drafttrain.drafters import build_drafter  # noqa: E402
 from drafttrain.engines import build_engine  # noqa: E402
 from drafttrain.policy import load_policy  # noqa: E402
 from drafttrain.spec import SpecStats  # noqa: E402
+from drafttrain.drafters import TargetHead  # noqa: E402
 from drafttrain.tracking.acceptance import teacher_forced_acceptance  # noqa: E402
 from drafttrain.tracking.buffer import FeatureBuffer, collate  # noqa: E402
 from drafttrain.tracking.trainer import DrafterTrainer  # noqa: E402
@@ -57,11 +58,12 @@ def main(run: pathlib.Path, seed: int, names: list[str]) -> None:
     p_tr, b_tr = rollouts(ar, tok, 128, 10_000 + seed, rc.sampling.max_new_tokens)
     p_ev, b_ev = rollouts(ar, tok, 96, 20_000 + seed, rc.sampling.max_new_tokens)
     f_tr, f_ev = features(policy, frozen, p_tr, b_tr.tokens, k), features(policy, frozen, p_ev, b_ev.tokens, k)
+    head = TargetHead.of(policy)
 
     def score(d) -> float:
         st = SpecStats()
         for f in f_ev:
-            st = st.merge(teacher_forced_acceptance(d.eval(), f, k)["stats"])
+            st = st.merge(teacher_forced_acceptance(d.eval(), f, k, head)["stats"])
         d.train()
         return round(st.mean_accepted_length, 3)
 
@@ -84,7 +86,7 @@ def main(run: pathlib.Path, seed: int, names: list[str]) -> None:
         dc.ttt_steps = v.get("ttt_steps", dc.ttt_steps)
         if v.get("oracle"):
             tc.query_frac = 1.0
-        tr = DrafterTrainer(d, tc, dc, buffer=buf)
+        tr = DrafterTrainer(d, tc, dc, buffer=buf, head=head)
         if v.get("runopt"):
             tr.opt.load_state_dict(trainer_state["optimizer"])
         res, spent, n = {}, 0.0, 0

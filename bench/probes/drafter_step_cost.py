@@ -4,7 +4,7 @@ the 5% budget buys). Prints one line per setting: ms per step, ms per record."""
 import time
 
 from drafttrain.config import load_recipe, resolve_path, sampling_params
-from drafttrain.drafters import build_drafter
+from drafttrain.drafters import TargetHead, build_drafter
 from drafttrain.engines import build_engine
 from drafttrain.policy import load_policy
 from drafttrain.data import Prompts, stop_ids
@@ -33,7 +33,8 @@ def sweep():
     for qf in (1.0, 0.5, 0.25, 0.125):
         for bs in (8, 16, 32):
             cfg.train.query_frac, cfg.train.batch_size = qf, bs
-            tr = DrafterTrainer(build_drafter(cfg.drafter, policy), cfg.train, cfg.drafter)
+            tr = DrafterTrainer(build_drafter(cfg.drafter, policy), cfg.train, cfg.drafter,
+                                head=TargetHead.of(policy))
             batches = [collate(g, buf.steps) for g in buf.sample_groups(bs, 12)]
             tr.step(batches[0])
             t = time.perf_counter()

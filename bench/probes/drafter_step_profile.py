@@ -7,12 +7,12 @@ from torch.profiler import ProfilerActivity, profile
 
 from drafter_step_cost import setup  # run from anywhere: python puts this script's folder on the path
 
-from drafttrain.drafters import build_drafter
+from drafttrain.drafters import TargetHead, build_drafter
 from drafttrain.tracking import DrafterTrainer
 from drafttrain.tracking.buffer import collate
 
 cfg, policy, buf = setup()
-tr = DrafterTrainer(build_drafter(cfg.drafter, policy), cfg.train, cfg.drafter)
+tr = DrafterTrainer(build_drafter(cfg.drafter, policy), cfg.train, cfg.drafter, head=TargetHead.of(policy))
 batches = [collate(g, buf.steps) for g in buf.sample_groups(cfg.train.batch_size, 12)]
 for b in batches[:3]:  # warm-up
     tr.step(b)

@@ -12,7 +12,7 @@ from omegaconf import OmegaConf
 
 from drafter_step_cost import setup  # run from anywhere: python puts this script's folder on the path
 
-from drafttrain.drafters import build_drafter
+from drafttrain.drafters import TargetHead, build_drafter
 from drafttrain.tracking import DrafterTrainer
 from drafttrain.tracking.buffer import collate
 
@@ -23,7 +23,7 @@ for spec in sys.argv[1:] or ["recipe="]:
     name, _, ov = spec.partition("=")
     c = OmegaConf.merge(cfg, OmegaConf.from_dotlist([o for o in ov.split(",") if o]))
     torch.manual_seed(0)
-    arms[name] = DrafterTrainer(build_drafter(c.drafter, policy), c.train, c.drafter)
+    arms[name] = DrafterTrainer(build_drafter(c.drafter, policy), c.train, c.drafter, head=TargetHead.of(policy))
 ms = {name: [] for name in arms}
 for b in batches[:3]:
     for tr in arms.values():

@@ -126,13 +126,13 @@ class AutoDrafter(nn.Module, TrainableDrafter):
         cols = member_columns(b, per, aux.shape[-1] // per)
         return aux if cols is None else aux[..., cols]
 
-    def ttt_loss(self, aux, next_ids, target_probs, valid, steps: int, decay: float, query_frac: float = 1.0,
+    def ttt_loss(self, aux, next_ids, targets, valid, steps: int, decay: float, query_frac: float = 1.0,
                  generator=None, first_ids=None, objective=ttt.KL):
         """The sum of the trainable members' losses; the per-step accuracy is the scored member's."""
         total, accs = 0.0, []
         for kind, m in self.members.items():
             if m.trains:
-                loss, a = m.ttt_loss(self._train_aux(kind, aux), next_ids, target_probs, valid, steps, decay,
+                loss, a = m.ttt_loss(self._train_aux(kind, aux), next_ids, targets, valid, steps, decay,
                                      query_frac, generator, first_ids=first_ids, objective=objective)
                 total = total + loss
                 accs = a if kind == self.scored else accs
@@ -157,6 +157,13 @@ class AutoDrafter(nn.Module, TrainableDrafter):
     def ttt_logits(self, aux, next_ids, steps: int, queries=None, first_ids=None) -> list:
         return self._scored().ttt_logits(self._train_aux(self.scored, aux), next_ids, steps, queries,
                                          first_ids=first_ids)
+
+    def ttt_hidden(self, aux, next_ids, steps: int, queries=None, first_ids=None) -> list:
+        return self._scored().ttt_hidden(self._train_aux(self.scored, aux), next_ids, steps, queries,
+                                         first_ids=first_ids)
+
+    def head_logits(self, x):
+        return self._scored().head_logits(x)
 
     def draft_ids(self):
         return self._scored().draft_ids()

@@ -3,7 +3,8 @@
     _fc(aux[B, T, X]) -> hidden [B, T, H]            the policy's states as the layer's hidden input
     _embed(ids) -> emb                               token embeddings as _qkv takes them
     _qkv(emb, hidden, pos, top, q_at) -> q, k, v, residual   attention inputs (q/k rotated; q at q_at only)
-    _post(o, residual) -> (draft logits [B, m, Vd], hidden out [B, m, H])   the rest of the layer and the head
+    _post_hidden(o, residual) -> (head input [B, m, Hd], hidden out [B, m, H])   the rest of the layer
+    head_logits(x [.., Hd]) -> draft logits [.., Vd]   its LM head
     draft_ids(), config (num_attention_heads, num_key_value_heads, head_dim, vocab_size), rope, _fused (None:
     the training form), hard_targets (its loss: soft cross-entropy against the policy, or the rollout tokens)
 
@@ -65,8 +66,14 @@ class ChainDrafter(nn.Module, TrainableDrafter):
     # ---- training: training-time test ---------------------------------------------------------------------
     def ttt_logits(self, aux: torch.Tensor, next_ids: torch.Tensor, steps: int,
                    queries: torch.Tensor | None = None, first_ids=None) -> list[torch.Tensor]:
+        """ttt_hidden's steps through the head: `steps` draft-logit tensors [B, T (or S), Vd]."""
+        return [self.head_logits(x) for x in self.ttt_hidden(aux, next_ids, steps, queries, first_ids)]
+
+    def ttt_hidden(self, aux: torch.Tensor, next_ids: torch.Tensor, steps: int,
+                   queries: torch.Tensor | None = None, first_ids=None) -> list[torch.Tensor]:
         """aux [B, T, X] the policy's states it reads at positions t; next_ids [B, T+steps-1] with next_ids[:, t] =
-        token_{t+1}. Returns `steps` draft-logit tensors [B, T, Vd]; step i at position t predicts token_{t+2+i}.
+        token_{t+1}. Returns `steps` tensors [B, T, Hd], the head's inputs (head_logits gives the draft logits);
+        step i at position t predicts token_{t+2+i}.
 
         Step i >= 1 feeds token_{t+1+i} with the drafter's own hidden from step i-1 at t, exactly as chain
         drafting does at position t+i. Its query sees the step-0 keys at positions <= t (the policy-derived
@@ -107,16 +114,16 @@ class ChainDrafter(nn.Module, TrainableDrafter):
             o = p[..., :T] @ v0
             for j, vj in enumerate(vs):
                 o = o + p[..., T + j:T + j + 1] * vj
-            logits, hidden = self._post(o, res)
-            outs.append(logits)
+            x, hidden = self._post_hidden(o, res)
+            outs.append(x)
         return outs
 
-    def ttt_loss(self, aux, next_ids, target_probs, valid, steps: int, decay: float, query_frac: float = 1.0,
+    def ttt_loss(self, aux, next_ids, targets, valid, steps: int, decay: float, query_frac: float = 1.0,
                  generator: torch.Generator | None = None, first_ids=None, objective: ttt.Objective = ttt.KL):
         """ttt.ttt_loss unrolled `steps` steps: soft cross-entropy against the policy's distribution, or (hard_targets)
         cross-entropy on the rollout tokens. first_ids (token_0) is not read: position t's input is token_{t+1} with
         the policy's state there."""
-        return ttt.ttt_loss(self, aux, next_ids, target_probs, valid, steps, decay, query_frac, generator,
+        return ttt.ttt_loss(self, aux, next_ids, targets, valid, steps, decay, query_frac, generator,
                             hard=self.hard_targets, objective=objective)
 
     # ---- inference: chain drafting over a KV cache --------------------------------------------------------
@@ -146,8 +153,8 @@ class ChainDrafter(nn.Module, TrainableDrafter):
             res = res[rows, last].unsqueeze(1)  # [B, 1, H]
             pos0 = pos0 + last
         o = attend(q, st.cache, 0, step_mask(pos0, 1, length, top if B == 1 and m == 1 else None), length)
-        logits, pre = self._post(o, res)
-        return logits[:, 0], pre[:, 0]
+        x, pre = self._post_hidden(o, res)
+        return self.head_logits(x[:, 0]), pre[:, 0]
 
     def _to_target(self, draft_logits: torch.Tensor) -> torch.Tensor:
         """[B, Vd] -> [B, V] with -inf outside the draft vocabulary."""

@@ -13,11 +13,14 @@ A drafter, as an engine serves it (Drafter):
     propose(state, new_ids[B, m], aux[B, m, X] | None, n_new[B], start[B], k, params, greedy_drafts, generator)
         -> (draft_tokens[B, k], draft_probs[B, k, V] | None)      None: one-hot drafts
 A drafter the tracker trains (TrainableDrafter) adds what the trainer and the acceptance scorer call:
-    ttt_loss(aux, next_ids, target_probs, valid, steps, decay, query_frac=1.0, generator=None, first_ids=None,
-             objective=None) -> (loss, [acc per step])  objective: the loss and where it is taken (ttt.Objective)
+    ttt_loss(aux, next_ids, targets, valid, steps, decay, query_frac=1.0, generator=None, first_ids=None,
+             objective=None) -> (loss, [acc per step])  targets: the policy's distributions (drafters/targets.py);
+                                                    objective: the loss and where it is taken (ttt.Objective)
     ttt_logits(aux[B, T, X], next_ids[B, T+steps-1], steps, queries=None, first_ids=None) -> steps x [B, T, Vd]
         step i at position t predicts token_{t+2+i}, fed the real tokens (teacher forcing); first_ids [B] = token_0
         (next_ids starts at token_1), for a kind that reads the text from its start (a draft model)
+    ttt_hidden(...) -> steps x [B, T, Hd], head_logits(x) -> [.., Vd]: the same split before its LM head (the loss
+        and the scorer run the head in chunks of positions); by default the logits and the identity
     draft_ids() -> [Vd] the target token ids its logits cover, ascending
     parameters(), train(), eval()                  (an nn.Module)
 The optional members below are declared on the protocols with the default that fits a kind without them: a kind
@@ -92,10 +95,19 @@ class Drafter(Protocol):
 
 
 class TrainableDrafter(Drafter, Protocol):
-    def ttt_loss(self, aux, next_ids, target_probs, valid, steps: int, decay: float, query_frac: float = 1.0,
+    def ttt_loss(self, aux, next_ids, targets, valid, steps: int, decay: float, query_frac: float = 1.0,
                  generator=None, first_ids=None, objective=None): ...
 
     def ttt_logits(self, aux, next_ids, steps: int, queries=None, first_ids=None) -> list: ...
+
+    def ttt_hidden(self, aux, next_ids, steps: int, queries=None, first_ids=None) -> list:
+        """steps x [B, T (or S), Hd]: what its LM head takes at each TTT step. By default the logits themselves (a
+        kind that does not split its head off; head_logits is then the identity)."""
+        return self.ttt_logits(aux, next_ids, steps, queries, first_ids=first_ids)
+
+    def head_logits(self, x):
+        """Its LM head: ttt_hidden's [.., Hd] -> draft logits [.., Vd]."""
+        return x
 
     def draft_ids(self): ...
 

@@ -76,14 +76,21 @@ class DraftModelDrafter(nn.Module, TrainableDrafter):
     # ---- training -----------------------------------------------------------------------------------------------
     def ttt_logits(self, aux, next_ids, steps: int, queries=None, first_ids=None) -> list[torch.Tensor]:
         """aux [B, T, 0] (only its T is read); next_ids [B, T+steps-1]; first_ids [B]: steps x [B, T or S, V]."""
-        T = aux.shape[1]
-        logits = self.model(input_ids=_inputs(next_ids, T, steps, first_ids)).logits
-        return _steps(logits, T, steps, queries)
+        return [self.head_logits(x) for x in self.ttt_hidden(aux, next_ids, steps, queries, first_ids)]
 
-    def ttt_loss(self, aux, next_ids, target_probs, valid, steps: int, decay: float, query_frac: float = 1.0,
+    def ttt_hidden(self, aux, next_ids, steps: int, queries=None, first_ids=None) -> list[torch.Tensor]:
+        """ttt_logits before the LM head: steps x [B, T or S, H] (one causal forward of the backbone)."""
+        T = aux.shape[1]
+        h = self.model.model(input_ids=_inputs(next_ids, T, steps, first_ids)).last_hidden_state
+        return _steps(h, T, steps, queries)
+
+    def head_logits(self, x):
+        return self.model.get_output_embeddings()(x)
+
+    def ttt_loss(self, aux, next_ids, targets, valid, steps: int, decay: float, query_frac: float = 1.0,
                  generator=None, first_ids=None, objective: ttt.Objective = ttt.KL):
         """ttt.ttt_loss against the policy's distributions (objective: kl, tv or both), unrolled `steps` steps."""
-        return ttt.ttt_loss(self, aux, next_ids, target_probs, valid, steps, decay, query_frac, generator,
+        return ttt.ttt_loss(self, aux, next_ids, targets, valid, steps, decay, query_frac, generator,
                             first_ids=first_ids, objective=objective)
 
     @torch.no_grad()
@@ -105,6 +112,14 @@ class DraftModelRuntime(SelfQuantDrafter):
         self.body.ensure_rope(ids.shape[1])
         logits, _ = self.body.forward(ids, torch.zeros(B, dtype=torch.long), self.body.new_cache(B, ids.shape[1]))
         return _steps(logits, T, steps, queries)
+
+    def ttt_hidden(self, aux, next_ids, steps: int, queries=None, first_ids=None) -> list[torch.Tensor]:
+        """The runtime forward computes its logits in one piece (its head is fused into it): the logits, whose head
+        is the identity (TrainableDrafter's defaults, which this inference form does not inherit)."""
+        return self.ttt_logits(aux, next_ids, steps, queries, first_ids)
+
+    def head_logits(self, x):
+        return x
 
     def draft_ids(self) -> torch.Tensor:
         return torch.arange(self.config.vocab_size)

@@ -181,19 +181,24 @@ class Eagle3Drafter(ChainDrafter):
             x = torch.cat([emb, rms_unit(hidden, self._fused["c"])], -1)
         return (*self._attention_inputs(x, pos, top, q_at), hidden)
 
-    def _post(self, o, residual):
-        """attention output o [B, Hq, m, D] -> (draft logits [B, m, Vd], pre-norm hidden [B, m, H])."""
+    def _post_hidden(self, o, residual):
+        """attention output o [B, Hq, m, D] -> (the head's input: the final-normed hidden [B, m, H], pre-norm hidden
+        [B, m, H])."""
         c, L, f = self.config, self.layers[0], self._fused
         B, _, m, _ = o.shape
         o = o.transpose(1, 2).reshape(B, m, -1)
         if f is None:
             h = L.self_attn.o_proj(o) + residual
             pre = L.mlp(rms_norm(h, L.post_attention_layernorm, c.rms_norm_eps)) + h
-            return self.lm_head(rms_norm(pre, self.norm, c.rms_norm_eps)), pre
+            return rms_norm(pre, self.norm, c.rms_norm_eps), pre
         h = linear(o, f["o"]) + residual
         g, u = linear(rms_unit(h, f["c"]), f["gate_up"]).chunk(2, dim=-1)  # norm weights folded (fuse_for_inference)
         pre = linear(F.silu(g) * u, f["down"]) + h
-        return linear(rms_unit(pre, f["c"]), f["lm_head"]), pre
+        return rms_unit(pre, f["c"]), pre  # the final norm's weight is in lm_head's columns
+
+    def head_logits(self, x):
+        """[.., H] -> draft logits [.., Vd]."""
+        return self.lm_head(x) if self._fused is None else linear(x, self._fused["lm_head"])
 
 _NORMS = ("layers.0.input_layernorm", "layers.0.hidden_norm", "layers.0.post_attention_layernorm", "norm")
 EAGLE_LAYER, LAYER = "midlayer.", "layers.0."  # the original EAGLE naming of the decoder layer, speculators' naming

@@ -163,7 +163,9 @@ class MtpDrafter(ChainDrafter):
         x = self.fc(both) if self._fused is None else linear(both, self._fused["fc"])
         return (*self._attention_inputs(x, pos, top, q_at), x)
 
-    def _post(self, o, residual):
+    def _post_hidden(self, o, residual):
+        """attention output o [B, Hq, m, D] -> (the block's output [B, m, H], which is both the head's input and the
+        next step's hidden)."""
         c, L, f = self.config, self.layers[0], self._fused
         B, _, m, _ = o.shape
         o = o.transpose(1, 2).reshape(B, m, -1)
@@ -171,11 +173,15 @@ class MtpDrafter(ChainDrafter):
             h = L.self_attn.o_proj(o) + residual
             g = rms_norm(h, L.post_attention_layernorm.weight, c.rms_norm_eps)
             out = L.mlp.down_proj(F.silu(L.mlp.gate_proj(g)) * L.mlp.up_proj(g)) + h
-            return F.linear(out, self.lm_head.weight()), out
+            return out, out
         h = linear(o, f["o"]) + residual
         g, u = linear(rms_unit(h, f["c"]), f["gate_up"]).chunk(2, dim=-1)  # the norm's weight is in gate|up
         out = linear(F.silu(g) * u, f["down"]) + h
-        return F.linear(out, self.lm_head.weight()), out  # the policy's current head
+        return out, out
+
+    def head_logits(self, x):
+        """[.., H] -> logits [.., V] through the policy's current head (shared, never a copy)."""
+        return F.linear(x, self.lm_head.weight())
 
 
 # ---- registry entries: fresh, load, save ----------------------------------------------------------------------------

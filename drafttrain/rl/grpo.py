@@ -154,7 +154,9 @@ class GRPO:
                 resp[j, p - 1: p + r - 1] = True
                 old[j, p - 1: p + r - 1] = torch.tensor(ro.logprobs[i])
             starts = torch.tensor([len(ro.prompts[i]) for i in idx])
-            ctx = self.tracker.capture(self.policy, response_start=starts) if reads else contextlib.nullcontext()
+            # a micro-batch with no advantage runs only for the tracker: its forward is the tracker's time
+            ctx = (self.tracker.capture(self.policy, response_start=starts, extra=not grad) if reads
+                   else contextlib.nullcontext())
             with ctx, torch.set_grad_enabled(grad):
                 logits = self.model(input_ids=ids, attention_mask=mask).logits  # [b, L, V]
             # the distribution the engine sampled from (its top-k / top-p support too): ratio 1 on fresh rollouts

@@ -26,40 +26,53 @@ import math
 
 import torch
 
+from drafttrain.drafters.targets import TargetHead, Targets, position_chunk
 from drafttrain.spec import SpecStats, expected_row_stats
 
 
 @torch.no_grad()
-def acceptance_ratios(drafter, batch: dict[str, torch.Tensor], k: int, start: int = 0) -> torch.Tensor:
+def acceptance_ratios(drafter, batch: dict[str, torch.Tensor], k: int, head: TargetHead,
+                      start: int = 0) -> torch.Tensor:
     """r [B, T, k]: r[b, t, i] = min(1, q_i(x) / p(x)) for draft i of the chain at position t (it targets token
-    t+2+i, the real token x; p at position t+1+i), chained along the real tokens. 0 where the target is padding,
-    and at positions t < start, which are not computed (every position still gives the chain its context)."""
+    t+2+i, the real token x; p at position t+1+i, the policy's from its hidden state there and `head`), chained along
+    the real tokens. 0 where the target is padding, and at positions t < start, which are not computed (every
+    position still gives the chain its context). The draft logits exist a chunk of positions at a time."""
     _check_steps(batch, k)
     B, T = batch["aux"].shape[:2]
+    dev = batch["aux"].device
     if start >= T:  # no chain starts here (every row's response is a single token)
-        return torch.zeros(B, T, k)
+        return torch.zeros(B, T, k, device=dev)
     was_training = drafter.training
     drafter.eval()
-    tq = torch.arange(start, T)  # the positions computed
-    logits = drafter.ttt_logits(batch["aux"], batch["next_ids"][:, : T + k - 1], k, tq if start > 0 else None,
-                                first_ids=batch.get("first_ids"))
+    tq = torch.arange(start, T, device=dev)  # the positions computed
+    xs = drafter.ttt_hidden(batch["aux"], batch["next_ids"][:, : T + k - 1], k, tq if start > 0 else None,
+                            first_ids=batch.get("first_ids"))
     drafter.train(was_training)
     nxt = batch["next_ids"]
     nxt = torch.cat([nxt, nxt.new_zeros(B, max(0, T + k - nxt.shape[1]))], 1)  # [B, >= T+k]
+    targets = Targets(batch["hidden"], head)
     # a target token's place in the draft vocabulary (-1: not in it, q = 0)
-    V = batch["target_probs"].shape[-1]
-    t2d = torch.full((V,), -1, dtype=torch.long)
-    t2d[drafter.draft_ids()] = torch.arange(len(drafter.draft_ids()))
-    r = torch.zeros(B, T, k)
-    for i, lg in enumerate(logits):
-        x = nxt[:, 1 + i + tq]  # [B, S] token_{t+2+i}
-        px = batch["target_probs"][:, 1 + i + tq].float().gather(-1, x.unsqueeze(-1)).squeeze(-1)  # [B, S]
-        d = t2d[x]
-        lq = lg.float().log_softmax(-1).gather(-1, d.clamp_min(0).unsqueeze(-1)).squeeze(-1)
+    ids = drafter.draft_ids().to(dev)
+    t2d = torch.full((targets.vocab_size,), -1, dtype=torch.long, device=dev)
+    t2d[ids] = torch.arange(len(ids), device=dev)
+    r = torch.zeros(B, T, k, device=dev)
+    n = position_chunk(B, len(ids))
+    for i, x in enumerate(xs):
+        at = 1 + i + tq
+        xt = nxt[:, at]  # [B, S] token_{t+2+i}
+        d = t2d[xt]
+        lq = torch.cat([_log_q(drafter, x[:, c:c + n], d[:, c:c + n]) for c in range(0, x.shape[1], n)], 1)
         qx = torch.where(d >= 0, lq.exp(), torch.zeros_like(lq))
-        ok = batch["valid"][:, 1 + i + tq] & (px > 0)
+        px = targets.token_probs(at, xt)  # [B, S]
+        ok = batch["valid"][:, at] & (px > 0)
         r[:, start:, i] = torch.where(ok, (qx / px.clamp_min(1e-30)).clamp_max(1.0), torch.zeros_like(px))
     return r
+
+
+def _log_q(drafter, x: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
+    """log q(d) [B, C] of the draft tokens d (draft-vocabulary places; -1 reads place 0, masked by the caller)."""
+    lg = drafter.head_logits(x).float()  # [B, C, Vd]
+    return lg.gather(-1, d.clamp_min(0).unsqueeze(-1)).squeeze(-1) - lg.logsumexp(-1)
 
 
 def _check_steps(batch: dict[str, torch.Tensor], k: int) -> None:
@@ -96,15 +109,16 @@ def length_chunks(batch: dict[str, torch.Tensor], k: int, max_pad: float = 1.25)
         idx = torch.tensor(sorted(c))
         Tc = int(last[idx].max())
         out.append(({"aux": batch["aux"][idx, :Tc], "next_ids": batch["next_ids"][idx, :Tc + k - 1],
-                     "target_probs": batch["target_probs"][idx, :Tc + k], "valid": valid[idx, :Tc + k],
+                     "hidden": batch["hidden"][idx, :Tc + k], "valid": valid[idx, :Tc + k],
                      "rows": idx, **({"first_ids": batch["first_ids"][idx]} if "first_ids" in batch else {})},
                     int(first[idx].min())))
     return out
 
 
 @torch.no_grad()
-def teacher_forced_acceptance(drafter, batch: dict[str, torch.Tensor], k: int) -> dict:
-    """batch: features built for >= k TTT steps (build_features / FeatureBuffer.sample).
+def teacher_forced_acceptance(drafter, batch: dict[str, torch.Tensor], k: int, head: TargetHead) -> dict:
+    """batch: features built for >= k TTT steps (build_features / FeatureBuffer.sample); head: the LM head of the
+    policy that produced them (its distributions are the targets).
     Returns {"mal", "acceptance_per_position", "stats", "row_mal", "row_steps"}: the engine's mean_accepted_length
     and acceptance_per_position in expectation on these sequences, the expected SpecStats (stats.merge pools
     several batches as the engine pools rows), each row's own MAL [B] (nan: a row with no verify step; the publish
@@ -114,9 +128,10 @@ def teacher_forced_acceptance(drafter, batch: dict[str, torch.Tensor], k: int) -
     padded batch at every position, at a fraction of its cost (bench/NOTES.md, Tracking)."""
     _check_steps(batch, k)  # before length_chunks, whose cuts would hide too few steps
     st = SpecStats()
-    row_mal, row_steps = torch.full((batch["aux"].shape[0],), math.nan), torch.zeros(batch["aux"].shape[0])
+    B, dev = batch["aux"].shape[0], batch["aux"].device
+    row_mal, row_steps = torch.full((B,), math.nan, device=dev), torch.zeros(B, device=dev)
     for chunk, first in length_chunks(batch, k):
-        cs, rm, rs = expected_row_stats(acceptance_ratios(drafter, chunk, k, first), chunk["valid"], k)
+        cs, rm, rs = expected_row_stats(acceptance_ratios(drafter, chunk, k, head, first), chunk["valid"], k)
         st = st.merge(cs)
         row_mal[chunk["rows"]], row_steps[chunk["rows"]] = rm, rs
     return {"mal": st.mean_accepted_length if st.verify_rows else 1.0,

@@ -2,9 +2,10 @@
 tracker's, for every forward between start and stop).
 
     with HiddenCapture(policy, drafter.aux_layer_ids) as cap:
-        logits = policy(ids, attention_mask=mask).logits       # e.g. the RL loss forward: no extra pass
-    batch = build_features(ids, mask, cap.features(), logits, steps=3, response_start=prompt_lens)
-    loss, accs = drafter.ttt_loss(batch["aux"], batch["next_ids"], batch["target_probs"], batch["valid"], 3, 0.8)
+        h = policy.model(ids, attention_mask=mask).last_hidden_state   # e.g. the RL loss forward: no extra pass
+    batch = build_features(ids, mask, cap.features(), h, steps=3, response_start=prompt_lens)
+    loss, accs = drafter.ttt_loss(batch["aux"], batch["next_ids"], Targets(batch["hidden"], TargetHead(head_weight)),
+                                  batch["valid"], 3, 0.8)
 
 Forward pre-hooks on policy.model.layers[i] record each layer's input, which is HF hidden_states[i] and the aux
 layer id convention of LeanLlama and vLLM's EAGLE-3. The hooks only store a detached reference (no copy, no
@@ -66,65 +67,76 @@ class HiddenCapture:
 
 
 @torch.no_grad()
-def build_features(ids: torch.Tensor, mask: torch.Tensor, aux: torch.Tensor, logits: torch.Tensor, steps: int,
+def build_features(ids: torch.Tensor, mask: torch.Tensor, aux: torch.Tensor, hidden: torch.Tensor, steps: int,
                    response_start) -> dict[str, torch.Tensor]:
-    """One captured forward -> the tensors ttt_loss needs (rows moved to start at column 0).
+    """One captured forward -> the tensors ttt_loss needs (rows moved to start at column 0). No distribution is kept:
+    the targets are recomputed from `hidden` with the policy's LM head where they are read (drafters/targets.py).
 
     ids [B, T]; mask: attention mask [B, T] (1 = real token, contiguous per row, left or right padding) or row
-    lengths [B]; aux [B, T, X]; logits [B, T, V]; response_start: int or [B], the column (in the given layout)
-    of each row's first response token. Returns, with T' = the longest row:
-        aux [B, T', X] (float32), next_ids [B, T'+steps-1] (next_ids[:, t] = token_{t+1}, 0 past the end),
-        target_probs [B, T'+steps, V] = softmax(logits) (temperature 1), valid [B, T'+steps] (position j counts
-        iff the token it predicts, j+1, is a response token of that row), lengths [B], first_ids [B] = token_0
+    lengths [B]; aux [B, T, X] (what the drafter reads); hidden [B, T, H] the policy's final hidden state (after its
+    final norm: logits = its LM head of it); response_start: int or [B], the column (in the given layout) of each
+    row's first response token. Returns, with T' = the longest row, in the inputs' dtypes:
+        aux [B, T', X], hidden [B, T', H] (0 past a row's end), next_ids [B, T'+steps-1] (next_ids[:, t] =
+        token_{t+1}, 0 past the end), valid [B, T'+steps] (position j counts iff the token it predicts, j+1, is a
+        response token of that row), lengths [B], start [B] (the first response column), first_ids [B] = token_0
         (a draft model's first input; next_ids starts at token_1).
     """
     B, T = ids.shape
+    dev = ids.device
     if mask.dim() == 1:  # lengths, right-padded
-        lengths, offset = mask.long(), torch.zeros(B, dtype=torch.long)
+        lengths, offset = mask.long().to(dev), torch.zeros(B, dtype=torch.long, device=dev)
     else:
         m = mask.bool()
         lengths = m.sum(1)
         offset = m.long().argmax(1)  # first real column
-    rs = torch.as_tensor(response_start, dtype=torch.long).expand(B) - offset  # response start per row, shifted
+    rs = torch.as_tensor(response_start, dtype=torch.long).to(dev).expand(B) - offset  # response start, shifted
     Tp = int(lengths.max())
-    col = torch.arange(Tp).view(1, Tp)
+    col = torch.arange(Tp, device=dev).view(1, Tp)
     src = (col + offset.view(B, 1)).clamp_max(T - 1)  # [B, T'] gather index into the given layout
     real = col < lengths.view(B, 1)  # [B, T']
     tok = ids.gather(1, src).masked_fill(~real, 0)
-    if not bool(offset.any()):  # right padding (the RL loss forward's): the first T' columns as they are
-        a = torch.where(real.unsqueeze(-1), aux[:, :Tp].float(), 0.0)
-    else:  # row-wise indexing copies whole feature vectors: cheaper than a gather with an index expanded over X
-        a = aux[torch.arange(B).view(B, 1), src].float().masked_fill_(~real.unsqueeze(-1), 0)
-    lg = logits.gather(1, src.unsqueeze(-1).expand(B, Tp, logits.shape[-1])).float()
-    probs = lg.softmax(-1) * real.unsqueeze(-1)  # [B, T', V]
-    pad = steps
-    next_ids = torch.cat([tok[:, 1:], tok.new_zeros(B, pad)], 1)  # [B, T'+steps-1]
-    target_probs = torch.cat([probs, probs.new_zeros(B, pad, probs.shape[-1])], 1)  # [B, T'+steps, V]
-    j = torch.arange(Tp + pad).view(1, -1)
-    valid = (j + 1 >= rs.view(B, 1)) & (j + 1 < lengths.view(B, 1))  # predicted token j+1 is in the response
-    return {"aux": a, "next_ids": next_ids, "target_probs": target_probs, "valid": valid, "lengths": lengths,
+    a, h = (_rows_at(x, src, real, bool(offset.any())) for x in (aux, hidden))
+    next_ids = torch.cat([tok[:, 1:], tok.new_zeros(B, steps)], 1)  # [B, T'+steps-1]
+    valid = valid_mask(rs, lengths, Tp + steps)
+    return {"aux": a, "hidden": h, "next_ids": next_ids, "valid": valid, "lengths": lengths, "start": rs.clamp_min(0),
             "first_ids": tok[:, 0]}
+
+
+def _rows_at(x: torch.Tensor, src: torch.Tensor, real: torch.Tensor, shifted: bool) -> torch.Tensor:
+    """x [B, T, X] -> [B, T', X]: each row's real columns from column 0, zeros past its end."""
+    B, Tp = src.shape
+    if not shifted:  # right padding (the RL loss forward's): the first T' columns as they are
+        return torch.where(real.unsqueeze(-1), x[:, :Tp], 0.0)
+    # row-wise indexing copies whole feature vectors: cheaper than a gather with an index expanded over X
+    return x[torch.arange(B, device=x.device).view(B, 1), src].masked_fill_(~real.unsqueeze(-1), 0)
+
+
+def valid_mask(start: torch.Tensor, lengths: torch.Tensor, N: int) -> torch.Tensor:
+    """[B, N] bool: position j counts iff the token it predicts, j+1, is a response token (start <= j+1 < length)."""
+    j = torch.arange(N, device=lengths.device).view(1, -1)
+    return (j + 1 >= start.view(-1, 1)) & (j + 1 < lengths.view(-1, 1))
 
 
 @torch.no_grad()
 def teacher_forced_features(policy, prompts: list[list[int]], responses: list[list[int]], reads,
                             steps: int) -> dict[str, torch.Tensor]:
-    """Features of finished rollouts (offline data): one policy forward over prompt + response, right-padded.
+    """Features of finished rollouts (offline data): one backbone forward over prompt + response, right-padded (the
+    LM head is not run: the targets are recomputed from the final hidden state where they are read).
     reads: the drafter's Reads (or its aux layer ids): aux layer inputs, then the final hidden state, as it reads."""
     reads = reads if isinstance(reads, Reads) else Reads(aux_layers=tuple(int(i) for i in reads))
+    dev = policy.get_input_embeddings().weight.device
     seqs = [p + r for p, r in zip(prompts, responses)]
-    lengths = torch.tensor([len(s) for s in seqs])
-    ids = torch.zeros(len(seqs), int(lengths.max()), dtype=torch.long)  # [B, T]
+    lengths = torch.tensor([len(s) for s in seqs], device=dev)
+    ids = torch.zeros(len(seqs), int(lengths.max()), dtype=torch.long, device=dev)  # [B, T]
     for i, s in enumerate(seqs):
-        ids[i, :len(s)] = torch.tensor(s)
-    mask = (torch.arange(ids.shape[1]).view(1, -1) < lengths.view(-1, 1)).long()
+        ids[i, :len(s)] = torch.tensor(s, device=dev)
+    mask = (torch.arange(ids.shape[1], device=dev).view(1, -1) < lengths.view(-1, 1)).long()
     with contextlib.ExitStack() as stack:
         cap = stack.enter_context(HiddenCapture(policy, reads.aux_layers)) if reads.aux_layers else None
         h = policy.model(input_ids=ids, attention_mask=mask).last_hidden_state  # [B, T, H], after the final norm
-        logits = policy.get_output_embeddings()(h)  # [B, T, V]
     parts = ([cap.features()] if cap is not None else []) + ([h] if reads.final_hidden else [])
-    aux = torch.cat(parts, -1) if parts else ids.new_zeros(*ids.shape, 0, dtype=torch.float32)
-    return build_features(ids, lengths, aux, logits, steps, torch.tensor([len(p) for p in prompts]))
+    aux = torch.cat(parts, -1) if parts else h.new_zeros(*ids.shape, 0)
+    return build_features(ids, lengths, aux, h, steps, torch.tensor([len(p) for p in prompts], device=dev))
 
 
 class PolicyCapture:
@@ -132,12 +144,13 @@ class PolicyCapture:
     sink(feats, started) (started: clock() when the forward's capture work began, so the sink can charge it).
 
     It serves the drafter's Reads: aux layer inputs from HiddenCapture's layer pre-hooks, the final hidden state
-    from a hook on the backbone, token ids and logits from a hook on the model itself.
-    response_start: int or [B] (first response column per row); None = the first column whose `labels` is not
-    -100 when the forward gets labels, else 0. grad_only: keep only forwards run with autograd on (the loss
-    forward), not no-grad generation or scoring forwards of the same model (TRL). A forward that returns no logits
-    (TRL's fused LM head) has them projected from the captured final hidden state (no extra backbone pass); with
-    logits_to_keep=n only the last n positions can be targets. rows: keep only some rows of each forward."""
+    (read by a drafter that takes it, and the targets' source for every kind) from a hook on the backbone, token ids
+    from a hook on the model itself. The logits are never read (nor needed: a forward that returns none, TRL's fused
+    LM head, or only the last n with logits_to_keep, captures the same): capture copies hidden states of the kept
+    rows, no vocabulary-sized work. response_start: int or [B] (first response column per row); None = the first
+    column whose `labels` is not -100 when the forward gets labels, else 0. grad_only: keep only forwards run with
+    autograd on (the loss forward), not no-grad generation or scoring forwards of the same model (TRL). rows: keep
+    only some rows of each forward."""
 
     def __init__(self, policy, reads, steps: int, sink, clock, response_start=None, grad_only: bool = False,
                  rows=None):
@@ -169,29 +182,19 @@ class PolicyCapture:
         if self.grad_only and not torch.is_grad_enabled():
             return
         t0 = self.clock()
-        ids = kwargs.get("input_ids", args[0] if args else None)
+        ids = kwargs.get("input_ids", args[0] if args else None).detach()
         mask = kwargs.get("attention_mask")
-        if mask is None:
-            mask = torch.ones_like(ids)
-        logits = getattr(output, "logits", None)
-        if logits is None:
-            with torch.no_grad():
-                logits = self.policy.get_output_embeddings()(self._final["h"])  # [B, T, V]
+        mask = torch.ones_like(ids) if mask is None else mask.detach()
         B, T = ids.shape
-        logits = logits.detach()
-        kept = logits.shape[1]  # logits_to_keep: the last `kept` positions
-        if kept < T:
-            logits = torch.cat([logits.new_zeros(B, T - kept, logits.shape[-1]), logits], 1)
-        rs = response_columns(self.response_start, kwargs.get("labels"), B, T)
-        if kept < T:
-            rs = rs.clamp_min(T - kept + 1)  # a position's target needs its logits
-        ids, mask = ids.detach(), mask.detach()
+        rs = response_columns(self.response_start, kwargs.get("labels"), B, T).to(ids.device)
         idx = self.rows(B) if self.rows is not None else None
+        h = self._final["h"]  # [B, T, H]
         if idx is not None:  # only these rows: build_features' work is per row
             if not idx.numel():
                 return
-            ids, mask, logits, rs = ids[idx], mask[idx], logits[idx], rs[idx]
-        self.sink(build_features(ids, mask, self._aux(B, T, idx), logits, self.steps, rs), t0)
+            idx = idx.to(ids.device)
+            ids, mask, rs, h = ids[idx], mask[idx], rs[idx], h[idx]
+        self.sink(build_features(ids, mask, self._aux(B, T, idx), h, self.steps, rs), t0)
 
     def _aux(self, B: int, T: int, idx=None) -> torch.Tensor:
         """[B, T, X] (rows idx only, when given): what the drafter reads (Reads), concatenated; X = 0 for none."""
@@ -200,7 +203,10 @@ class PolicyCapture:
             parts.append(self._final["h"])
         if idx is not None:  # the kept rows before the concatenation, not after: it copies every row it gets
             parts = [p[idx] for p in parts]
-        return torch.cat(parts, -1) if parts else torch.zeros(B if idx is None else len(idx), T, 0)
+        if parts:
+            return torch.cat(parts, -1)
+        h = self._final["h"]
+        return h.new_zeros(B if idx is None else len(idx), T, 0)
 
 
 def choose_rows(B: int, holdout_frac: float, capture_frac: float, held_gen, capture_gen):
@@ -221,4 +227,4 @@ def response_columns(given, labels, B: int, T: int) -> torch.Tensor:
     if labels is None:
         return torch.zeros(B, dtype=torch.long)
     scored = labels != -100  # [B, T]
-    return torch.where(scored.any(1), scored.long().argmax(1), torch.full((B,), T)).long()
+    return torch.where(scored.any(1), scored.long().argmax(1), torch.full((B,), T, device=labels.device)).long()

@@ -24,7 +24,8 @@ import torch
 
 from drafttrain.config import load_recipe, max_draft_len, sampling_params
 from drafttrain.drafters import build_drafter
-from drafttrain.tracking.bank import TimeBank
+from drafttrain.drafters.targets import TargetHead
+from drafttrain.tracking.bank import TimeBank, buy_steps
 from drafttrain.tracking.buffer import FeatureBuffer, collate
 from drafttrain.tracking.capture import PolicyCapture, choose_rows
 from drafttrain.tracking.collective import Collective
@@ -49,6 +50,7 @@ class DraftTracker:
             raise ValueError(f"drafter.eagle3.aux_layer_ids: {list(aux)} are not among the policy's {n_layers} layers")
         # features serve both training and k-step measurement
         self.steps = max(cfg.drafter.ttt_steps, max_draft_len(cfg.engine))
+        self.max_len = cfg.train.max_len  # a drafter step trains on windows of at most this many positions
         self.buffer = FeatureBuffer(int(cfg.online.buffer_mb * 2 ** 20), seed=cfg.run.seed, name="online.buffer_mb",
                                     half_life=cfg.online.buffer_half_life)
         self.trainer = None if not self.learns else DrafterTrainer(self.drafter, cfg.train, cfg.drafter,
@@ -66,10 +68,12 @@ class DraftTracker:
         self._gen = {name: torch.Generator().manual_seed(cfg.run.seed + 11 + i)  # the row draws, resumable
                      for i, name in enumerate(("estimate", "measure", "holdout", "capture"))}
         self.scorer = Scorer(cfg.online, cfg.engine, self.drafter, self.publisher, self.steps, self._gen)
-        self.pending: list[dict] = []  # features captured since the last on_policy_update
-        self.latest: list[dict] = []  # the previous step's: the background update reads only these
         self.probe_prompts, self.probe_stop = [], ()  # set_probe: recent prompts, the rollouts' stop tokens
-        self.policy_version = 0
+        self.policy, self.policy_version = policy, 0
+        # the LM head of the policy whose forwards are captured: the targets are recomputed with it from the stored
+        # hidden states (drafters/targets.py). Taken here and after each update, so it is always the head of the
+        # policy the next capture runs (a resumed run takes the same one)
+        self.head = TargetHead.of(policy, 0) if self.learns and not self.unused else None
         self._last_update_t: float | None = None  # RL time is measured from here: set by the first rollout or
         # capture (not construction: loading and engine set-up are not RL time), then after each update's work
         self._capture_s = 0.0  # time spent capturing since the last update (drafter work inside RL time)
@@ -105,13 +109,24 @@ class DraftTracker:
 
     # ---- capture ------------------------------------------------------------------------------------------
     @contextlib.contextmanager
-    def capture(self, policy, response_start=None, grad_only: bool = False):
-        """Every policy forward inside the block feeds the buffer (start_capture ... stop_capture)."""
+    def capture(self, policy, response_start=None, grad_only: bool = False, extra: bool = False):
+        """Every policy forward inside the block feeds the buffer (start_capture ... stop_capture). extra: the
+        forward inside runs only because the tracker reads its rows (the RL update does not need them): its time is
+        not RL time. It is drafter work (paid from the bank, as the capture copies are) where the drafter trains on
+        such rows (online.capture_rows=all), else reporting (measure(): neither earns nor spends the bank)."""
+        t0, before = self._now(), self._capture_s
         cap = self.start_capture(policy, response_start, grad_only)
         try:
             yield cap
         finally:
             self.stop_capture()
+            if extra and cap is not None:  # the forward around the capture's own copies (counted in _keep)
+                forward = (self._now() - t0) - (self._capture_s - before)
+                oc = self.cfg.online
+                if oc.track and not self.self_drafter and oc.capture_rows == "all":  # the drafter trains on them
+                    self._capture_s += forward
+                else:
+                    self._measure_s += forward
 
     def start_capture(self, policy, response_start=None, grad_only: bool = False) -> PolicyCapture | None:
         """From now until stop_capture(), every policy forward feeds the buffer (PolicyCapture says how)."""
@@ -130,11 +145,9 @@ class DraftTracker:
         return idx
 
     def _keep(self, feats: dict, started: float) -> None:
-        """A captured forward's kept rows (_rows): the held-out ones aside, the rest into the buffer."""
-        feats["heldout"] = self._held
+        """A captured forward's kept rows (_rows) into the buffer, the held-out ones flagged (never trained on)."""
         with self._lock:
-            self.buffer.add(feats, version=self.policy_version, skip=feats["heldout"])
-        self.pending.append(feats)
+            self.buffer.add(feats, version=self.policy_version, heldout=self._held)
         self._capture_s += self._now() - started
 
     def stop_capture(self) -> None:  # remove the hooks start_capture installed (a no-op when none are)
@@ -153,7 +166,11 @@ class DraftTracker:
         # several processes: the inline canary of the version published last is judged here, on every process's
         # rollouts at once (one process: judged as its first batch came, {} here)
         verdict = self.publisher.settle()
+        for line in self.buffer.notes(self.policy_version, step):  # what the buffer could not keep of this step
+            self.log(f"[drafttrain] {line}")
         out = self._on_policy_update(policy, step, background)
+        if self.head is not None:  # the next capture's policy (a background update keeps the head it started with)
+            self.head = TargetHead.of(policy if policy is not None else self.policy, self.policy_version, self.head)
         if verdict:
             rolled = verdict["rolled_back"] or out.get("rolled_back", False)
             out.update(canary_mal=verdict["canary_mal"], rolled_back=rolled, drafter_version=self.version)
@@ -161,29 +178,28 @@ class DraftTracker:
 
     def _on_policy_update(self, policy, step, background) -> dict:
         self._result = {}  # until this update sets it: a failed update must not leave the last one's record
-        self.latest, self.pending = self.pending, []
         self._capture_last, self._capture_s = self._capture_s, 0.0
         measured, self._measure_s = self._measure_s, 0.0
+        self._trained_version = self.policy_version  # the version whose rows this update's estimate reads
         self.policy_version = step + 1 if step is not None else self.policy_version + 1
         if self.self_drafter and self.cfg.online.track:
             return self._requantize(policy)
         if not self.cfg.online.track or not self.learns:
             return self._idle()
-        self.scorer.keep_heldout(self.latest)  # before any idle return: a skipped update still adds its rows
         # every go/no-go before a drafter step is agreed by all processes. This first one also lines them up: the
         # wait here for a slower process is RL time, so every process earns the same bank
-        if not self.collective.everywhere(len(self.buffer) > 0):  # no update
+        if not self.collective.everywhere(self.buffer.trainable() > 0):  # no update
             return self._idle()
         now = self._now()
         # the RL step's own time since the last update (its drafter work and measure() excluded) earns the budget
         rl_s = now - (self._last_update_t if self._last_update_t is not None else now) - self._capture_last - measured
         bg = self.cfg.online.mode == "async" if background is None else background
         if bg:
-            self._thread = threading.Thread(target=self._background, daemon=True)
+            self._thread = threading.Thread(target=self._background, args=(self.head,), daemon=True)
             self._thread.start()
             self._last_update_t = self._now()
             return {}
-        out = self._update(rl_s)
+        out = self._update(rl_s, self.head)
         self._last_update_t = self._now()
         return out
 
@@ -207,57 +223,40 @@ class DraftTracker:
             raise err
         return self._result
 
-    def _background(self) -> None:
+    def _background(self, head) -> None:
         try:
-            self._update(None)
+            self._update(None, head)
         except BaseException as err:  # a thread's exception reaches no caller: wait() raises it in the RL loop
             self._error = err
 
-    def _train(self, rl_s: float | None, t0: float) -> tuple[list[float], int] | None:
-        """Up to online.steps_per_update drafter steps on length-grouped batches. Sync mode (rl_s: the RL step's
-        own time) within time_budget_s and the bank: each step trains on as many records of its batch as the bank
-        covers after the update's fixed work; the update ends when not one record fits (the bank's first update,
-        with nothing measured, takes one whole batch); it starts only when the bank covers
-        online.min_steps_per_update whole batches. Returns (losses, non-finite steps); None: the bank is empty."""
-        oc, bank = self.cfg.online, self.bank
-        banked = bank.on and rl_s is not None
-        groups: list[list[dict]] = []
+    def _train(self, rl_s: float | None, t0: float, head) -> tuple[list[float], int] | None:
+        """The drafter steps the bank buys (bank.buy_steps): (losses, non-finite steps); None: the bank could not pay
+        for one (a run of those is said in one line)."""
+        bank = self.bank
 
-        def refill(left: int) -> None:  # length-grouped batches (less padding), collated only when used
-            if not groups and left > 0:
-                with self._lock:
-                    groups.extend(self.buffer.sample_groups(self.cfg.train.batch_size, left))
+        def draw(n: int) -> list[list[dict]]:
+            with self._lock:
+                return self.buffer.sample_groups(self.cfg.train.batch_size, n, self.max_len)
 
-        def allowance(spent: float) -> float | None:
-            return None if rl_s is None else bank.allowance(spent, banked)
-
-        refill(oc.steps_per_update)
-        if banked:  # an update starts once the bank covers min_steps_per_update whole batches after its fixed work
-            bank.earn(rl_s, self._capture_last)
-            afford = bank.bank_s > 0 and bank.covers(groups[-oc.min_steps_per_update:], allowance(0.0))
-            if not self.collective.everywhere(afford):
-                return None
-        losses, skipped = [], 0
-        first = banked and not bank.measured  # the bank's first update: one batch
-        while True:
-            go = groups and len(losses) < oc.steps_per_update and not (first and losses)
-            group = bank.fit(groups.pop(), allowance(self._now() - t0)) if go else None  # None: not one record fits
-            if not self.collective.everywhere(group is not None):  # every process takes this step, or none does
-                break
-            ts = self._now()
+        def step(group: list[dict]) -> dict:
             with self._lock:  # per step, so captures and measurements wait at most one drafter step
-                out = self.trainer.step(collate(group, self.buffer.steps))
-            bank.step_took(self._now() - ts, group)
-            skipped += out["nonfinite"]
-            losses.append(out["loss"])
-            refill(oc.steps_per_update - len(losses))
-        return losses, skipped
+                return self.trainer.step(collate(group, self.buffer.steps, self.max_len, self.buffer.gen), head)
 
-    def _update(self, rl_s: float | None) -> dict:
+        if bank.on and rl_s is not None:
+            bank.earn(rl_s, self._capture_last)
+        trained, drawn = buy_steps(bank, self.cfg.online, rl_s, t0, draw, step, self.collective.everywhere,
+                                   self._now)
+        if bank.on and rl_s is not None:
+            note = bank.fed(bool(trained and trained[0]), bank.one_record_s(drawn))
+            if note:
+                self.log(note)
+        return trained
+
+    def _update(self, rl_s: float | None, head) -> dict:
         """Train (_train), estimate the new weights' acceptance, gate, publish; the record of it all."""
         oc, t0, bank = self.cfg.online, self._now(), self.bank
         banked = bank.on and rl_s is not None
-        trained = self._train(rl_s, t0)
+        trained = self._train(rl_s, t0, head)
         if not trained or not trained[0]:  # the bank is empty, or not one record fit what it had left
             if banked and trained:
                 bank.spend(self._now() - t0)
@@ -269,10 +268,10 @@ class DraftTracker:
         with self._lock:
             weights = {k: v.detach().clone() for k, v in self.drafter.state_dict().items()}
             ests = servs = new_rt = None  # scored here, then the MAL pooled over the processes
-            rows = self.scorer.estimate_rows(self.latest)
-            if rows is not None:
-                ests, new_rt = self.scorer.estimate(self.drafter, rows, members)
-                servs = {m: self.scorer.serving_scores(rows, m) for m in members} if gating else None
+            recs = self.scorer.estimate_records(self.buffer, self._trained_version)
+            if recs:
+                ests, new_rt = self.scorer.estimate(self.drafter, collate(recs, self.steps), head, members)
+                servs = {m: self.scorer.serving_scores(recs, head, m) for m in members} if gating else None
         # every process decides alike (the sums are a collective): its own rows alone would part the drafters
         gates = gate_members(self.collective.sum, ests, servs, members, oc) if gating else None
         pooled = self.collective.pooled_mal(*[None if ests is None else ests[m] for m in members],
@@ -355,18 +354,20 @@ class DraftTracker:
 
     def measure(self, k: int | None = None, step: int | None = None, last: bool = False) -> dict:
         """Teacher-forced acceptance of the live (served) and the frozen step-0 drafter on the rollouts captured since
-        the last on_policy_update (call it before on_policy_update: live is then the drafter that generated them),
+        the last on_policy_update (the buffer's records of this policy version; call it before on_policy_update:
+        live is then the drafter that generated them),
         at the steps Scorer.due names (the keys with None at the others). Its time (measure_s) is reporting: the
         time bank counts it neither as RL time nor as drafter work."""
         if not self.learns or not self.scorer.due(step, last):  # the same keys all the same
             return {"live_tf_mal": None, "live_tf_acc_pos": None, "frozen_tf_mal": None, "frozen_tf_acc_pos": None,
                     "policy_minus_drafter_version": self.drafter_lag, "measure_s": 0.0}
-        if not self.pending:
+        recs = self.buffer.of_version(self.policy_version)
+        if not recs:
             return {}
         t0 = self._now()
         with self._lock:  # what the engines serve: the trainer's weights may be an update the gate holds back
             live = self.scorer.serving_form()
-        out = self.scorer.measure(self.pending, k or self.scorer.k, live)
+        out = self.scorer.measure(recs, k or self.scorer.k, live, self.head)
         dt = self._now() - t0
         self._measure_s += dt
         return {**out, "policy_minus_drafter_version": self.drafter_lag, "measure_s": dt}
@@ -389,6 +390,8 @@ class DraftTracker:
         """state_dict()'s; folder: also what save_training wrote there (CheckpointError / ValueError: unreadable)."""
         if folder is not None and self.trainer is not None:
             self.trainer.load(Path(folder) / "trainer.pt")
+            if self.trainer.buffer_note:
+                self.log(f"[drafttrain] {self.trainer.buffer_note}")
         self.scorer.load_frozen(state["frozen"])
         self.policy_version = state["policy_version"]
         self.bank.load_state_dict(state)

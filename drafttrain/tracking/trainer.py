@@ -1,12 +1,13 @@
 """DrafterTrainer: one drafter update per `step(batch)`, with HF accelerate (1 process, N under DDP, or N under
 DeepSpeed ZeRO-1/2: the launcher's accelerate config decides, see make_accelerator).
 
-    trainer = DrafterTrainer(drafter, cfg.train, cfg.drafter, buffer=FeatureBuffer(...))
+    trainer = DrafterTrainer(drafter, cfg.train, cfg.drafter, buffer=FeatureBuffer(...), head=TargetHead(W))
     out = trainer.step(trainer.buffer.sample(cfg.train.batch_size))   # {loss, acc[steps], grad_norm, nonfinite}
     trainer.save("runs/x/.state/trainer.pt"); trainer.load(...)        # drafter + optimizer + step + buffer + rng
 
 The loss is the drafter's own `ttt_loss` (train.loss against the policy: soft cross-entropy, total variation or
-both, at train.positions; unrolled cfg.drafter.ttt_steps steps, step i weighted ttt_decay**i). Under `accelerate launch` with N processes each process feeds its own shard
+both, at train.positions; unrolled cfg.drafter.ttt_steps steps, step i weighted ttt_decay**i), its targets the
+policy's distributions recomputed from the batch's hidden states with `head` (the policy's LM head: drafters/targets.py). Under `accelerate launch` with N processes each process feeds its own shard
 and DDP averages the gradients. A non-finite loss or gradient on any process skips the update on every process
 (no weight or optimizer change) and reports nonfinite=True. `step` is the single unit of work: time budgets and
 background modes wrap it, they do not change it.
@@ -30,6 +31,7 @@ from accelerate.utils import DistributedType
 from drafttrain.checkpoint import load_checkpoint
 from drafttrain.config import ConfigError
 from drafttrain.drafters import ttt
+from drafttrain.drafters.targets import Targets
 from drafttrain.train_config import check_train
 
 
@@ -75,16 +77,20 @@ class _TTTLoss(nn.Module):
         self.drafter, self.steps, self.decay, self.query_frac = drafter, steps, decay, query_frac
         self.objective = objective
         self.gen = torch.Generator().manual_seed(seed)
+        self.head = None  # the targets' TargetHead, set per step (a plain attribute: DDP sees only the tensors)
 
-    def forward(self, aux, next_ids, target_probs, valid, first_ids=None):
-        return self.drafter.ttt_loss(aux, next_ids, target_probs, valid, self.steps, self.decay,
+    def forward(self, aux, next_ids, hidden, valid, first_ids=None):
+        return self.drafter.ttt_loss(aux, next_ids, Targets(hidden, self.head), valid, self.steps, self.decay,
                                      query_frac=self.query_frac, generator=self.gen, first_ids=first_ids,
                                      objective=self.objective)
 
 
 class DrafterTrainer:
-    def __init__(self, drafter, cfg_train, drafter_cfg, accelerator: Accelerator | None = None, buffer=None):
+    def __init__(self, drafter, cfg_train, drafter_cfg, accelerator: Accelerator | None = None, buffer=None,
+                 head=None):
         self.acc = accelerator or Accelerator(cpu=True)
+        self.head = head  # the policy's LM head (TargetHead): the default for step()
+        self.buffer_note: str | None = None  # what load() could not keep of a saved buffer, for the caller to say
         self.deepspeed = self.acc.distributed_type == DistributedType.DEEPSPEED
         if self.deepspeed:
             _configure_deepspeed(self.acc, cfg_train)
@@ -111,10 +117,15 @@ class DrafterTrainer:
         for g in self.opt.param_groups:
             g["lr"] = lr
 
-    def step(self, batch: dict[str, torch.Tensor]) -> dict:
-        """One update on a padded feature batch (build_features / FeatureBuffer.sample output)."""
+    def step(self, batch: dict[str, torch.Tensor], head=None) -> dict:
+        """One update on a padded feature batch (build_features / FeatureBuffer.sample output); head: the targets'
+        TargetHead (default: the trainer's)."""
         dev = self.acc.device
-        loss, accs = self.model(*(batch[k].to(dev) for k in ("aux", "next_ids", "target_probs", "valid")),
+        self.ttt.head = head if head is not None else self.head
+        if self.ttt.head is None:
+            raise ValueError("DrafterTrainer.step: no LM head for the targets (give head= to the trainer or the step)")
+        loss, accs = self.model(batch["aux"].to(dev, torch.float32), batch["next_ids"].to(dev),
+                                batch["hidden"].to(dev), batch["valid"].to(dev),
                                 first_ids=batch["first_ids"].to(dev) if "first_ids" in batch else None)
         if self.deepspeed:
             return self._deepspeed_step(loss, accs)
@@ -234,7 +245,7 @@ class DrafterTrainer:
         if self.buffer is not None:
             own = main if self.acc.is_main_process else load_checkpoint(self._rank_path(path))
             if "buffer" in own:
-                self.buffer.load_state_dict(own["buffer"])
+                self.buffer_note = self.buffer.load_state_dict(own["buffer"])
         return self._load_own(own)
 
     def _load_deepspeed(self, folder: Path) -> dict:
@@ -243,7 +254,7 @@ class DrafterTrainer:
         self.acc.load_state(str(folder))  # the engine's weights and this process's optimizer shard
         self.step_count = int(own["step"])
         if self.buffer is not None and "buffer" in own:
-            self.buffer.load_state_dict(own["buffer"])
+            self.buffer_note = self.buffer.load_state_dict(own["buffer"])
         return self._load_own(own)
 
     def _check_world(self, path: Path, state: dict) -> None:

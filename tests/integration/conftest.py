@@ -37,7 +37,7 @@ def one_thread():
 @pytest.fixture(scope="session")
 def trained():
     """A sharp tiny policy and an EAGLE-3 drafter trained on its rollouts (engine MAL ~3 at k=4, fresh ~1.4)."""
-    from drafttrain.drafters import build_drafter
+    from drafttrain.drafters import TargetHead, build_drafter
     from drafttrain.engines import build_engine
     from drafttrain.tracking import DrafterTrainer, teacher_forced_features
     from drafttrain.tracking.acceptance import teacher_forced_acceptance
@@ -54,11 +54,11 @@ def trained():
     ro = engine.generate(prompts, sampling_params(cfg.sampling, max_new_tokens=32, seed=0), speculative=False)
     drafter = build_drafter(cfg.drafter, policy)
     feats = teacher_forced_features(policy, prompts, ro.tokens, drafter.aux_layer_ids, 4)
-    trainer = DrafterTrainer(drafter, cfg.train, cfg.drafter)
+    trainer = DrafterTrainer(drafter, cfg.train, cfg.drafter, head=TargetHead.of(policy))
     for _ in range(60):
         trainer.step(feats)
     good = {k: v.detach().clone() for k, v in drafter.state_dict().items()}
-    expected = teacher_forced_acceptance(drafter, feats, 4)["mal"]
+    expected = teacher_forced_acceptance(drafter, feats, 4, trainer.head)["mal"]
     assert expected > 3.0
     return dict(policy=policy, cfg=cfg, prompts=prompts, good=good, expected=expected, feats=feats)
 
@@ -134,9 +134,9 @@ def banked_tracker(trained, monkeypatch, clock, *overrides):
                                         "online.holdout_frac=0", "online.min_steps_per_update=1", *overrides)
     step = tracker.trainer.step
 
-    def slow_step(batch):
+    def slow_step(batch, head=None):
         clock[0] += 0.005 * batch["aux"].shape[0]
-        return step(batch)
+        return step(batch, head)
 
     monkeypatch.setattr(tracker.trainer, "step", slow_step)
     return tracker

@@ -212,7 +212,7 @@ def test_nan_update_is_never_published(trained):
     engine = engine_for(trained)
     tracker, logs = tracker_with_features(trained, engine)
     for rec in tracker.buffer.records:  # features that make every drafter step non-finite
-        rec["target_probs"].fill_(float("nan"))
+        rec["hidden"].fill_(float("nan"))
     before = {k: v.clone() for k, v in tracker.drafter.state_dict().items()}
     out = tracker.on_policy_update(trained["policy"], 0)
     assert out["drafter_skipped_nonfinite"] == out["drafter_steps"] == 2

@@ -13,6 +13,13 @@ from tests.integration.conftest import banked_tracker, engine_for, fake_clock, t
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
+def as_this_steps_rows(tracker) -> None:
+    """Replay: the buffer's records become the rollouts of the step now ending (the estimate's rows when none are
+    held out)."""
+    for r in tracker.buffer.records:
+        r["version"] = tracker.policy_version
+
+
 def test_drafter_lag_counts_policy_updates_since_the_serving_drafter_was_published(trained, monkeypatch):
     """The time bank skips the third update: the drafter is one policy update behind, and the next publish brings
     it level again (0). The version counters' difference stayed 1 from then on (the main job's ended at 5 while its
@@ -49,12 +56,11 @@ def test_publish_gate_decides_on_paired_rows(trained, monkeypatch):
     engine = engine_for(trained)
     tracker, _ = tracker_with_features(trained, engine, "online.publish_gate=true", "online.gate_min_rows=4",
                                         "online.holdout_frac=0")
-    feats = list(tracker.pending)
     served = {k: v.clone() for k, v in tracker.drafter.state_dict().items()}
     base = torch.tensor([2.0, 3.0, 4.0, 5.0])  # the serving drafter's MAL on each of the 4 rows
     scores, calls = [], []  # the update's per-row MAL offsets; the drafters scored, in order
 
-    def scripted(drafter, batch, k):
+    def scripted(drafter, batch, k, head=None):
         new = len(calls) % 2 == 0  # each update scores its new weights, then the serving ones
         rows = base + scores[-1] if new else base
         calls.append(drafter)
@@ -65,7 +71,7 @@ def test_publish_gate_decides_on_paired_rows(trained, monkeypatch):
              (torch.full((4,), 0.05), "published"), (torch.full((4,), 0.05), "published")]
     for offsets, want in cases:
         scores.append(offsets)
-        tracker.pending = list(feats)  # this step's rollouts
+        as_this_steps_rows(tracker)
         before = tracker.version
         out = tracker.on_policy_update(trained["policy"], len(scores))
         publish = want == "published"
@@ -89,7 +95,7 @@ def _capture_with_held_out_rows(tracker, trained) -> int:
         ids = torch.tensor([s_[:min(map(len, seqs))] for s_ in seqs])
         with tracker.capture(policy, response_start=ids.shape[1] - 7 - extra):
             policy(input_ids=ids)
-    return int(torch.cat([f["heldout"] for f in tracker.pending]).sum())
+    return sum(r["heldout"] for r in tracker.buffer.records)
 
 
 def test_publish_gate_scores_each_held_out_row_once_per_serving_version(trained, monkeypatch):
@@ -104,9 +110,9 @@ def test_publish_gate_scores_each_held_out_row_once_per_serving_version(trained,
     scored, decide = [], iter([False, True, False])  # publish at the second update only
     real = scoring.teacher_forced_acceptance
 
-    def spy(drafter, batch, k):
+    def spy(drafter, batch, k, head):
         scored.append((drafter is tracker.scorer.serving_form(), batch["aux"].shape[0]))
-        return real(drafter, batch, k)
+        return real(drafter, batch, k, head)
 
     monkeypatch.setattr(scoring, "teacher_forced_acceptance", spy)
     monkeypatch.setattr(gate_mod, "gate_decision", lambda n, *a: {"n": int(n), "mean": 0.0, "lower": 0.0,
@@ -135,14 +141,15 @@ def test_measure_scores_the_served_drafter_on_the_gates_rows_for_it(trained, mon
     scored = []
     real = scoring.teacher_forced_acceptance
 
-    def spy(drafter, batch, k):
+    def spy(drafter, batch, k, head):
         scored.append((drafter is serving, batch["aux"].shape[0]))
-        return real(drafter, batch, k)
+        return real(drafter, batch, k, head)
 
     monkeypatch.setattr(scoring, "teacher_forced_acceptance", spy)
     out = tracker.on_policy_update(policy, 0)
     assert scored == [(False, held)] and out["gate_rows"] == held
-    fresh = teacher_forced_acceptance(serving, collate(tracker.scorer.heldout, tracker.steps), tracker.steps)["mal"]
+    fresh = teacher_forced_acceptance(serving, collate(tracker.buffer.heldout(64), tracker.steps), tracker.steps,
+                                      tracker.head)["mal"]
     assert out["serving_mal"] == pytest.approx(fresh, rel=1e-5)
 
 
@@ -158,17 +165,18 @@ def test_the_estimate_scores_rollouts_held_out_of_training(trained, monkeypatch)
         ids = torch.tensor([s_[:min(map(len, seqs))] for s_ in seqs])
         with tracker.capture(policy, response_start=ids.shape[1] - 7 - extra):
             policy(input_ids=ids)
-    held = torch.cat([f["heldout"] for f in tracker.pending])
-    assert len(held) == 28 and 0 < int(held.sum()) < 28
-    assert len(tracker.buffer) == 28 - int(held.sum())  # held-out rows never reach the buffer
-    held_aux = {f["aux"][b, :int(f["lengths"][b])].sum().item() for f in tracker.pending
-                for b in range(len(f["heldout"])) if f["heldout"][b]}
+    held = sum(r["heldout"] for r in tracker.buffer.records)
+    assert len(tracker.buffer) == 28 and 0 < held < 28
+    assert tracker.buffer.trainable() == 28 - held  # held-out rows are never drawn for training
+    held_aux = {r["aux"].float().sum().item() for r in tracker.buffer.records if r["heldout"]}
+    drawn = tracker.buffer.sample_groups(4, 100)
+    assert sum(map(len, drawn)) == 28 - held and not any(r["heldout"] for g in drawn for r in g)
     scored = []
     real = scoring.teacher_forced_acceptance
 
-    def spy(drafter, batch, k):
+    def spy(drafter, batch, k, head):
         scored.extend(batch["aux"][b, :int(batch["lengths"][b])].sum().item() for b in range(len(batch["lengths"])))
-        return real(drafter, batch, k)
+        return real(drafter, batch, k, head)
 
     monkeypatch.setattr(scoring, "teacher_forced_acceptance", spy)
     out = tracker.on_policy_update(policy, 0)
@@ -188,7 +196,7 @@ def test_measure_scores_a_random_sample_of_the_steps_rollouts(trained, monkeypat
     seen = []
     n_rows = lambda b: b["aux"].shape[0]  # noqa: E731
     monkeypatch.setattr(scoring, "teacher_forced_acceptance",
-                        lambda d, batch, k: seen.append(batch["valid"].sum(1).tolist()) or
+                        lambda d, batch, k, head: seen.append(batch["valid"].sum(1).tolist()) or
                         {"mal": 2.0, "acceptance_per_position": [0.5] * k, "row_mal": torch.full((n_rows(batch),), 2.0),
                          "row_steps": torch.ones(n_rows(batch))})
     for _ in range(10):
@@ -204,17 +212,18 @@ def test_measure_scores_the_drafters_the_engine_runs(trained):
     import copy
 
     from drafttrain.tracking.acceptance import teacher_forced_acceptance
-    from drafttrain.tracking.scoring import rows
+    from drafttrain.tracking.buffer import collate
 
     tracker, _ = tracker_with_features(trained, engine_for(trained), "engine.drafter_int8=true")
     with torch.no_grad():
         for p in tracker.drafter.parameters():  # live and frozen differ
             p.add_(0.01 * torch.randn_like(p))
     tracker.publisher.good_weights = {k: v.clone() for k, v in tracker.drafter.state_dict().items()}  # served
-    batch = rows(tracker.pending, tracker.steps, 64, torch.Generator())  # all 4 rows
-    want = {name: teacher_forced_acceptance(copy.deepcopy(d).eval().fuse_for_inference(True), batch, 5)["mal"]
+    batch = collate(tracker.buffer.of_version(0), tracker.steps)  # all 4 rows
+    head = tracker.head
+    want = {name: teacher_forced_acceptance(copy.deepcopy(d).eval().fuse_for_inference(True), batch, 5, head)["mal"]
             for name, d in (("live", tracker.drafter), ("frozen", tracker.frozen))}
-    fp32 = teacher_forced_acceptance(tracker.frozen, batch, 5)["mal"]
+    fp32 = teacher_forced_acceptance(tracker.frozen, batch, 5, head)["mal"]
     with torch.no_grad():
         for p in tracker.drafter.parameters():  # an update the publish gate has not passed yet: not what serves
             p.add_(0.05 * torch.randn_like(p))
@@ -258,11 +267,10 @@ def test_auto_members_are_gated_each_on_its_own(trained, monkeypatch):
     ids = torch.tensor([s[:min(map(len, seqs))] for s in seqs])
     with tracker.capture(policy, response_start=ids.shape[1] - 6):
         policy(input_ids=ids)
-    feats = list(tracker.pending)
     base = torch.tensor([2.0, 3.0, 4.0, 5.0])
     gain = {}  # member -> per-row offsets of its new weights over its serving ones
 
-    def scripted(drafter, batch, k):
+    def scripted(drafter, batch, k, head=None):
         serving = drafter is tracker.scorer.serving_form()
         rows = base if serving else base + gain[drafter.scored]
         return {"mal": float(rows.mean()), "acceptance_per_position": [], "stats": None, "row_mal": rows}
@@ -273,7 +281,7 @@ def test_auto_members_are_gated_each_on_its_own(trained, monkeypatch):
     same = lambda a, b: all(torch.equal(v, b[k]) for k, v in a.items())  # noqa: E731
     # mtp gains on every row, draft_model loses on every row
     gain.update(mtp=torch.full((4,), 0.05), draft_model=torch.full((4,), -0.05))
-    tracker.pending = list(feats)
+    as_this_steps_rows(tracker)
     out = tracker.on_policy_update(policy, 0)
     assert out["published"] and not out["gated"] and engine.drafter_version == 1
     assert {m: (g["passed"], g["worse"]) for m, g in out["member_gates"].items()} == {
@@ -287,7 +295,7 @@ def test_auto_members_are_gated_each_on_its_own(trained, monkeypatch):
     assert tracker.publisher.pending["members"]["mtp"]["mal"] == pytest.approx(3.55)
     # mtp undecided, draft_model gains: draft_model alone is published; mtp trains on from its update
     gain.update(mtp=torch.tensor([0.6, -0.4, 0.6, -0.4]), draft_model=torch.full((4,), 0.05))
-    tracker.pending = list(feats)
+    as_this_steps_rows(tracker)
     out = tracker.on_policy_update(policy, 1)
     assert out["published"] and engine.drafter_version == 2
     assert {m: (g["passed"], g["worse"]) for m, g in out["member_gates"].items()} == {
@@ -297,6 +305,6 @@ def test_auto_members_are_gated_each_on_its_own(trained, monkeypatch):
     assert same(part(engine.served, "draft_model"), part(tracker.drafter.state_dict(), "draft_model"))
     # neither shown better: nothing published
     gain.update(mtp=torch.full((4,), -0.05), draft_model=torch.tensor([0.6, -0.4, 0.6, -0.4]))
-    tracker.pending = list(feats)
+    as_this_steps_rows(tracker)
     out = tracker.on_policy_update(policy, 2)
     assert out["gated"] and not out["published"] and engine.drafter_version == 2

@@ -84,22 +84,21 @@ def test_time_bank_predicts_each_step_from_its_batch_lengths(trained, monkeypatc
     tracker, _ = tracker_with_features(trained, engine_for(trained), "online.budget_frac=0.05",
                                         "online.steps_per_update=50", "train.batch_size=1")
     rec = tracker.buffer.records[0]
-    s, X, V = tracker.buffer.steps, rec["aux"].shape[1], rec["target_probs"].shape[1]
+    X, H, V = rec["aux"].shape[1], rec["hidden"].shape[1], tracker.head.vocab_size
     g = torch.Generator().manual_seed(0)
 
     def record(L):
-        return {"aux": torch.randn(L, X, generator=g), "next_ids": torch.randint(0, V, (L + s - 1,), generator=g),
-                "target_probs": torch.softmax(torch.randn(L + s, V, generator=g), -1),
-                "valid": torch.ones(L + s, dtype=torch.bool)}
+        return {"aux": torch.randn(L, X, generator=g), "hidden": torch.randn(L, H, generator=g),
+                "ids": torch.randint(0, V, (L,), generator=g), "start": 1, "version": 0, "heldout": False}
 
     tracker.buffer.records.clear()
     for L in (4, 4, 4, 40, 4, 4, 4, 40):
         tracker.buffer.records.append(record(L))
     step = tracker.trainer.step
 
-    def step_by_tokens(batch):  # 0.5 ms per padded position
+    def step_by_tokens(batch, head=None):  # 0.5 ms per padded position
         clock[0] += 0.0005 * batch["aux"].shape[0] * batch["aux"].shape[1]
-        return step(batch)
+        return step(batch, head)
 
     monkeypatch.setattr(tracker.trainer, "step", step_by_tokens)
     tracker._last_update_t = 0.0

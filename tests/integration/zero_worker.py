@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 
 from drafttrain.config import load_recipe
-from drafttrain.drafters import build_drafter
+from drafttrain.drafters import TargetHead, build_drafter
 from drafttrain.policy import load_policy
 from drafttrain.tracking import DrafterTrainer, teacher_forced_features
 from drafttrain.tracking.trainer import make_accelerator
@@ -21,7 +21,7 @@ def main(policy_dir: str, out: str) -> None:
     policy, _ = load_policy(policy_dir)
     torch.manual_seed(0)
     drafter = build_drafter(cfg.drafter, policy)
-    tr = DrafterTrainer(drafter, cfg.train, cfg.drafter, acc)
+    tr = DrafterTrainer(drafter, cfg.train, cfg.drafter, acc, head=TargetHead.of(policy))
     g = torch.Generator().manual_seed(acc.process_index)
     prompts = [torch.randint(3, 20, (6,), generator=g).tolist() for _ in range(4)]
     responses = [torch.randint(3, 20, (10,), generator=g).tolist() for _ in range(4)]
@@ -36,7 +36,7 @@ def main(policy_dir: str, out: str) -> None:
     w0 = weights()
     first = tr.step(batch)
     w1 = weights()
-    bad = dict(batch, target_probs=batch["target_probs"] * (float("nan") if acc.process_index == 1 else 1.0))
+    bad = dict(batch, hidden=batch["hidden"] * (float("nan") if acc.process_index == 1 else 1.0))
     second = tr.step(bad)
     w2 = weights()
     tr.set_weights(w0)

@@ -8,6 +8,7 @@ import math
 import pytest
 import torch
 
+from drafttrain.drafters import TargetHead
 from drafttrain.engines import build_engine
 from drafttrain.spec import SamplingParams, expected_spec_stats
 from drafttrain.tracking.acceptance import teacher_forced_acceptance
@@ -76,7 +77,7 @@ def test_engine_agrees_with_teacher_forced_on_its_rollouts(policy):
     b = eng.generate(prompts, SamplingParams(max_new_tokens=16, stop_token_ids=(stop,), seed=0))
     assert sum(r == "stop" for r in b.finish_reasons) > 300  # many rows end inside a step
     tf = teacher_forced_acceptance(drafter, teacher_forced_features(policy, prompts, b.tokens,
-                                                                    drafter.aux_layer_ids, k), k)
+                                                                    drafter.aux_layer_ids, k), k, TargetHead.of(policy))
     st = b.stats
     assert tf["stats"].emitted == st.emitted
     assert abs(st.mean_accepted_length - tf["mal"]) < 0.04, (st.mean_accepted_length, tf["mal"])  # sd ~0.01
@@ -99,20 +100,21 @@ def test_scoring_in_length_chunks_equals_each_row_alone(policy):
     resps = [torch.randint(3, 30, (n,), generator=g).tolist() for n in lens]
     batch = teacher_forced_features(policy, prompts, resps, drafter.aux_layer_ids, k)
     calls = []
-    real = drafter.ttt_logits
+    real = drafter.ttt_hidden
+    head = TargetHead.of(policy)
 
     def counting(aux, next_ids, steps, queries=None, first_ids=None):
         calls.append(aux.shape[0] * (aux.shape[1] if queries is None else len(queries)))
         return real(aux, next_ids, steps, queries, first_ids)
 
-    drafter.ttt_logits = counting
-    scored = teacher_forced_acceptance(drafter, batch, k)
+    drafter.ttt_hidden = counting
+    scored = teacher_forced_acceptance(drafter, batch, k, head)
     whole = scored["stats"]
     computed = sum(calls)
     alone, row_mal = None, []
     for p, r in zip(prompts, resps):
         one = teacher_forced_acceptance(drafter, teacher_forced_features(policy, [p], [r], drafter.aux_layer_ids,
-                                                                         k), k)
+                                                                         k), k, head)
         st = one["stats"]
         alone = st if alone is None else alone.merge(st)
         row_mal.append(st.mean_accepted_length if st.verify_rows else math.nan)

@@ -231,13 +231,14 @@ def test_members_learn_on_a_drifted_policy(make_engine, policy):
 
 def test_the_loss_is_the_sum_of_the_members_and_scoring_reads_the_scored_ones_columns(policy):
     """Each member's loss on its own columns of the captured union; ttt_logits are the scored member's."""
+    from drafttrain.drafters import TargetHead, Targets
     from drafttrain.tracking.capture import teacher_forced_features
 
     d = auto(policy, ("eagle3", "mtp", "suffix"))
     assert d.reads.aux_layers and d.reads.final_hidden
     prompts, resp = [[1, 2, 3, 4]] * 2, [[5, 6, 7, 8, 9, 10]] * 2
     f = teacher_forced_features(policy, prompts, resp, d.reads, 3)
-    args = (f["next_ids"], f["target_probs"], f["valid"], 3, 0.8)
+    args = (f["next_ids"], Targets(f["hidden"], TargetHead.of(policy)), f["valid"], 3, 0.8)
     total, _ = d.ttt_loss(f["aux"], *args, first_ids=f["first_ids"])
     e3, mt = d.members["eagle3"], d.members["mtp"]
     H = policy.config.hidden_size

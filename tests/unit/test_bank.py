@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from drafttrain.tracking.bank import MARGIN, TimeBank, padded_tokens
+from drafttrain.tracking.bank import MARGIN, STARVED, TimeBank, padded_tokens
 
 
 def _group(*lengths: int) -> list[dict]:
@@ -69,3 +69,38 @@ def test_costs_are_moving_averages_and_travel_with_the_state():
     again = TimeBank(0.05, 1.0)
     again.load_state_dict(bank.state_dict())
     assert again.state_dict() == bank.state_dict() and again.bank_s == pytest.approx(0.05)
+
+
+def test_a_capture_longer_than_the_cap_is_paid_from_the_earnings_before_the_cap():
+    """A step earning 50 s with 12 s of capture, the bank capped at 10 s: it holds 10 s. Capped before the capture
+    was paid, it held 10 - 12 = -2 s after every step, and the drafter never trained (silently)."""
+    bank = TimeBank(budget_frac=0.05, time_budget_s=10.0)
+    for _ in range(3):
+        bank.earn(rl_s=1000.0, capture_s=12.0)
+        assert bank.bank_s == pytest.approx(10.0)
+    bank.earn(rl_s=100.0, capture_s=12.0)  # 5 s earned, 12 s of capture: in debt, as it should be
+    assert bank.bank_s == pytest.approx(3.0)
+
+
+def test_a_starved_bank_says_so_once_with_the_key_to_change():
+    bank = TimeBank(budget_frac=0.01, time_budget_s=10.0)
+    lines = []
+    for i in range(3 * STARVED):
+        bank.earn(rl_s=1.0, capture_s=0.05)  # earns 0.01 s, spends 0.05 on capture
+        lines.append(bank.fed(trained=False))
+    said = [x for x in lines if x]
+    assert len(said) == 1 and lines.index(said[0]) == STARVED - 1
+    assert f"has not trained for {STARVED} RL steps" in said[0] and "online.budget_frac" in said[0]
+    assert "\n" not in said[0] and "capture costs 0.05 s" in said[0]
+    assert bank.fed(trained=True) is None and bank.starved == 0  # a step resets it; the next run says it again
+    assert [bank.fed(trained=False) for _ in range(STARVED)][-1]
+
+
+def test_a_drafter_step_above_the_cap_is_named_as_the_reason():
+    bank = TimeBank(budget_frac=0.05, time_budget_s=1.0)
+    bank.step_took(2.0, _group(100))  # 20 ms a token: one record of 100 tokens costs 2 s > 1 s
+    line = None
+    for _ in range(STARVED):
+        bank.earn(rl_s=100.0, capture_s=0.0)
+        line = bank.fed(False, bank.one_record_s([_group(100, 120)])) or line
+    assert line and "one record costs ~2.00 s" in line and "online.time_budget_s=1" in line

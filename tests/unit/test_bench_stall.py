@@ -80,7 +80,7 @@ def test_the_oracle_keeps_its_own_settings_whatever_the_recipe_trains_online(ben
     seen = []
 
     class Trainer:  # records the settings train_oracle hands the trainer; trains nothing
-        def __init__(self, drafter, train_cfg, drafter_cfg, buffer=None):
+        def __init__(self, drafter, train_cfg, drafter_cfg, buffer=None, head=None):
             seen.append((drafter_cfg.ttt_steps, train_cfg.query_frac, train_cfg.lr, train_cfg.batch_size,
                          train_cfg.score_grad))
 
@@ -88,7 +88,7 @@ def test_the_oracle_keeps_its_own_settings_whatever_the_recipe_trains_online(ben
     rc = load_recipe("eagle3_track", ["drafter.ttt_steps=2", "train.query_frac=0.25", "train.lr=1e-2",
                                       "train.batch_size=32", "train.score_grad=false"])
     cfg = SimpleNamespace(oracle_lr=3e-4, oracle_batch=16, oracle_ttt_steps=3, oracle_steps=0)
-    bench.train_oracle(nn.Linear(1, 1), [], rc, cfg)
+    bench.train_oracle(nn.Linear(1, 1), [], rc, cfg, head=None)
     assert seen == [(3, 1.0, 3e-4, 16, True)]  # every position, full gradient
     assert (rc.drafter.ttt_steps, rc.train.query_frac, rc.train.lr, rc.train.score_grad) == (2, 0.25, 1e-2, False)
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from drafttrain.config import Config, ConfigError, load_recipe
-from drafttrain.drafters import build_drafter
+from drafttrain.drafters import TargetHead, Targets, build_drafter
 from drafttrain.drafters.draft_model import DraftModelDrafter, save
 from drafttrain.spec import SamplingParams
 from drafttrain.tracking import teacher_forced_features
@@ -31,10 +31,12 @@ def test_full_depth_draft_model_is_the_policy(make_engine, policy):
         assert b.stats.acceptance_rate == 1.0, b.stats.to_dict()
     prompts, resp = C.rollouts(make_engine, policy, n=4)
     f = teacher_forced_features(policy, prompts, resp, d.reads, K)
-    r = acceptance_ratios(d.fuse_for_inference(False), f, K)
+    head = TargetHead.of(policy)
+    r = acceptance_ratios(d.fuse_for_inference(False), f, K, head)
     ok = f["valid"][:, 1:1 + r.shape[1]]
     assert torch.allclose(r[..., 0][ok], torch.ones(()), atol=1e-4)
-    _, accs = d.ttt_loss(f["aux"], f["next_ids"], f["target_probs"], f["valid"], K, 0.8, first_ids=f["first_ids"])
+    _, accs = d.ttt_loss(f["aux"], f["next_ids"], Targets(f["hidden"], head), f["valid"], K, 0.8,
+                         first_ids=f["first_ids"])
     assert accs == [1.0] * K
 
 

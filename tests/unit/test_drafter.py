@@ -15,9 +15,7 @@ from drafttrain.export import load_drafter, save_drafter
 from drafttrain.modeling import LeanLlama
 from drafttrain.spec import SamplingParams, processed_probs
 from tests import contract as C
-from tests.conftest import engine_cfg, set_drafter_keys, tiny_policy
-
-
+from tests.conftest import dense_targets, engine_cfg, set_drafter_keys, tiny_policy
 
 
 def drafter_cfg(**kw):
@@ -38,12 +36,13 @@ def rand_prompts(n: int, seed: int, vocab: int = 32, length: int = 4) -> list[li
 @torch.no_grad()
 def features(policy, seqs: torch.Tensor, aux_ids, steps: int):
     """Teacher-forced TTT inputs for equal-length sequences [B, N]: (aux [B, T, A*H], next_ids [B, T+steps-1],
-    target_probs [B, N, V], valid [B, N]) with T = N - steps."""
+    targets (the policy's distributions at the N positions), valid [B, N]) with T = N - steps."""
     B, N = seqs.shape
     lean = LeanLlama(policy, N)
     logits, aux = lean.forward(seqs, torch.zeros(B, dtype=torch.long), lean.new_cache(B, N), tuple(aux_ids))
     T = N - steps
-    return aux[:, :T], seqs[:, 1:T + steps], processed_probs(logits, SamplingParams()), torch.ones(B, N, dtype=bool)
+    return (aux[:, :T], seqs[:, 1:T + steps], dense_targets(processed_probs(logits, SamplingParams())),
+            torch.ones(B, N, dtype=bool))
 
 
 # ---- training ----------------------------------------------------------------------------------------------------
@@ -119,7 +118,7 @@ def test_ttt_loss_alignment(drafter):
     valid = torch.ones(B, T + steps, dtype=torch.bool)
     valid[1, T + steps - 2:] = False  # row 1 ends early
     with torch.no_grad():
-        loss, _ = d.ttt_loss(aux, next_ids, target, valid, steps, decay)
+        loss, _ = d.ttt_loss(aux, next_ids, dense_targets(target), valid, steps, decay)
         outs = d.ttt_logits(aux, next_ids, steps)
     want, wsum = 0.0, 0.0
     for i in range(steps):
@@ -458,7 +457,7 @@ def test_ttt_queries_equal_the_full_result_there(drafter):
         torch.testing.assert_close(s, f[:, S], atol=1e-5, rtol=1e-5)
     probs = torch.softmax(torch.randn(B, T + steps, d.config.vocab_size, generator=g), -1)
     valid = torch.ones(B, T + steps, dtype=torch.bool)
-    loss, accs = d.ttt_loss(aux, next_ids, probs, valid, steps, 0.8, query_frac=0.4, generator=g)
+    loss, accs = d.ttt_loss(aux, next_ids, dense_targets(probs), valid, steps, 0.8, query_frac=0.4, generator=g)
     loss.backward()
     assert torch.isfinite(loss) and len(accs) == steps
     assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in d.parameters() if p.requires_grad)
@@ -493,15 +492,15 @@ def test_ttt_queries_are_drawn_among_response_positions(drafter):
     valid = torch.zeros(B, T + steps, dtype=torch.bool)
     valid[0, 5:10], valid[1, 6:12] = True, True  # step-0 targets at t+1: chain starts t = 4..10
     seen = []
-    real = d.ttt_logits
+    real = d.ttt_hidden
 
     def record(aux_, ids_, steps_, queries=None, first_ids=None):
         seen.append(queries)
         return real(aux_, ids_, steps_, queries)
 
-    d.ttt_logits = record
+    d.ttt_hidden = record
     for _ in range(20):
-        d.ttt_loss(aux, next_ids, probs, valid, steps, 0.8, query_frac=0.5, generator=g)
+        d.ttt_loss(aux, next_ids, dense_targets(probs), valid, steps, 0.8, query_frac=0.5, generator=g)
     assert all(len(S) == 4 and set(S.tolist()) <= set(range(4, 11)) for S in seen), seen
     assert set(torch.cat(seen).tolist()) == set(range(4, 11))
 

@@ -215,7 +215,7 @@ def test_engine_speculative_false_decodes_ar_and_the_unused_drafter_costs_nothin
     assert flags[3:] == [speculative] * 2  # rl.eval_decode=rollout: decoded as the rollouts are
     assert (ro.batch.stats.mean_accepted_length > 1) == speculative  # AR: no draft was ever accepted
     assert rollout_metrics(ro)["live_k"] == (cfg.engine.k if speculative else None)  # every SD step drafted k
-    assert bool(tracker.pending) == speculative
+    assert bool(tracker.buffer.of_version(0)) == speculative  # captured at the measured step 0: an SD run only
     assert tracker.probe_stop == tuple(grpo.prompts.stop_ids) != ()  # the probe canary stops where rollouts do
     assert ("live_tf_mal" in tracker.measure()) == speculative
 
@@ -282,7 +282,7 @@ def test_the_live_frozen_scoring_runs_at_its_cadence_and_a_frozen_drafter_reads_
     tracker.cfg.online.capture_rows = "graded"  # the zero-advantage rows: only at the scored steps
     assert [s for s in range(8) if tracker.reads_rows(s, ungraded=True)] == [0, 3, 6]
     assert [s for s in range(8) if tracker.reads_rows(s)] == reads
-    tracker.pending = [{"not": "scored"}]  # an off-cadence step scores nothing, whatever was captured
+    tracker.buffer.records.append({"not": "scored", "version": 0})  # an off-cadence step scores nothing
     off = tracker.measure(step=4)
     assert off["live_tf_mal"] is None and off["frozen_tf_mal"] is None and off["measure_s"] == 0.0
 

@@ -63,7 +63,7 @@ def test_async_update_error_is_raised_by_wait():
     _rl_step(tr, policy, 0, gen)
     assert tr.wait()["drafter_steps"] > 0
 
-    def boom(batch):
+    def boom(batch, head=None):
         raise RuntimeError("drafter step failed")
 
     tr.trainer.step = boom

@@ -17,7 +17,7 @@ from drafttrain.export import read_weights
 from drafttrain.modeling import LeanLlama
 from drafttrain.spec import SamplingParams
 from tests import contract as C
-from tests.conftest import tiny_policy
+from tests.conftest import dense_targets, tiny_policy
 
 
 def mtp(policy, seed: int = 1) -> MtpDrafter:
@@ -67,7 +67,7 @@ def test_loss_is_cross_entropy_on_the_rollout_tokens(policy):
     valid[:, -1] = False  # its token (x_{T+steps}) is past next_ids, as build_features never marks valid
     valid[1, 4:] = False  # row 1 ends early
     with torch.no_grad():
-        loss, _ = d.ttt_loss(aux, next_ids, probs, valid, steps, 0.5)
+        loss, _ = d.ttt_loss(aux, next_ids, dense_targets(probs), valid, steps, 0.5)
         lg = d.ttt_logits(aux, next_ids, steps)
         want = 0.0
         for i in range(steps):

@@ -7,7 +7,7 @@ import torch
 from omegaconf import OmegaConf
 
 from drafttrain.config import Config
-from drafttrain.drafters import build_drafter
+from drafttrain.drafters import TargetHead, build_drafter
 from drafttrain.tracking import DrafterTrainer, FeatureBuffer
 from drafttrain.tracking.capture import teacher_forced_features
 
@@ -41,7 +41,7 @@ def test_frozen_scores_train_everything_but_q_and_k(policy, kind):
     torch.manual_seed(1)
     d = build_drafter(c.drafter, policy)
     before = {k: v.clone() for k, v in d.state_dict().items()}
-    tr = DrafterTrainer(d, c.train, _loaded(c))
+    tr = DrafterTrainer(d, c.train, _loaded(c), head=TargetHead.of(policy))
     a = d.layers[0].self_attn
     assert not any(p is a.q_proj.weight or p is a.k_proj.weight for p in tr.params)
     batch = _batch(policy, d)
@@ -82,7 +82,7 @@ def test_kinds_without_attention_scores_train_as_usual(policy):
     c = _cfg("draft_model")
     torch.manual_seed(4)
     d = build_drafter(c.drafter, policy)
-    tr = DrafterTrainer(d, c.train, _loaded(c))
+    tr = DrafterTrainer(d, c.train, _loaded(c), head=TargetHead.of(policy))
     assert len(tr.params) == len([p for p in d.parameters() if p.requires_grad]) > 0
 
 
@@ -91,7 +91,7 @@ def test_a_fresh_drafter_trains_its_attention_whatever_score_grad_says(policy):
     c = _cfg()
     torch.manual_seed(3)
     d = build_drafter(c.drafter, policy)
-    tr = DrafterTrainer(d, c.train, c.drafter)
+    tr = DrafterTrainer(d, c.train, c.drafter, head=TargetHead.of(policy))
     a = d.layers[0].self_attn
     assert d.score_grad and any(p is a.q_proj.weight for p in tr.params)
     q0 = a.q_proj.weight.detach().clone()

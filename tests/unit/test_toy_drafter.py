@@ -58,10 +58,10 @@ class BigramDrafter(nn.Module, TrainableDrafter):
         pos = torch.arange(aux.shape[1]) if queries is None else queries
         return [self.table[next_ids[:, pos + i]] for i in range(steps)]  # step i at t is fed token_{t+1+i}
 
-    def ttt_loss(self, aux, next_ids, target_probs, valid, steps: int, decay: float, query_frac: float = 1.0,
+    def ttt_loss(self, aux, next_ids, targets, valid, steps: int, decay: float, query_frac: float = 1.0,
                  generator=None, first_ids=None, objective=ttt.KL):
         """The shared TTT loss over its own ttt_logits: every train.loss and train.positions come with it."""
-        return ttt.ttt_loss(self, aux, next_ids, target_probs, valid, steps, decay, query_frac, generator,
+        return ttt.ttt_loss(self, aux, next_ids, targets, valid, steps, decay, query_frac, generator,
                             first_ids=first_ids, objective=objective)
 
 

@@ -14,14 +14,14 @@ STEPS = 2
 
 
 def _trainer(policy, query_frac, loss="kl", positions="uniform"):
-    from drafttrain.drafters import build_drafter
+    from drafttrain.drafters import TargetHead, build_drafter
 
     c = OmegaConf.structured(Config)
     c.drafter.path, c.drafter.ttt_steps, c.train.query_frac = None, STEPS, query_frac
     c.train.loss, c.train.positions = loss, positions
     torch.manual_seed(1)
     d = build_drafter(c.drafter, policy)
-    return DrafterTrainer(d, c.train, c.drafter, buffer=FeatureBuffer(1 << 30, seed=0))
+    return DrafterTrainer(d, c.train, c.drafter, buffer=FeatureBuffer(1 << 30, seed=0), head=TargetHead.of(policy))
 
 
 def _batch(policy, drafter, n=4):

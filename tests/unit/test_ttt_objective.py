@@ -7,8 +7,10 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from drafttrain.drafters.ttt import Objective, rejection_weights, tv_loss
+from drafttrain.drafters import TargetHead, Targets
+from drafttrain.drafters.ttt import Objective, rejection, tv_loss
 from drafttrain.train_config import check_train
+from tests.conftest import dense_targets
 from tests.unit.test_drafter import perturbed
 
 
@@ -55,8 +57,8 @@ def test_ttt_loss_through_the_unroll_is_the_decayed_mean_of_the_per_position_los
     steps, decay, w = 3, 0.8, 0.7
     aux, next_ids, probs, valid = _inputs(d, steps=steps)
     T = aux.shape[1]
-    got, _ = d.ttt_loss(aux, next_ids, probs, valid, steps, decay, objective=Objective(loss, w))
-    kl, _ = d.ttt_loss(aux, next_ids, probs, valid, steps, decay)
+    got, _ = d.ttt_loss(aux, next_ids, dense_targets(probs), valid, steps, decay, objective=Objective(loss, w))
+    kl, _ = d.ttt_loss(aux, next_ids, dense_targets(probs), valid, steps, decay)
     with torch.no_grad():
         logits = d.ttt_logits(aux, next_ids, steps)
     tv = sum(decay ** i * (tv_loss(probs[:, 1 + i:1 + i + T], lg.softmax(-1)) * valid[:, 1 + i:1 + i + T]).sum()
@@ -72,7 +74,8 @@ def test_hard_targets_tv_is_one_minus_the_rollout_tokens_probability(drafter):
     aux, next_ids, probs, valid = _inputs(d, steps=1)
     T = aux.shape[1]
     from drafttrain.drafters import ttt
-    got, _ = ttt.ttt_loss(d, aux, next_ids, probs, valid, 1, 1.0, hard=True, objective=Objective("tv"))
+    got, _ = ttt.ttt_loss(d, aux, next_ids, dense_targets(probs), valid, 1, 1.0, hard=True,
+                          objective=Objective("tv"))
     with torch.no_grad():
         q = d.ttt_logits(aux, next_ids, 1)[0].softmax(-1)
     x = torch.cat([next_ids, next_ids.new_zeros(2, 1)], 1)[:, 1:1 + T]
@@ -89,7 +92,8 @@ def test_rejected_weights_equal_draws_in_proportion_to_the_rejection():
     q = torch.stack([alpha, 1 - alpha], -1)  # a two-token vocab: p = (1, 0) is accepted with probability alpha
     p = torch.tensor([1.0, 0.0]).expand_as(q)
     m = torch.ones(len(alpha))
-    w = rejection_weights(p, q, m)
+    r = rejection(p, q)
+    w = r * m.sum() / (r * m).sum()  # ttt_loss's normalization: mean 1 over the valid terms
     torch.testing.assert_close(w, (1 - alpha) / (1 - alpha).mean())
     loss = torch.tensor([9.0, 1.2, 2.0, 0.3, 0.5, 4.0])
     weighted = float((loss * w).sum() / m.sum())
@@ -118,12 +122,12 @@ def test_rejected_positions_shift_the_loss_to_where_the_drafter_is_rejected(draf
     for b, t in far:
         probs[b, 1 + t] = q[b, t].flip(-1)  # far from q there
     obj = Objective(loss="tv", positions="rejected")
-    got, _ = d.ttt_loss(aux, next_ids, probs, valid, steps, 1.0, objective=obj)
+    got, _ = d.ttt_loss(aux, next_ids, dense_targets(probs), valid, steps, 1.0, objective=obj)
     tv_far = torch.stack([tv_loss(probs[b, 1 + t], q[b, t]) for b, t in far])
     # the weights: tv / mean tv over all 2T terms, the terms: tv -> sum tv^2 / sum tv over the 2T terms' mean
     want = (tv_far ** 2).sum() / tv_far.sum()
     torch.testing.assert_close(got.detach(), want, atol=1e-4, rtol=1e-4)
-    uniform, _ = d.ttt_loss(aux, next_ids, probs, valid, steps, 1.0, objective=Objective(loss="tv"))
+    uniform, _ = d.ttt_loss(aux, next_ids, dense_targets(probs), valid, steps, 1.0, objective=Objective(loss="tv"))
     torch.testing.assert_close(uniform.detach(), tv_far.sum() / (2 * T), atol=1e-4, rtol=1e-4)
 
 
@@ -149,7 +153,7 @@ def test_every_trainable_kind_trains_on_each_objective(make_engine, policy, kind
     d = C.fresh_drafter(policy, seed=1, kind=kind)
     prompts, resp = C.rollouts(make_engine, policy, n=4)
     f = teacher_forced_features(policy, prompts, resp, d.reads, 2)
-    args = (f["aux"], f["next_ids"], f["target_probs"], f["valid"], 2, 0.8)
+    args = (f["aux"], f["next_ids"], Targets(f["hidden"], TargetHead.of(policy)), f["valid"], 2, 0.8)
     with torch.no_grad():
         kl, _ = d.ttt_loss(*args, first_ids=f["first_ids"])
     for obj in (Objective("tv"), Objective("kl_tv", 0.5), Objective("kl", positions="rejected")):
@@ -174,7 +178,7 @@ def test_the_full_depth_draft_model_has_no_tv_and_no_kl_gradient_under_either_po
     d = C.fresh_drafter(policy, seed=1, kind="draft_model", layers=policy.config.num_hidden_layers)
     prompts, resp = C.rollouts(make_engine, policy, n=4)
     f = teacher_forced_features(policy, prompts, resp, d.reads, 2)
-    args = (f["aux"], f["next_ids"], f["target_probs"], f["valid"], 2, 0.8)
+    args = (f["aux"], f["next_ids"], Targets(f["hidden"], TargetHead.of(policy)), f["valid"], 2, 0.8)
     with torch.no_grad():
         tv, _ = d.ttt_loss(*args, first_ids=f["first_ids"], objective=Objective("tv"))
     assert abs(float(tv)) < 1e-4

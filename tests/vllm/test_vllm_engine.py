@@ -13,6 +13,7 @@ import json
 import pytest
 import torch
 
+from drafttrain.drafters import TargetHead, Targets
 from drafttrain.engines import StaleVersionError, build_engine
 from drafttrain.export import save_drafter
 from drafttrain.spec import SamplingParams
@@ -137,10 +138,11 @@ def train_drafter(policy, drafter, prompts, responses, steps: int, lr: float = 3
     d = copy.deepcopy(drafter).train()
     feats = teacher_forced_features(policy, prompts, responses, d.aux_layer_ids, 2)
     opt = torch.optim.AdamW([p for p in d.parameters() if p.requires_grad], lr=lr)
-    g = torch.Generator().manual_seed(0)
+    g, head = torch.Generator().manual_seed(0), TargetHead.of(policy)
     for _ in range(steps):
         idx = torch.randint(0, len(prompts), (16,), generator=g)
-        loss, _ = d.ttt_loss(*(feats[k][idx] for k in ("aux", "next_ids", "target_probs", "valid")), 2, 0.8)
+        loss, _ = d.ttt_loss(feats["aux"][idx], feats["next_ids"][idx], Targets(feats["hidden"][idx], head),
+                             feats["valid"][idx], 2, 0.8)
         loss.backward()
         opt.step()
         opt.zero_grad()
