@@ -18,16 +18,18 @@ plan changes arm.
 
 ChooserController sits on top of the per-kind schedule: the chosen member's own SpecController (engine.k: fixed, auto
 or ladder; engine.toggle) sets k, and may still decide on an AR step. It has SpecController's engine-facing
-interface (begin, decide, observe, observe_step, trace, k_max, calibrate, refresh_drafts). Outputs never change
-with the choice: every member's SD is exact, and so is AR.
+interface (begin, decide, observe, observe_step, trace, k_max, calibrate, refresh_drafts); arm_steps counts the
+decode steps each arm ran over the run. Outputs never change with the choice: every member's SD is exact, and so is
+AR.
 """
 from __future__ import annotations
 
 import math
+from collections import deque
 
 import torch
 
-from drafttrain.engines.schedule import CostModel, SpecController, bucket, measure_costs
+from drafttrain.engines.schedule import TRACE_LEN, CostModel, SpecController, bucket, measure_costs
 
 AR = "ar"
 
@@ -130,7 +132,8 @@ class ChooserController:
         # its catch-up, scores low, and AR kept winning the few-row buckets where SD paid: bench/NOTES.md, Auto)
         self.ar_arm = not any(c.toggle for c in self.ctls.values())
         self.chooser = Chooser([*kinds, *([AR] if self.ar_arm else [])], seed=seed)
-        self.trace: list[dict] = []
+        self.trace: deque[dict] = deque(maxlen=TRACE_LEN)  # the latest decisions (schedule.TRACE_LEN)
+        self.arm_steps: dict[str, int] = dict.fromkeys(self.chooser.arms, 0)  # decode steps each arm ran, whole run
         self.step = 0
         self._arm = AR
         self.planned = list(self.chooser.arms)  # the arms this generation serves (begin)
@@ -168,12 +171,14 @@ class ChooserController:
         self.planned = [*members, *([AR] if self.ar_arm else [])]
 
     def decide(self, batch: int) -> int:
+        """k for this decode step (0: AR), from the arm the chooser picks; the decision record is trace[-1]."""
         arm = self.chooser.pick(batch, self.planned)
         k = 0
         if arm != AR:
             self.serving().use(arm)
             k = self.ctls[arm].decide(batch)
         self._arm = arm
+        self.arm_steps[arm] += 1
         self.trace.append({"step": self.step, "batch": batch, "kind": arm, "on": k > 0, "k": k})
         self.step += 1
         return k

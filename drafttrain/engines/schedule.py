@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import bisect
 import time
+from collections import deque
 from dataclasses import dataclass, field
 
 import torch
@@ -47,6 +48,9 @@ from drafttrain.spec.stats import drafts_kept
 PROBE_ALPHA = 0.9  # probe_alpha's default: about the shipped EAGLE-3's per-position acceptance (bench/NOTES.md)
 MEASURED_ROWS = 32  # rows drafted at a k before its measured tokens per step replace the chain product
 PROBE_NEAR = 0.9  # predicted speed-up >= this x threshold: probe every probe_every steps, without backing off
+# decisions a controller's trace keeps (the latest): a run makes one per decode step for thousands of RL steps; the
+# engine keeps each generation's own decisions in its Timeline
+TRACE_LEN = 1024
 
 
 @dataclass
@@ -187,7 +191,7 @@ class SpecController:
         self.probe_every, self._off_steps = probe_every, 0  # while off, one SD step now and then refreshes a_j
         self._probe_gap = probe_every
         self.probe_alpha = probe_alpha
-        self.trace: list[dict] = []
+        self.trace: deque[dict] = deque(maxlen=TRACE_LEN)  # the latest decisions (TRACE_LEN)
         self.step = 0
         self.factor: dict[tuple[str, int], float] = {}  # (ar|sd, batch bucket) -> measured/modelled, moving average
         self._probe_first = False  # the next decision is a new batch's first: an SD probe (begin())
@@ -254,7 +258,7 @@ class SpecController:
         return self.speedup(batch, k) * e / self.acc.expected_tokens(k)
 
     def decide(self, batch: int) -> int:
-        """k for this decode step; 0 means an AR step."""
+        """k for this decode step; 0 means an AR step. Its decision record is trace[-1] (the engine's Timeline)."""
         if self.mode == "fixed":
             k = self.k_fixed
         elif self.mode == "ladder":

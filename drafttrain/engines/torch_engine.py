@@ -184,7 +184,6 @@ class _Wave:
         self.drafter, self.version = self.active if self.active else (None, engine.drafter_version)
         self.ctl = engine.controller() if self.drafter is not None else None
         self.k_max = self.ctl.k_max if self.ctl is not None else 0
-        self.trace0 = len(self.ctl.trace) if self.ctl is not None else 0
         if self.ctl is not None:
             self.ctl.begin()  # drafter.kind=auto: plans the members this generation serves, and so what they read
         reads = None if self.drafter is None else self.drafter.generation_reads()
@@ -199,6 +198,7 @@ class _Wave:
         self.lens_l = [len(p) for p in prompts]  # by original index
         self.stats, self.versions, self.ends = SpecStats(), [], []
         self.step_batch, self.step_tokens, self.step_k = [], [], []
+        self.schedule: list[dict] = []  # the controller's decision at each step (it keeps only its latest few)
         self.k, self.dropped = 0, False
         self._prefill()
 
@@ -289,7 +289,10 @@ class _Wave:
         self.versions.append(self.version)
         Bn = len(self.row_ids)
         self.step_batch.append(Bn)
-        self.k = max(0, min(ctl.decide(Bn), self.L - 1 - int(self.pos.max()))) if ctl is not None else 0
+        self.k = 0
+        if ctl is not None:
+            self.k = max(0, min(ctl.decide(Bn), self.L - 1 - int(self.pos.max())))
+            self.schedule.append(ctl.trace[-1])
         self.step_k.append(self.k)
         catch_up = self.pend.width() if self.k > 0 else 0  # pending positions the drafter extends its cache by
         self._verify(Bn, *self._draft(Bn))
@@ -328,9 +331,7 @@ class _Wave:
         """The responses in prompt order, their log-probs, stats and the timeline."""
         if self.dstate is not None:  # a drafter that indexes text (the suffix drafter) takes every row's whole text
             self.drafter.complete(self.dstate, [list(self.prompts[b]) + self.resp[b] for b in self.order])
-        ctl = self.ctl
-        timeline = Timeline(self.ends, ctl.trace[self.trace0:] if ctl is not None else [], self.step_batch,
-                            self.step_tokens, self.prefill_s, self.step_k)
+        timeline = Timeline(self.ends, self.schedule, self.step_batch, self.step_tokens, self.prefill_s, self.step_k)
         first = self.engine.drafter_version if not self.versions else self.versions[0]
         return RolloutBatch(self.resp, self.lps, self.stats, first, self.reasons, time.perf_counter() - self.t_start,
                             self.versions, timeline)

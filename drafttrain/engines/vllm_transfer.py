@@ -98,19 +98,27 @@ def read_back(engine, weights: dict, draft: bool, what: str) -> None:
 
 def spec_stats(toks, metrics, spec: bool, forwards: int) -> SpecStats:
     """SpecStats from vLLM's per-row metrics: per_step_accepted / per_step_drafted of each verify step, counted
-    as the torch engine counts them (SpecStats.update): a step emits accepted + 1 tokens, the last one only up to
-    the row's end (drafts vLLM accepted past a stop token are not counted)."""
-    st = SpecStats()
-    for row, m in zip(toks, metrics):
-        acc = list(m.per_step_accepted) if (spec and m is not None) else []
-        drafted = list(m.per_step_drafted) if (spec and m is not None) else []
-        left = len(row) - 1  # the prefill emitted the first token
-        for a, d in zip(acc, drafted):
-            kept = max(0, min(a + 1, left))
-            st.update(torch.tensor([a]), d, torch.tensor([kept]))
-            left -= kept
-        # decode steps without drafts (AR, or vLLM skipped drafting) emitted one token each
-        for _ in range(max(0, left)):
-            st.update(torch.zeros(1, dtype=torch.long), 0)
-    st.target_forwards = forwards
-    return st
+    as the torch engine counts them (SpecStats.from_steps): a step emits accepted + 1 tokens, the last one only up to
+    the row's end (drafts vLLM accepted past a stop token are not counted); the decode steps the response has left
+    after them drafted nothing (AR, or vLLM skipped drafting) and emitted one token each."""
+    per_row = []
+    for m in metrics:
+        a, d = (list(m.per_step_accepted), list(m.per_step_drafted)) if (spec and m is not None) else ([], [])
+        per_row.append((a[:len(d)], d[:len(a)]))
+    # every row's verify steps one after another: [N]
+    acc = torch.tensor([x for a, _ in per_row for x in a], dtype=torch.long, device="cpu")
+    drafted = torch.tensor([x for _, d in per_row for x in d], dtype=torch.long, device="cpu")
+    steps = torch.tensor([len(a) for a, _ in per_row], dtype=torch.long, device="cpu")  # [R]
+    # [R] each row's response tokens after its first (the prefill emitted that one)
+    left = torch.tensor([max(len(r) - 1, 0) for r in toks], dtype=torch.long, device="cpu")
+    row = torch.repeat_interleave(torch.arange(len(steps), device="cpu"), steps)  # [N] each step's row
+    inc = acc + 1  # [N] what a step emits where the row's end does not cut it
+    total = torch.zeros(len(steps), dtype=torch.long, device="cpu").index_add_(0, row, inc)  # [R]
+    # c: what a row's steps emit up to and including this one, uncut; the row keeps min(c, left) of it, so a step
+    # keeps min(c, left) - min(c - inc, left): the step that reaches the row's end is cut there, later ones keep none
+    c = inc.cumsum(0) - (total.cumsum(0) - total)[row]  # [N]
+    kept = torch.minimum(c, left[row]) - torch.minimum(c - inc, left[row])  # [N]
+    n_ar = int((left - torch.minimum(total, left)).sum())  # the decode steps left after the verify steps
+    zeros = torch.zeros(n_ar, dtype=torch.long, device="cpu")
+    return SpecStats.from_steps(torch.cat([acc, zeros]), torch.cat([drafted, zeros]), torch.cat([kept, zeros + 1]),
+                                target_forwards=forwards)

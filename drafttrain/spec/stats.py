@@ -18,11 +18,20 @@ from dataclasses import dataclass, field
 import torch
 
 
-def drafts_kept(num_accepted: int, emitted: int, k: int) -> int:
+def drafts_kept(num_accepted, emitted, k):
     """Of a row's k drafts in one verify step, those before its response ended: all k, unless a stop token or the
     length limit cut the row inside its accepted drafts (emitted <= num_accepted). Drafts past the cut predict text
-    the policy never writes, so they are neither drafted nor rejected (SpecStats, the SD schedule's estimates)."""
+    the policy never writes, so they are neither drafted nor rejected (SpecStats, the SD schedule's estimates).
+    Ints (one row), or integer tensors of one shape (elementwise: SpecStats.from_steps)."""
+    if isinstance(emitted, torch.Tensor):
+        return torch.where(emitted <= num_accepted, emitted, k).clamp(max=k)
     return min(emitted if emitted <= num_accepted else k, k)
+
+
+def _rows_past(x: torch.Tensor, width: int) -> list[int]:
+    """x [N] integers in 0..width -> [width] counts: entry i is the number of x > i."""
+    hist = torch.bincount(x, minlength=width + 1)  # [width + 1]
+    return hist.flip(0).cumsum(0).flip(0)[1:].tolist()
 
 
 @dataclass
@@ -61,6 +70,25 @@ class SpecStats:
                 reach_pp[i] += 1
                 if i < n:
                     acc_pp[i] += 1
+
+    @classmethod
+    def from_steps(cls, num_accepted: torch.Tensor, k: torch.Tensor, emitted: torch.Tensor,
+                   target_forwards: int | None = None) -> "SpecStats":
+        """SpecStats of N single-row verify steps at once, in tensor ops: equal to update(num_accepted[j:j+1], k[j],
+        emitted[j:j+1]) for every j. num_accepted, k, emitted: [N] integer tensors, one entry per (row, step) in any
+        order (k = 0: an AR step). target_forwards: the batched forwards they ran (None: N, one per update)."""
+        n, k, em = num_accepted.long(), k.long(), emitted.long()
+        ar = k == 0
+        sd_n, sd_k = n[~ar], k[~ar]
+        inside = drafts_kept(sd_n, em[~ar], sd_k)  # [N_sd] drafts before each row's end
+        reached = torch.minimum(sd_n + 1, inside)  # rows that got to try draft i: i < reached
+        accepted = torch.minimum(sd_n, inside)  # and those that accepted it: i < accepted
+        width = int(sd_k.max()) if len(sd_k) else 0  # update grows the per-position lists to every k it saw
+        return cls(drafted=int(inside.sum()), accepted=int(accepted.sum()), verify_rows=len(n),
+                   target_forwards=len(n) if target_forwards is None else target_forwards,
+                   emitted=int(em.sum()), ar_rows=int(ar.sum()), ar_emitted=int(em[ar].sum()),
+                   accepted_per_position=_rows_past(accepted, width),
+                   reached_per_position=_rows_past(reached, width))
 
     def _grow(self, k: int) -> None:
         while len(self.accepted_per_position) < k:

@@ -93,9 +93,18 @@ class Publisher:
             pending = state.get("pending")  # older checkpoints: none kept
             served = pending["weights"] if pending is not None else state["good_weights"]
             self._load_all({k: v.detach().clone() for k, v in served.items()}, back)
-            self.tags[back] = self.tags.get(pending["version"] if pending is not None else state["good_version"])
+            self._tag(back, self.tags.get(pending["version"] if pending is not None else state["good_version"]))
             if pending is not None:
                 self.pending = {**pending, "version": back}
+
+    def _tag(self, version: int, tag) -> None:
+        """tags[version] = tag, dropping the tags nothing reads any more (there would be one a publish, for the whole
+        run): only the served version's (the one on probation, if any) and the last good one's are read (the
+        tracker's drafter lag, a rollback, a resume)."""
+        self.tags[version] = tag
+        live = {version, self.version, self.good_version}
+        for v in [v for v in self.tags if v not in live]:
+            del self.tags[v]
 
     def served(self) -> tuple[dict, int]:
         """(the weights the engines serve, their version): the version on probation's, or the last good ones, as
@@ -134,7 +143,7 @@ class Publisher:
         weights = {k: v.detach().clone() for k, v in weights.items()}
         v = self.version + 1
         swap_s = self._load_all(weights, v)
-        self.tags[v] = tag
+        self._tag(v, tag)
         rec = {"published": True, "version": v, "swap_s": swap_s, "rolled_back": False, "canary_mal": None}
         # members of the last publish still on probation stay on it (their weights are unchanged; the whole
         # drafter's never are); one without an estimate has nothing to be judged by
@@ -278,7 +287,7 @@ class Publisher:
             p["weights"] = merged(p["weights"], self.good_weights, failed)
             self._load_all(p["weights"], back)
             restored = ALL in failed  # every weight is the last good version's
-            self.tags[back] = self.tags.get(self.good_version if restored else p["version"])
+            self._tag(back, self.tags.get(self.good_version if restored else p["version"]))
             self.log("[drafttrain] engines now serve " + (f"the weights of v{self.good_version}" if restored else
                      f"v{p['version']} with {', '.join(failed)} rolled back") + f", as v{back}")
             p["version"] = back

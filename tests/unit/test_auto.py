@@ -11,7 +11,7 @@ import torch
 
 from drafttrain.config import ConfigError, load_recipe
 from drafttrain.engines.chooser import AR, Chooser, ChooserController
-from drafttrain.engines.schedule import CostModel, SpecController
+from drafttrain.engines.schedule import TRACE_LEN, CostModel, SpecController
 from drafttrain.spec import SamplingParams
 from tests import contract as C
 
@@ -86,7 +86,39 @@ def test_controller_routes_and_rewards_the_measured_speedup():
         ctl.observe([2 if arm != AR else 0], k, [3 if arm == "eagle3" else 1])
         seen[arm] = ctl.chooser.stats[(1, arm)][1]
     assert seen == pytest.approx({"eagle3": 3.0, "suffix": 0.5, AR: 1.0})
-    assert [t["kind"] for t in ctl.trace[-20:]].count("eagle3") >= 18
+    assert [t["kind"] for t in list(ctl.trace)[-20:]].count("eagle3") >= 18
+
+
+def test_trace_keeps_the_latest_decisions_and_arm_steps_counts_the_run():
+    """The chooser's trace keeps its latest TRACE_LEN decisions however long the run; it picks step for step as one
+    that keeps the whole history in a list (as the trace was), and arm_steps counts what that history holds."""
+    cost = CostModel({b: {m: 10.0 for m in range(1, 10)} for b in (1, 8)}, {1: 1.0, 8: 1.0})
+
+    def make():
+        c = SpecController(3, 8, False)
+        c.cost = cost
+        return c
+
+    ctl, ref = (ChooserController(["eagle3", "suffix"], lambda: _Serving(), make, seed=0) for _ in range(2))
+    ref.trace = []  # the whole history
+    rng = random.Random(0)
+    n = 2 * TRACE_LEN + 5
+    for i in range(n):
+        if i % 64 == 0:  # a generation
+            for c in (ctl, ref):
+                c.begin()
+        batch = 8 if i % 64 < 40 else 1
+        k = ctl.decide(batch)
+        assert ref.decide(batch) == k and ref.trace[-1] == ctl.trace[-1]
+        arm = ctl.trace[-1]["kind"]
+        rate = ({"eagle3": 0.8, "suffix": 0.5}, {"eagle3": 0.3, "suffix": 0.7})[i >= n // 2]  # they swap halfway
+        emitted = [1 + sum(rng.random() < rate.get(arm, 0.0) for _ in range(k)) for _ in range(batch)]
+        for c in (ctl, ref):
+            c.observe_step(batch, k, 10.0 + k)
+            c.observe([e - 1 for e in emitted], k, emitted)
+    assert len(ctl.trace) == TRACE_LEN and list(ctl.trace) == ref.trace[-TRACE_LEN:]
+    assert ctl.arm_steps == {a: sum(t["kind"] == a for t in ref.trace) for a in ctl.chooser.arms}
+    assert sum(ctl.arm_steps.values()) == n and min(ctl.arm_steps.values()) > 0  # every arm ran
 
 
 def test_plan_serves_the_winners_of_the_buckets_that_take_the_time_and_brings_back_a_set_aside_arm():
@@ -136,8 +168,8 @@ def test_with_the_toggle_the_members_toggle_decides_ar_and_a_generation_does_not
         for b in (64,) * 6 + (32,) * 6:
             ctl.decide(b)
         for b in (64, 32):
-            arms = {t["kind"] for t in ctl.trace[-12:] if t["batch"] == b}
-            assert len(arms) == 1, ctl.trace[-12:]  # a bucket keeps one member all generation
+            arms = {t["kind"] for t in list(ctl.trace)[-12:] if t["batch"] == b}
+            assert len(arms) == 1, list(ctl.trace)[-12:]  # a bucket keeps one member all generation
             served += arms
     assert set(served) == {"eagle3", "mtp"}  # the exploring is per generation: both get generations
 
@@ -196,7 +228,7 @@ def test_every_member_drafts_and_catches_up(make_engine, policy):
     sd = eng.generate(C.RAGGED_PROMPTS * 3, params)
     ar = eng.generate(C.RAGGED_PROMPTS * 3, params, speculative=False)
     assert sd.tokens == ar.tokens
-    kinds = {t["kind"] for t in eng.controller().trace}
+    kinds = {arm for arm, n in eng.controller().arm_steps.items() if n}
     assert kinds == {"eagle3", "mtp", "suffix", AR}, kinds
     texts = [p + r for p, r in zip(C.RAGGED_PROMPTS * 3, sd.tokens)]  # the suffix member indexed every row whole
     suffix = eng.drafter.members["suffix"]

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import time
+from collections import deque
 
 import pytest
 import torch
@@ -54,6 +55,22 @@ def test_per_step_batch_and_tokens(make_engine, policy, drafter, speculative):
     k1 = (eng.cfg.k + 1) if speculative else 1
     assert all(0 < t <= n * k1 for t, n in zip(b.timeline.tokens, b.timeline.batch))
     assert speculative == any(t > n for t, n in zip(b.timeline.tokens, b.timeline.batch))
+
+
+def test_timeline_schedule_holds_every_step_of_its_generation(make_engine, policy, drafter):
+    """The controller's trace keeps only its latest decisions (here 3); each generation's timeline still holds the
+    decision of each of its own decode steps, and only its own."""
+    eng = make_engine(policy, drafter, k=2)
+    ctl = eng.controller()
+    ctl.trace = deque(maxlen=3)
+    params = SamplingParams(temperature=0.0, max_new_tokens=12)
+    first, second = (eng.generate(C.RAGGED_PROMPTS, params).timeline for _ in range(2))
+    for tl in (first, second):
+        assert len(tl.schedule) == len(tl.k) > 3
+        assert [s["k"] if s["on"] else 0 for s in tl.schedule] == tl.k  # no step reached the end of the context
+    steps = [s["step"] for s in first.schedule + second.schedule]
+    assert steps == list(range(steps[0], steps[0] + len(steps)))  # one after another, none repeated or lost
+    assert len(ctl.trace) == 3 and list(ctl.trace) == second.schedule[-3:]
 
 
 # ---- torch-only: LeanLlama KV cache == full recomputation -----------------------------------------------------

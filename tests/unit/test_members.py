@@ -4,6 +4,7 @@ judges and rolls back each member on its own, alone or pooled over processes."""
 from __future__ import annotations
 
 import math
+import random
 
 import pytest
 import torch
@@ -134,6 +135,41 @@ def test_a_member_left_on_probation_stays_on_it_through_the_next_publish():
     assert rec["rolled_back"] and not rec["member_canary"]["mtp"]["rolled_back"]
     assert torch.equal(eng.served["mtp.w"], torch.full((2,), 2.0)) and torch.equal(eng.served["draft_model.w"],
                                                                                  torch.zeros(2))
+
+
+def test_version_tags_keep_what_a_rollback_and_a_resume_read_and_stay_few():
+    """A run publishes up to once per RL step: the publisher's version tags (the policy version each served version
+    was published at) keep only the served and last good versions' and read as a publisher that keeps them all
+    reads, through publishes judged good, members and whole drafters rolled back, versions left on probation,
+    unjudged ones, and a resume."""
+    rng = random.Random(0)
+    pub, eng, _ = publisher()
+    ref, ref_eng, _ = publisher()
+    ref._tag = ref.tags.__setitem__  # every tag kept
+    for step in range(60):
+        action = rng.randrange(5)
+        for p, e in ((pub, eng), (ref, ref_eng)):
+            if action == 4:  # unjudged (a requantized self-drafter): good at once
+                p.publish(weights(step, step), tag=step)
+                continue
+            p.publish(weights(step, step), members=est("mtp", "draft_model"), tag=step)
+            if action == 1:
+                p.observe(e.batch({"mtp": 4.0, "draft_model": 4.0}))  # both good
+            elif action == 2:
+                p.observe(e.batch({"mtp": 4.0, "draft_model": 1.0}))  # draft_model rolled back alone
+            elif action == 3:
+                p.fail(RuntimeError("NaN draft probabilities"))  # every member back
+            # action 0: left on probation
+        assert (pub.version, pub.good_version) == (ref.version, ref.good_version)
+        assert pub.tags[pub.version] == ref.tags[ref.version]
+        assert pub.tags.get(pub.good_version) == ref.tags.get(ref.good_version)
+        assert len(pub.tags) <= 3
+    assert len(ref.tags) > 60  # the comparison covered a long history
+    resumed, _, _ = publisher()
+    resumed.load_state_dict(pub.state_dict())
+    ref_resumed, _, _ = publisher()
+    ref_resumed.load_state_dict(ref.state_dict())
+    assert resumed.tags[resumed.version] == ref_resumed.tags[ref_resumed.version] and len(resumed.tags) <= 3
 
 
 def test_pooled_member_canary_judges_on_every_process():

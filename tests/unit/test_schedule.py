@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from drafttrain.engines import build_engine
-from drafttrain.engines.schedule import AcceptanceEstimate, CostModel, SpecController
+from drafttrain.engines.schedule import TRACE_LEN, AcceptanceEstimate, CostModel, SpecController
 from drafttrain.spec import SamplingParams
 from tests.conftest import engine_cfg
 from tests.contract import RAGGED_PROMPTS, fresh_drafter
@@ -29,6 +29,7 @@ class Scripted:
 
     def decide(self, batch):
         k = self.ks[min(self.i, len(self.ks) - 1)]
+        self.trace.append({"step": self.i, "batch": batch, "on": k > 0, "k": k})  # as a controller records it
         self.i += 1
         return k
 
@@ -137,6 +138,47 @@ def test_ladder_moves_after_two_in_a_row():
     ctl.observe([0, 1], 4)  # 0.125 <= 0.85
     ctl.observe([0, 1], 4)
     assert ctl.decide(1) == 2
+
+
+def drive(ctls, steps: int, seed: int = 0) -> list[list[int]]:
+    """Every controller of `ctls` through the same decode steps: batches shrinking as a generation's do (begin()
+    at each new one), rows accepting drafts at a rate that drifts between a good and a poor stretch, step times the
+    cost model's x a factor. The k each controller decided per step."""
+    rng = random.Random(seed)
+    ks = [[] for _ in ctls]
+    for i in range(steps):
+        if i % 100 == 0:
+            for c in ctls:
+                c.begin()
+        batch = [16, 8, 4, 2, 1][i % 100 // 20]
+        p = 0.9 if i // 250 % 2 == 0 else 0.2  # acceptance per draft
+        for c, out in zip(ctls, ks):
+            out.append(c.decide(batch))
+        k = ks[0][-1]
+        na = [next((j for j in range(k) if rng.random() > p), k) for _ in range(batch)]
+        ms = (1.3 if k else 1.1) * ctls[0].model_ms(batch, k)
+        for c in ctls:
+            c.observe_step(batch, k, ms)
+            c.observe(na, k)
+    return ks
+
+
+def test_trace_keeps_the_latest_decisions_and_the_schedule_decides_as_before():
+    """A run decides once per decode step for thousands of RL steps: the trace keeps the latest TRACE_LEN decisions
+    (memory does not grow with the run), and the controller decides step for step as one that keeps the whole
+    history in a list (as the trace was), whose last TRACE_LEN entries the trace holds."""
+    def make():
+        return SpecController("auto", 4, toggle=True, cost=synthetic_cost(), acc=AcceptanceEstimate(4, prior=0.8))
+
+    ctl, ref = make(), make()
+    ref.trace = []  # the whole history
+    n = 3 * TRACE_LEN + 7
+    ks, ref_ks = drive([ctl, ref], n)
+    assert ks == ref_ks
+    assert 0 in ks and max(ks) > 1  # the toggle and auto k both acted: the comparison says something
+    assert len(ctl.trace) == TRACE_LEN and len(ref.trace) == n and ctl.step == n
+    assert list(ctl.trace) == ref.trace[-TRACE_LEN:]
+    assert [t["k"] for t in ctl.trace] == ks[-TRACE_LEN:]
 
 
 def test_expected_tokens():

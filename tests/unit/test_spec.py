@@ -484,3 +484,26 @@ def test_spec_stats_merge_and_empty():
     # merge does not mutate its inputs
     assert a.accepted_per_position == [1] and a.verify_rows == 2
     assert b.merge(SpecStats()).to_dict() == b.to_dict()
+
+
+def test_spec_stats_from_steps_equals_an_update_per_step():
+    """from_steps counts in tensor ops what one update per (row, step) counts: steps of varying k, AR steps (k = 0),
+    rows cut by their end inside their accepted drafts (drafts past it neither drafted nor reached), steps that
+    keep nothing, and no steps at all."""
+    gen = torch.Generator().manual_seed(0)
+    for trial in range(50):
+        N = int(torch.randint(0, 40, (), generator=gen))
+        k = torch.tensor([0, 1, 2, 3, 5], device="cpu")[torch.randint(0, 5, (N,), generator=gen)]  # [N]
+        n = (torch.rand(N, generator=gen) * (k + 1)).long()  # [N] accepted, 0..k
+        # emitted: n + 1, or a cut at 0..n (a stop token or the length limit inside the accepted drafts)
+        cut = (torch.rand(N, generator=gen) * (n + 1)).long()
+        em = torch.where(torch.rand(N, generator=gen) < 0.3, cut, n + 1)
+        ref = SpecStats()
+        for j in range(N):
+            ref.update(n[j:j + 1], int(k[j]), em[j:j + 1])
+        got = SpecStats.from_steps(n, k, em)
+        for f in ("drafted", "accepted", "verify_rows", "target_forwards", "emitted", "ar_rows", "ar_emitted",
+                  "accepted_per_position", "reached_per_position"):
+            assert getattr(got, f) == getattr(ref, f), (trial, f, getattr(got, f), getattr(ref, f))
+    st = SpecStats.from_steps(torch.tensor([2, 1]), torch.tensor([3, 0]), torch.tensor([1, 1]), target_forwards=1)
+    assert st.target_forwards == 1 and (st.drafted, st.accepted, st.reached_per_position) == (1, 1, [1, 0, 0])

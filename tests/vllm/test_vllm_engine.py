@@ -99,6 +99,55 @@ def test_drafter_for_another_policy_refused_before_start(vpolicy, make, match):
     assert {p.pid for p in engine_processes()} <= before, "an engine was started for a bad drafter"
 
 
+# ---- vLLM's spec-decode metrics read out as SpecStats (no engine) ---------------------------------------------
+
+def _spec_stats_per_step(toks, metrics, spec: bool, forwards: int):
+    """The reference: one SpecStats.update per verify step of every row, then one per one-token step left."""
+    from drafttrain.spec import SpecStats
+
+    st = SpecStats()
+    for row, m in zip(toks, metrics):
+        acc = list(m.per_step_accepted) if (spec and m is not None) else []
+        drafted = list(m.per_step_drafted) if (spec and m is not None) else []
+        left = len(row) - 1  # the prefill emitted the first token
+        for a, d in zip(acc, drafted):
+            kept = max(0, min(a + 1, left))
+            st.update(torch.tensor([a]), d, torch.tensor([kept]))
+            left -= kept
+        for _ in range(max(0, left)):
+            st.update(torch.zeros(1, dtype=torch.long), 0)
+    st.target_forwards = forwards
+    return st
+
+
+def test_spec_stats_equal_an_update_per_step():
+    """spec_stats counts vLLM's per-row metrics in tensor ops as one update per step would: steps of varying k (0:
+    vLLM drafted nothing), rows whose end cuts a step inside its accepted drafts (and steps after it that keep
+    nothing), rows with steps left after the metrics, rows without metrics, empty rows, no spec at all."""
+    pytest.importorskip("vllm")
+    from types import SimpleNamespace
+
+    from drafttrain.engines.vllm_transfer import spec_stats
+
+    gen = torch.Generator().manual_seed(0)
+
+    def draw(hi):  # an int in 0..hi
+        return int(torch.randint(0, hi + 1, (), generator=gen))
+
+    for trial in range(100):
+        toks, metrics = [], []
+        for _ in range(draw(6)):
+            ks = [[0, 1, 2, 3, 5][draw(4)] for _ in range(draw(8))]
+            acc = [draw(k) for k in ks]
+            whole = 1 + sum(a + 1 for a in acc) + draw(3)  # the prefill's token, the steps', AR steps after them
+            toks.append([0] * (whole if draw(1) else draw(whole)))  # or cut anywhere (a stop, the length limit)
+            metrics.append(None if draw(5) == 0 else SimpleNamespace(per_step_accepted=acc, per_step_drafted=ks))
+        spec = draw(9) > 0
+        got, ref = spec_stats(toks, metrics, spec, 7), _spec_stats_per_step(toks, metrics, spec, 7)
+        assert got == ref, (trial, got, ref)  # every field, the per-position counts included
+    assert spec_stats([], [], True, 0) == _spec_stats_per_step([], [], True, 0)
+
+
 # ---- a user's path: plain vLLM --------------------------------------------------------------------------------
 
 def test_plain_vllm_loads_exported_drafter(tmp_path, vpolicy, vdrafter):
