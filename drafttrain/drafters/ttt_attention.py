@@ -17,7 +17,8 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 # Elements of one chunk's scores [B, Hq, C, Tc] (64 MiB in fp32; the chunk's softmax and its backward hold a few
-# tensors of that size). The shipped world (batch 16, 4 heads, T <= 512) fits in one chunk.
+# tensors of that size), unless one query's row [B, Hq, 1, T] is larger. The shipped world (batch 16, 4 heads,
+# T <= 512) fits in one chunk.
 MAX_SCORES = 2 ** 24
 
 
@@ -33,7 +34,7 @@ def ttt_attention(q: torch.Tensor, k0: torch.Tensor, v0: torch.Tensor, ks: list[
     Hkv, T = k0.shape[1], k0.shape[2]
     qg = q.view(B, Hkv, Hq // Hkv, S, D)  # [B, Hkv, r, S, D]: query heads grouped by the KV head they read
     qpos = torch.arange(S, device=q.device) if queries is None else queries.to(q.device)  # [S]
-    C = max(1, max_scores // (B * Hq * T))  # queries per chunk, sized for the widest key span T
+    C = max(1, max_scores // (B * Hq * T))  # queries per chunk, sized for the widest key span T (at least one)
     if C >= S:  # one chunk over every key: no host read, no recompute
         return _chunk(qg, k0, v0, ks, vs, qpos)
     starts = list(range(0, S, C))
