@@ -14,13 +14,12 @@ test); inference chains k drafts over the layer's own one-layer KV cache.
 """
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.nn as nn
 
 from drafttrain.drafters import ttt
 from drafttrain.drafters.contract import TrainableDrafter
+from drafttrain.drafters.ttt_attention import ttt_attention
 from drafttrain.modeling import KVCache, Rope, attend, linear, step_mask
 from drafttrain.spec import draft_chain
 
@@ -79,19 +78,13 @@ class ChainDrafter(nn.Module, TrainableDrafter):
         drafting does at position t+i. Its query sees the step-0 keys at positions <= t (the policy-derived
         cache) plus, diagonally, its own chain's keys from steps 1..i (SpecForge's TTT attention).
 
-        queries [S] (ascending positions, shared by the rows): logits at those positions only, [B, S, Vd], equal to
-        the full result there. Every position still gives its step-0 key and value; the attention, the MLP, the head
+        queries [S] (ascending positions, shared by the rows): those positions only, [B, S, Hd], equal to the full
+        result there. Every position still gives its step-0 key and value; the attention, the MLP, the head
         and every later step run for the S queries alone (cheaper training steps over more rollouts).
         Runs in the training form or in the engine's runtime form (fuse_for_inference: scoring what the engine runs)."""
-        c = self.config
         B, T, _ = aux.shape
-        pos = torch.arange(T).expand(B, T)
+        pos = torch.arange(T, device=aux.device).expand(B, T)
         hidden = self._fc(aux)  # [B, T, H]
-        scale = 1.0 / math.sqrt(c.head_dim)
-        rep = c.num_attention_heads // c.num_key_value_heads
-        causal = torch.ones(T, T, dtype=torch.bool).tril()
-        if queries is not None:
-            causal = causal[queries]  # [S, T]
         ks, vs, outs = [], [], []
         for i in range(steps):
             if i == 0:
@@ -101,19 +94,12 @@ class ChainDrafter(nn.Module, TrainableDrafter):
             else:
                 tok = next_ids[:, i:i + T] if queries is None else next_ids[:, queries + i]  # token_{t+1+i}
                 q, k, v, res = self._qkv(self._embed(tok), hidden, pos + i)
-            k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)  # [B, Hq, T (step 0) or S, D]
             if i == 0:
-                k0, v0 = k, v
+                k0, v0 = k, v  # [B, Hkv, T, D]
             else:
-                ks.append(k)
+                ks.append(k)  # [B, Hkv, S, D]
                 vs.append(v)
-            s0 = (q @ k0.transpose(-1, -2)) * scale  # [B, Hq, S, T]
-            s0 = s0.masked_fill(~causal, float("-inf"))
-            diag = [((q * kj).sum(-1) * scale).unsqueeze(-1) for kj in ks]  # each [B, Hq, S, 1]
-            p = torch.cat([s0, *diag], -1).softmax(-1)
-            o = p[..., :T] @ v0
-            for j, vj in enumerate(vs):
-                o = o + p[..., T + j:T + j + 1] * vj
+            o = ttt_attention(q, k0, v0, ks, vs, queries)  # [B, Hq, S, D]
             x, hidden = self._post_hidden(o, res)
             outs.append(x)
         return outs
