@@ -137,10 +137,10 @@ class Eagle3Drafter(ChainDrafter):
         """draft_ids [Vd]: the target token ids the draft vocabulary covers (distinct; sorted here)."""
         c = self.config
         ids = draft_ids.to(self.d2t.device).unique()  # sorted
-        if len(ids) != len(draft_ids) or len(ids) != c.draft_vocab_size or int(ids.min()) < 0 or int(
-                ids.max()) >= c.vocab_size:
+        span = (int(ids[0]), int(ids[-1])) if len(ids) else (0, -1)
+        if len(ids) != len(draft_ids) or len(ids) != c.draft_vocab_size or span[0] < 0 or span[1] >= c.vocab_size:
             raise ValueError(f"draft_ids: must be {c.draft_vocab_size} distinct token ids in [0, {c.vocab_size}), "
-                             f"got {len(draft_ids)} ({len(ids)} distinct) in {int(ids.min())}..{int(ids.max())}")
+                             f"got {len(draft_ids)} ({len(ids)} distinct) in {span[0]}..{span[1]}")
         self.d2t.copy_(ids - torch.arange(len(ids), device=ids.device))
         self.t2d.zero_()
         self.t2d[ids] = True

@@ -164,3 +164,11 @@ def test_vocab_from_rollouts_counts_plain_responses_then_prompts(policy):
     assert "4 of the policy's 32 tokens" in note and "100.00%" in note and "\n" not in note
     eng.calls.clear()
     assert vocab_from_rollouts(d, eng, [[[1]]], SamplingParams(), 32) is None and not eng.calls  # chosen already
+
+
+@pytest.mark.parametrize("ids", [[], [1, 1, 2], [0, 1, 32], [-1, 0, 1]])
+def test_a_bad_vocab_map_is_one_line_naming_draft_ids(policy, ids):
+    d = build_drafter(drafter_cfg(draft_vocab_size=3), policy)
+    with pytest.raises(ValueError, match=r"^draft_ids: must be 3 distinct token ids in \[0, 32\)") as e:
+        d.set_vocab_map(torch.tensor(ids, dtype=torch.long))
+    assert "\n" not in str(e.value) and d.needs_draft_vocab()  # nothing was set
