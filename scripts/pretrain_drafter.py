@@ -98,14 +98,12 @@ def main(pc: PretrainConfig) -> dict:
     if not drafter.trains:
         raise ConfigError(f"drafter.kind: {cfg.drafter.kind} trains nothing: there is nothing to pretrain")
     pc.out = pc.out or f"checkpoints/{cfg.drafter.kind}"
-    out, state = Path(pc.out), Path(f"{pc.out}.state") / "trainer.pt"
-    gen_engine = build_engine(cfg.engine, policy)  # AR for data: no drafter
-    if not (pc.resume and DrafterTrainer.saved(state)):  # a resumed drafter's map comes back with its state
-        choose_draft_vocab(pc, cfg, policy, prompts, gen_engine, drafter, acc)
     buffer = FeatureBuffer(pc.buffer_mb << 20, torch.bfloat16, seed=pc.seed * 7919 + rank, name="buffer_mb")
     trainer = DrafterTrainer(drafter, cfg.train, cfg.drafter, acc, buffer)
+    out, state = Path(pc.out), Path(f"{pc.out}.state") / "trainer.pt"
     chunks_done, run_key, queue = 0, resume_key(pc, cfg, world), []
-    if pc.resume and DrafterTrainer.saved(state):
+    resumed = pc.resume and DrafterTrainer.saved(state)
+    if resumed:
         try:
             saved = trainer.load(state)
         except ValueError as e:  # resumed with another number of processes: bad input, one line
@@ -118,6 +116,9 @@ def main(pc: PretrainConfig) -> dict:
             print(f"resumed from {state} at step {trainer.step_count}, chunk {chunks_done}")
     n_chunks = math.ceil(pc.prompts / (pc.chunk * world))
     total = math.ceil(pc.epochs * n_chunks * pc.chunk / cfg.train.batch_size)  # steps; each takes one batch
+    gen_engine = build_engine(cfg.engine, policy)  # AR for data: no drafter
+    if not resumed:  # before the first step; the trainer trains this very module (a resumed one's map: its state)
+        choose_draft_vocab(pc, cfg, policy, prompts, gen_engine, drafter, acc)
     t0, last, bad = time.time(), {}, 0
     bar = tqdm(total=total, initial=trainer.step_count, desc="drafter", disable=not main_proc)
     stop = pc.max_steps or total
