@@ -16,7 +16,9 @@ engine (AR, the recipe's sampling); one teacher-forced policy forward per `fwd_b
 yields what the drafter reads (aux layer inputs, the final hidden state, or only the tokens) and the policy's
 distributions, which enter a FeatureBuffer (with cache=DIR also DIR, per chunk: a rerun on the same data loads
 them). The drafter, always a fresh one (DrafterTrainer, ttt_loss), trains after each chunk until each rollout so far
-has been drawn `epochs` times on average (warmup, then cosine lr).
+has been drawn `epochs` times on average (warmup, then cosine lr). A drafter over fewer tokens than the policy's
+vocabulary (EAGLE-3's drafter.eagle3.draft_vocab_size: 32000 by default on a larger vocabulary) first takes the most
+frequent tokens of `vocab_rollouts` plain rollouts as its draft vocabulary (tracking/vocab.py).
 Training state (drafter, optimizer, step, buffer, data cursor, batches drawn ahead) is checkpointed to
 `<out>.state/` every `save_every` steps and at `max_steps`; a rerun with resume=true and the same settings continues
 there exactly (other settings: a one-line error). At the end the drafter is
@@ -52,6 +54,7 @@ from drafttrain.tracking import DrafterTrainer, FeatureBuffer, teacher_forced_fe
 from drafttrain.tracking.buffer import FORMAT as FEATURE_FORMAT
 from drafttrain.tracking.buffer import collate
 from drafttrain.tracking.trainer import make_accelerator
+from drafttrain.tracking.vocab import vocab_from_rollouts
 from drafttrain.policy import load_policy
 from drafttrain.spec import SpecStats
 
@@ -80,6 +83,7 @@ class PretrainConfig:
     seed: int = 0
     threads: int = 0  # torch threads per process; 0 = torch's default
     cache: str = ""  # folder for the regenerated features, per chunk: a rerun with the same data loads them; "" = off
+    vocab_rollouts: int = 512  # rollouts (all processes) whose token counts choose a draft vocabulary, if it has one
 
 
 def main(pc: PretrainConfig) -> dict:
@@ -99,7 +103,8 @@ def main(pc: PretrainConfig) -> dict:
     trainer = DrafterTrainer(drafter, cfg.train, cfg.drafter, acc, buffer, head=TargetHead.of(policy))
     out, state = Path(pc.out), Path(f"{pc.out}.state") / "trainer.pt"
     chunks_done, run_key, queue = 0, resume_key(pc, cfg, world), []
-    if pc.resume and DrafterTrainer.saved(state):
+    resumed = pc.resume and DrafterTrainer.saved(state)
+    if resumed:
         try:
             saved = trainer.load(state)
         except ValueError as e:  # resumed with another number of processes: bad input, one line
@@ -113,6 +118,8 @@ def main(pc: PretrainConfig) -> dict:
     n_chunks = math.ceil(pc.prompts / (pc.chunk * world))
     total = math.ceil(pc.epochs * n_chunks * pc.chunk / cfg.train.batch_size)  # steps; each takes one batch
     gen_engine = build_engine(cfg.engine, policy)  # AR for data: no drafter
+    if not resumed:  # before the first step; the trainer trains this very module (a resumed one's map: its state)
+        choose_draft_vocab(pc, cfg, policy, prompts, gen_engine, drafter, acc)
     t0, last, bad = time.time(), {}, 0
     bar = tqdm(total=total, initial=trainer.step_count, desc="drafter", disable=not main_proc)
     stop = pc.max_steps or total
@@ -166,6 +173,22 @@ def resume_key(pc: PretrainConfig, cfg, world: int) -> str:
             f"drafter.ttt_steps={cfg.drafter.ttt_steps} train.batch_size={cfg.train.batch_size} "
             f"train.lr={cfg.train.lr} train.loss={cfg.train.loss} train.tv_weight={cfg.train.tv_weight} "
             f"train.positions={cfg.train.positions} policy.path={cfg.policy.path} data.path={cfg.data.path}")
+
+
+def choose_draft_vocab(pc, cfg, policy, source: Prompts, engine, drafter, acc) -> None:
+    """A fresh drafter over fewer tokens than the vocabulary takes the most frequent of pc.vocab_rollouts plain
+    rollouts (each process its share, in chunks; prompts no chunk draws) as its draft vocabulary."""
+    if not drafter.needs_draft_vocab():
+        return
+    rank, world = acc.process_index, acc.num_processes
+    n = math.ceil(pc.vocab_rollouts / world)
+    seeds = [(pc.seed * 100_003 - 1 - c) * world + rank for c in range(math.ceil(n / pc.chunk))]  # add_chunk's: c >= 0
+    batches = [[source.encode(r) for r in source.rows(min(pc.chunk, n - i * pc.chunk), seed=s)]
+               for i, s in enumerate(seeds)]
+    params = sampling_params(cfg.sampling, stop_token_ids=source.stop_ids, seed=pc.seed)
+    note = vocab_from_rollouts(drafter, engine, batches, params, policy.config.vocab_size, source.stop_ids, acc)
+    if note and acc.is_main_process:
+        print(note)
 
 
 def add_chunk(pc, cfg, policy, source: Prompts, engine, buffer, reads, c: int, rank: int, world: int) -> None:

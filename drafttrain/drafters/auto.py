@@ -116,6 +116,15 @@ class AutoDrafter(nn.Module, TrainableDrafter):
         for m in self.members.values():
             m.bind_policy(policy)
 
+    def needs_draft_vocab(self) -> bool:
+        return any(m.needs_draft_vocab() for m in self.members.values())
+
+    def set_draft_vocab(self, counts, keep=()):
+        """Each member still choosing a draft vocabulary takes it from counts; the first one's ids (one kind, at
+        most: only EAGLE-3 has one), None where none chose."""
+        chosen = [m.set_draft_vocab(counts, keep) for m in self.members.values()]
+        return next((ids for ids in chosen if ids is not None), None)
+
     # ---- training: the trainable members together, scored on one --------------------------------------------------
     def _train_aux(self, kind: str, aux):
         """The member's columns of captured features (the full union's)."""

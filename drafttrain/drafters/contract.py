@@ -84,6 +84,17 @@ class Drafter(Protocol):
         (not a drafter updated in place: its storage is quantized already)."""
         return quantize_module_int8(self) if int8 and not self.in_place_update else self
 
+    def needs_draft_vocab(self) -> bool:
+        """Is its draft vocabulary still to be chosen (set_draft_vocab)? A fresh EAGLE-3 drafter over fewer tokens
+        than the policy's vocabulary; never a kind that drafts over the whole vocabulary, nor a checkpoint's map."""
+        return False
+
+    def set_draft_vocab(self, counts, keep=()):
+        """counts [V] (or [n, V], rows in priority order: vocab.draft_vocab) of the policy's rollout tokens: take the
+        most frequent, `keep` among them, as its draft vocabulary and return their target ids [Vd]; None where it
+        chose none (a kind without a draft vocabulary ignores it)."""
+        return None
+
     def bind_policy(self, policy) -> None:
         """Read `policy`'s own weights (an MTP head's LM head); a drafter that reads none ignores it."""
 

@@ -7,11 +7,14 @@ Layout (speculators' own tensor names, which speculators and vLLM's LlamaForCaus
                  (the original EAGLE code's midlayer.*, which this project wrote before: load_state_dict takes it too)
     norm [H], lm_head [Vd, H]           over a draft vocabulary of Vd tokens; d2t[Vd] offsets (target = i + d2t[i]),
                                         t2d[V] bool mask of the target tokens the draft vocabulary covers
+A fresh drafter with Vd < V takes its draft vocabulary from token counts of the policy's rollouts (set_draft_vocab,
+vocab.draft_vocab); a checkpoint's map is fixed. restrict_draft_vocab cuts a drafter down to fewer tokens.
 Position t takes (token_{t+1}, fc(aux_t)) and predicts token_{t+2}. Chain drafting feeds the layer's pre-norm
 output back as the next position's hidden. Training unrolls that chain n steps (training-time test): chain.py.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Optional
 
@@ -21,6 +24,7 @@ import torch.nn.functional as F
 
 from drafttrain.drafters.chain import ChainDrafter
 from drafttrain.drafters.contract import Reads
+from drafttrain.drafters.vocab import default_draft_vocab_size, draft_vocab
 from drafttrain.drafters.weights import check_tensors
 from drafttrain.modeling import PackedLinear, Rope, fold_norm, linear, rms_norm, rms_unit
 from drafttrain.quant import AoInt8
@@ -105,6 +109,9 @@ class Eagle3Drafter(ChainDrafter):
         self.register_buffer("d2t", torch.zeros(c.draft_vocab_size, dtype=torch.long))
         self.register_buffer("t2d", torch.ones(c.vocab_size, dtype=torch.bool))
         self.rope = Rope.from_theta(c.head_dim, c.rope_theta, c.max_position_embeddings)
+        # a fresh drafter over part of the vocabulary: its map is still the placeholder (the first Vd ids) until
+        # set_draft_vocab chooses it; a set or loaded map is fixed (the head's rows are those tokens')
+        self.vocab_open = c.draft_vocab_size < c.vocab_size
         self._fused: dict | None = None  # the engine's inference form (fuse_for_inference); training never sets it
 
     # norms are stored as bare parameters; expose the `.weight` names of the speculators layout
@@ -115,6 +122,7 @@ class Eagle3Drafter(ChainDrafter):
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
         state_dict = speculators_names(state_dict)
         check_weights(self, state_dict)
+        self.vocab_open = False  # the weights bring their map
         return super().load_state_dict({_to_int(k): v for k, v in state_dict.items()}, strict=strict, assign=assign)
 
     @property
@@ -126,14 +134,32 @@ class Eagle3Drafter(ChainDrafter):
         return Reads(aux_layers=self.config.aux_layer_ids)
 
     def set_vocab_map(self, draft_ids: torch.Tensor) -> None:
-        """draft_ids [Vd]: the target token ids the draft vocabulary covers, ascending."""
-        ids = draft_ids.sort().values
-        self.d2t.copy_(ids - torch.arange(len(ids)))
+        """draft_ids [Vd]: the target token ids the draft vocabulary covers (distinct; sorted here)."""
+        c = self.config
+        ids = draft_ids.to(self.d2t.device).unique()  # sorted
+        span = (int(ids[0]), int(ids[-1])) if len(ids) else (0, -1)
+        if len(ids) != len(draft_ids) or len(ids) != c.draft_vocab_size or span[0] < 0 or span[1] >= c.vocab_size:
+            raise ValueError(f"draft_ids: must be {c.draft_vocab_size} distinct token ids in [0, {c.vocab_size}), "
+                             f"got {len(draft_ids)} ({len(ids)} distinct) in {span[0]}..{span[1]}")
+        self.d2t.copy_(ids - torch.arange(len(ids), device=ids.device))
         self.t2d.zero_()
         self.t2d[ids] = True
+        self.vocab_open = False
 
     def draft_ids(self) -> torch.Tensor:
-        return torch.arange(self.config.draft_vocab_size) + self.d2t  # [Vd] target ids
+        return torch.arange(self.config.draft_vocab_size, device=self.d2t.device) + self.d2t  # [Vd] target ids
+
+    def needs_draft_vocab(self) -> bool:
+        return self.vocab_open
+
+    def set_draft_vocab(self, counts: torch.Tensor, keep=()) -> torch.Tensor | None:
+        """counts [V] or [n, V] (vocab.draft_vocab): a fresh drafter takes the Vd most frequent tokens, `keep` among
+        them, as its draft vocabulary and returns them [Vd]; None where its map is fixed already."""
+        if not self.vocab_open:
+            return None
+        ids = draft_vocab(counts.to(self.d2t.device), self.config.draft_vocab_size, keep)
+        self.set_vocab_map(ids)
+        return ids
 
     @torch.no_grad()
     def fuse_for_inference(self, int8: bool) -> "Eagle3Drafter":
@@ -224,6 +250,23 @@ def check_weights(drafter: nn.Module, weights: dict) -> None:
     check_tensors(drafter.state_dict(), speculators_names(weights), hint="policy/drafter size or vocabulary mismatch?")
 
 
+def restrict_draft_vocab(d: Eagle3Drafter, draft_ids: torch.Tensor) -> Eagle3Drafter:
+    """A copy of `d` that drafts over draft_ids [Vd'] only (target ids among d.draft_ids(), e.g. vocab.draft_vocab's
+    most frequent tokens): its lm_head keeps those tokens' rows and its map covers them, so their logits are d's and
+    it drafts what d drafts wherever d's choice is among them. Converts a full-vocabulary drafter."""
+    have = d.draft_ids()  # [Vd] ascending
+    ids = draft_ids.to(have.device).unique()  # sorted
+    rows = torch.searchsorted(have, ids).clamp_max(len(have) - 1)  # each id's row in d's head
+    if not len(ids) or not torch.equal(have[rows], ids):
+        raise ValueError(f"draft_ids: must be token ids among the drafter's {len(have)}-token draft vocabulary, got "
+                         f"{len(ids)} distinct ids, {int((have[rows] != ids).sum())} outside it")
+    out = Eagle3Drafter(dataclasses.replace(d.config, draft_vocab_size=len(ids)))
+    out.set_vocab_map(ids)
+    weights = {**d.state_dict(), "lm_head.weight": d.lm_head.weight.detach()[rows], "d2t": out.d2t, "t2d": out.t2d}
+    out.to(device=have.device, dtype=d.lm_head.weight.dtype).load_state_dict(weights)
+    return out
+
+
 def config_from_policy(policy_config, aux_layer_ids=None, draft_vocab_size=None, intermediate_size=None):
     """Size a fresh EAGLE-3 drafter from the policy's HF config."""
     pc = policy_config
@@ -233,7 +276,7 @@ def config_from_policy(policy_config, aux_layer_ids=None, draft_vocab_size=None,
         num_key_value_heads=getattr(pc, "num_key_value_heads", None) or n_heads,
         head_dim=getattr(pc, "head_dim", None) or pc.hidden_size // n_heads,
         intermediate_size=intermediate_size or pc.intermediate_size, vocab_size=pc.vocab_size,
-        draft_vocab_size=draft_vocab_size or pc.vocab_size,
+        draft_vocab_size=draft_vocab_size or default_draft_vocab_size(pc.vocab_size),
         aux_layer_ids=tuple(aux_layer_ids) if aux_layer_ids else default_aux_layer_ids(pc.num_hidden_layers),
         target_num_layers=pc.num_hidden_layers, rms_norm_eps=pc.rms_norm_eps,
         rope_theta=float(rope_theta_of(pc)), max_position_embeddings=pc.max_position_embeddings)
@@ -249,7 +292,7 @@ def rope_theta_of(pc) -> float:
 @dataclass
 class Section:  # drafter.eagle3: sizes of a fresh EAGLE-3 drafter (a checkpoint at drafter.path fixes its own)
     aux_layer_ids: Optional[list[int]] = None  # policy layers whose inputs feed the drafter; null = kind's default
-    draft_vocab_size: Optional[int] = None  # draft vocabulary size; null = the policy's vocabulary
+    draft_vocab_size: Optional[int] = None  # null = min(32000, policy vocab); fresh: its most frequent rollout tokens
     intermediate_size: Optional[int] = None  # drafter MLP width; null = the policy's
 
 

@@ -23,7 +23,7 @@ import transformers
 from tqdm import tqdm
 
 from drafttrain.checkpoint import CheckpointError, load_checkpoint
-from drafttrain.config import ConfigError, resolve_path, save_config
+from drafttrain.config import ConfigError, resolve_path, sampling_params, save_config
 from drafttrain.data import Prompts, stop_ids
 from drafttrain.drafters import build_drafter
 from drafttrain.engines import build_engine
@@ -37,6 +37,7 @@ from drafttrain.tracking.collective import Collective
 from drafttrain.tracking.deliverable import export_run
 from drafttrain.tracking.tracker import DraftTracker
 from drafttrain.tracking.trainer import make_accelerator
+from drafttrain.tracking.vocab import vocab_from_rollouts
 
 
 RESUME_HINT = "set run.resume=false to start over, or restore an earlier ckpt/step-N and name it in ckpt/latest"
@@ -90,6 +91,8 @@ def _run(cfg, acc, out: Path, stopper: Stopper, closing: contextlib.ExitStack) -
                                   rebuild_engine(cfg.engine, policy, drafter), lambda: tracker.publisher.served(),
                                   cfg.engine.kind, ckpt.latest, say)  # a dead engine is rebuilt (rl/restart.py)
         closing.callback(engine.close)  # however the run ends, its engine's processes end with it
+        if state is None:  # a resumed run's drafter map comes back with its checkpoint
+            _choose_draft_vocab(cfg, acc, policy, drafter, engine, prompts, say)
         tracker = DraftTracker(cfg, policy, [engine], drafter, acc, log=say)
     except ValueError as e:
         raise ConfigError(str(e)) from None
@@ -146,6 +149,22 @@ def _run(cfg, acc, out: Path, stopper: Stopper, closing: contextlib.ExitStack) -
     if logger is None:
         return []
     return _finish(cfg, out, logger, engine, grpo, prompts, before, ckpt)
+
+
+def _choose_draft_vocab(cfg, acc, policy, drafter, engine, prompts: Prompts, say) -> None:
+    """A fresh drafter over fewer tokens than the policy's vocabulary (drafter.eagle3.draft_vocab_size) takes the
+    most frequent tokens of one step's worth of the policy's plain rollouts (rl.prompts_per_step x rl.group_size per
+    process, prompts no step draws) as its draft vocabulary, before the tracker copies it. The engine, built with the
+    placeholder map and not drafted with yet, then serves it as the next drafter version."""
+    if not drafter.needs_draft_vocab():
+        return
+    rl = cfg.rl
+    seed = rl.prompt_seed * 1_000_003 - 1 - acc.process_index  # below every step's prompt seed (GRPO.rollout)
+    batch = [prompts.encode(r) for r in prompts.rows(rl.prompts_per_step, seed=seed) for _ in range(rl.group_size)]
+    params = sampling_params(cfg.sampling, stop_token_ids=prompts.stop_ids, seed=seed)
+    note = vocab_from_rollouts(drafter, engine, [batch], params, policy.config.vocab_size, prompts.stop_ids, acc)
+    engine.load_drafter(drafter.state_dict(), engine.drafter_version + 1)
+    say(f"{note}; the engine serves it as drafter v{engine.drafter_version}")
 
 
 def _restore(state: dict, last: Path, tracker, grpo) -> int:

@@ -201,3 +201,53 @@ def test_the_feature_cache_is_not_reused_across_another_held_out_split(own):
     assert key("data.eval_size=8") == key("data.eval_size=8")
     cfg = load_recipe("eagle3_track", keys(own))  # nor one of another feature form (another kind's reads)
     assert pre.cache_key(pre.parse([]), cfg, Reads(final_hidden=True)) != pre.cache_key(pre.parse([]), cfg, Reads())
+
+
+def _not_identity(d2t, t2d) -> bool:
+    return bool(d2t.any()) and not bool(t2d.all())
+
+
+def test_a_fresh_drafter_takes_its_draft_vocabulary_from_the_first_rollouts(own, tmp_path, capsys):
+    """drafter.path null with a draft vocabulary below the policy's (24 of 48 tokens): the main job chooses the map
+    from one step's plain rollouts before the tracker starts, says so in one line, and the map is in the checkpoint,
+    in the run's export and in `python -m drafttrain.export`'s; a resume keeps it (chosen once)."""
+    import torch
+
+    from drafttrain.drafters.speculators import load_drafter
+    from drafttrain.export.__main__ import main as export_main
+    from drafttrain.rl.job import main
+
+    args = keys(own, "drafter.path=null", "drafter.eagle3.draft_vocab_size=24", "rl.prompts_per_step=2",
+                "rl.group_size=2", "rl.eval_prompts=0", "sampling.max_new_tokens=8", "online.budget_frac=0",
+                "run.tensorboard=false", f"run.out_dir={tmp_path / 'run'}")
+    recs = main(load_recipe("eagle3_track", [*args, "rl.steps=1"]))
+    lines = [x for x in capsys.readouterr().out.splitlines() if "draft vocabulary:" in x]
+    assert len(lines) == 1 and "24 of the policy's 48 tokens" in lines[0] and "drafter v1" in lines[0], lines
+    assert len(recs) == 1 and recs[0]["drafter_version"] >= 1
+    state = torch.load(tmp_path / "run" / "ckpt" / "step-1" / "state.pt", weights_only=False)
+    served = state["tracker"]["good_weights"]
+    assert _not_identity(served["d2t"], served["t2d"]) and int(served["t2d"].sum()) == 24
+    _, tok = load_policy(str(own / "qwen3"))
+    assert bool(served["t2d"][tok.eos_token_id])  # the stop token is always draftable
+    assert torch.equal(state["tracker"]["frozen"]["d2t"], served["d2t"])  # the frozen reference drafts the same map
+    exported = load_drafter(tmp_path / "run" / "export" / "drafter")
+    assert torch.equal(exported.d2t, served["d2t"]) and torch.equal(exported.t2d, served["t2d"])
+    assert export_main([str(tmp_path / "run"), str(tmp_path / "again")]) == 0
+    assert torch.equal(load_drafter(tmp_path / "again" / "drafter").d2t, served["d2t"])
+
+    main(load_recipe("eagle3_track", [*args, "rl.steps=2"]))  # resumed: the checkpoint's map, not chosen again
+    assert "draft vocabulary:" not in capsys.readouterr().out
+    after = load_drafter(tmp_path / "run" / "export" / "drafter")
+    assert torch.equal(after.d2t, served["d2t"]) and torch.equal(after.t2d, served["t2d"])
+
+
+def test_pretrain_chooses_a_fresh_drafters_draft_vocabulary(own, capsys):
+    pre = load_script("pretrain_drafter")
+    pre.main(pre.parse(["prompts=16", "chunk=16", "epochs=1", "eval_prompts=4", "threads=1", "vocab_rollouts=16",
+                        "sampling.max_new_tokens=8", "drafter.eagle3.draft_vocab_size=24", f"out={own / 'e3v'}",
+                        *keys(own)]))
+    assert "24 of the policy's 48 tokens, by frequency in 16 plain rollouts" in capsys.readouterr().out
+    from drafttrain.drafters.speculators import load_drafter
+
+    d = load_drafter(own / "e3v")
+    assert d.config.draft_vocab_size == 24 and _not_identity(d.d2t, d.t2d)

@@ -168,3 +168,27 @@ def test_speculators_resave_serves_with_the_sources_acceptance(Eagle3DraftModel,
     assert runs[0].tokens == runs[1].tokens
     assert runs[0].stats.to_dict() == runs[1].stats.to_dict()
     assert runs[0].stats.mean_accepted_length > 2.0  # a drafter that drafts well: the equality is not 0 == 0
+
+
+def test_a_restricted_draft_vocabulary_loads_in_speculators(Eagle3DraftModel, tmp_path, policy, verifier,
+                                                              load_reports):
+    """A full-vocabulary drafter cut to its 20 most frequent tokens (vocab.draft_vocab, restrict_draft_vocab): its
+    export loads in speculators with the same map and computes the full drafter's logits on those tokens."""
+    from drafttrain.drafters.eagle3 import restrict_draft_vocab
+    from drafttrain.drafters.vocab import draft_vocab
+
+    full = drafter_for(policy, None, seed=6).eval()
+    counts = torch.randint(0, 50, (policy.config.vocab_size,), generator=torch.Generator().manual_seed(7))
+    ids = draft_vocab(counts, 20, keep=[2])
+    d = restrict_draft_vocab(full, ids)
+    out = save_drafter(d, tmp_path / "eagle3", verifier=verifier, k=STEPS)
+    m = Eagle3DraftModel.from_pretrained(str(out)).eval()
+    (info,) = load_reports
+    assert not info.missing_keys and not info.unexpected_keys and not info.mismatched_keys, info
+    assert torch.equal(m.d2t, d.d2t) and torch.equal(m.t2d, d.t2d) and int(m.t2d.sum()) == 20
+    assert torch.equal(load_drafter(out).draft_ids(), ids)
+    theirs, ours = both_logits(m, d, seed=8)
+    _, whole = both_logits(m, full, seed=8)
+    for i, (a, b, w) in enumerate(zip(theirs, ours, whole)):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=0, msg=lambda s: f"TTT step {i}: {s}")
+        torch.testing.assert_close(b, w[..., ids], atol=1e-5, rtol=0, msg=lambda s: f"TTT step {i}: {s}")
