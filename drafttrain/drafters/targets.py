@@ -10,7 +10,8 @@ hidden state with its LM head: features store hidden states, never distributions
     t.token_probs(at, x)      # [B, S] p(x) of one target token per position (teacher-forced acceptance)
 
 p_j = softmax(W h_j) at temperature 1 (what the old features stored). The full normalizer logsumexp(W h_j) costs a
-V x H product per position: it is computed only where it is read, in chunks of positions (CHUNK elements at most).
+V x H product per position: it is computed only where it is read, once per position (row_lse, or on the first read),
+in chunks of positions (CHUNK elements at most).
 """
 from __future__ import annotations
 
@@ -65,12 +66,25 @@ class TargetHead:
         return self._rows[key]
 
 
+def row_lse(hidden: torch.Tensor, lengths: torch.Tensor, head: TargetHead) -> torch.Tensor:
+    """[B, N] logsumexp of the full-vocabulary logits at each row's first lengths[b] positions (0 past them: no work
+    spent on padding), a row at a time in chunks of positions."""
+    w = head.rows(None, hidden.device)  # [V, H]
+    out = torch.zeros(hidden.shape[:2], device=hidden.device)
+    n = position_chunk(1, w.shape[0])
+    for b, L in enumerate(lengths.tolist()):
+        for i in range(0, min(L, hidden.shape[1]), n):
+            out[b, i:min(i + n, L)] = Targets.matmul(hidden[b, i:min(i + n, L)], w).logsumexp(-1)
+    return out
+
+
 class Targets:
     """The policy's distributions at the feature positions of a batch: hidden [B, N, H] (float; positions past a row's
-    end are never read unmasked), head: its TargetHead. `at` indexes positions (a slice or an index tensor [S])."""
+    end are never read unmasked), head: its TargetHead, lse: [B, N] full normalizers if known (row_lse; else
+    computed on the first read, for every position at once). `at` indexes positions (a slice or an index tensor)."""
 
-    def __init__(self, hidden: torch.Tensor, head: TargetHead):
-        self.hidden, self.head = hidden, head
+    def __init__(self, hidden: torch.Tensor, head: TargetHead, lse: torch.Tensor | None = None):
+        self.hidden, self.head, self._lse = hidden, head, lse
 
     @property
     def vocab_size(self) -> int:
@@ -93,20 +107,26 @@ class Targets:
         return self.hidden[:, at.clamp_max(N - 1)]
 
     @staticmethod
-    def _matmul(h: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    def matmul(h: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         """h [.., H] x w [Vd, H]^T in w's dtype (the policy's logits were computed so), as float32 [.., Vd]."""
         return (h.to(w.dtype) @ w.T).float()
 
     def logits(self, at, ids: torch.Tensor | None = None) -> torch.Tensor:
         """[B, S, Vd] the policy's logits on `ids` (None: the whole vocabulary)."""
-        return self._matmul(self._h(at), self.head.rows(ids, self.device))
+        return self.matmul(self._h(at), self.head.rows(ids, self.device))
 
     def lse(self, at) -> torch.Tensor:
-        """[B, S] logsumexp of the full-vocabulary logits, in chunks of positions."""
-        h = self._h(at)  # [B, S, H]
-        w = self.head.rows(None, self.device)  # [V, H]
-        n = position_chunk(h.shape[0], w.shape[0])
-        return torch.cat([self._matmul(h[:, i:i + n], w).logsumexp(-1) for i in range(0, h.shape[1], n)], 1)
+        """[B, S] logsumexp of the full-vocabulary logits at `at`: every position's computed once, on the first read
+        (in chunks of positions), where the batch did not bring them."""
+        if self._lse is None:
+            h, w = self.hidden, self.head.rows(None, self.device)  # [B, N, H], [V, H]
+            n = position_chunk(h.shape[0], w.shape[0])
+            self._lse = torch.cat([self.matmul(h[:, i:i + n], w).logsumexp(-1) for i in range(0, h.shape[1], n)], 1)
+        N = self._lse.shape[1]
+        if isinstance(at, slice):
+            start, stop = at.start or 0, N if at.stop is None else at.stop
+            at = torch.arange(start, stop, device=self.device)
+        return self._lse[:, at.clamp_max(N - 1)]
 
     def draft_probs(self, at, ids: torch.Tensor | None = None) -> torch.Tensor:
         """[B, S, Vd] softmax over `ids` alone: the policy's distribution restricted to them and renormalized."""

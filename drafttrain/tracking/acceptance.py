@@ -26,7 +26,7 @@ import math
 
 import torch
 
-from drafttrain.drafters.targets import TargetHead, Targets, position_chunk
+from drafttrain.drafters.targets import TargetHead, Targets, position_chunk, row_lse
 from drafttrain.spec import SpecStats, expected_row_stats
 
 
@@ -50,7 +50,7 @@ def acceptance_ratios(drafter, batch: dict[str, torch.Tensor], k: int, head: Tar
     drafter.train(was_training)
     nxt = batch["next_ids"]
     nxt = torch.cat([nxt, nxt.new_zeros(B, max(0, T + k - nxt.shape[1]))], 1)  # [B, >= T+k]
-    targets = Targets(batch["hidden"], head)
+    targets = Targets(batch["hidden"], head, batch.get("lse"))
     # a target token's place in the draft vocabulary (-1: not in it, q = 0)
     ids = drafter.draft_ids().to(dev)
     t2d = torch.full((targets.vocab_size,), -1, dtype=torch.long, device=dev)
@@ -110,6 +110,7 @@ def length_chunks(batch: dict[str, torch.Tensor], k: int, max_pad: float = 1.25)
         Tc = int(last[idx].max())
         out.append(({"aux": batch["aux"][idx, :Tc], "next_ids": batch["next_ids"][idx, :Tc + k - 1],
                      "hidden": batch["hidden"][idx, :Tc + k], "valid": valid[idx, :Tc + k],
+                     **({"lse": batch["lse"][idx, :Tc + k]} if "lse" in batch else {}),
                      "rows": idx, **({"first_ids": batch["first_ids"][idx]} if "first_ids" in batch else {})},
                     int(first[idx].min())))
     return out
@@ -127,6 +128,8 @@ def teacher_forced_acceptance(drafter, batch: dict[str, torch.Tensor], k: int, h
     Rows are scored in length_chunks, from their first response position on: the same pooled counts as the whole
     padded batch at every position, at a fraction of its cost (bench/NOTES.md, Tracking)."""
     _check_steps(batch, k)  # before length_chunks, whose cuts would hide too few steps
+    if "lse" not in batch:  # the policy's normalizers: once per batch, kept for the next drafter scored on it
+        batch["lse"] = row_lse(batch["hidden"], batch["lengths"], head)
     st = SpecStats()
     B, dev = batch["aux"].shape[0], batch["aux"].device
     row_mal, row_steps = torch.full((B,), math.nan, device=dev), torch.zeros(B, device=dev)
