@@ -381,17 +381,14 @@ class DraftTracker:
 
     def state_dict(self) -> dict:
         self.wait()
-        return {"frozen": self.frozen.state_dict(), **self.publisher.state_dict(),
-                "policy_version": self.policy_version, **self.bank.state_dict(),
-                "row_gens": {k: g.get_state() for k, g in self._gen.items()}}
+        return {**self.scorer.state_dict(), **self.publisher.state_dict(), "policy_version": self.policy_version,
+                **self.bank.state_dict()}
 
     def load_state_dict(self, state: dict, folder=None) -> None:
         """state_dict()'s; folder: also what save_training wrote there (CheckpointError / ValueError: unreadable)."""
         if folder is not None and self.trainer is not None:
             self.trainer.load(Path(folder) / "trainer.pt")
-        self.scorer.load_frozen(state["frozen"])
+        self.scorer.load_state_dict(state)
         self.policy_version = state["policy_version"]
         self.bank.load_state_dict(state)
-        for k, g in state.get("row_gens", {}).items():
-            self._gen[k].set_state(g)
         self.publisher.load_state_dict(state)
