@@ -214,3 +214,75 @@ def test_the_launcher_watch_ends_with_the_stopper(monkeypatch, tmp_path):
         started = set(threading.enumerate()) - before
         assert len(started) == 1, started  # launched: one thread follows the launcher
     assert [t for t in started if t.is_alive()] == []
+
+
+def test_checkpoint_settings_may_change_on_resume():
+    """How often and how many checkpoints change nothing a run computes: a resume may change them."""
+    from omegaconf import OmegaConf
+
+    saved = OmegaConf.to_container(load_recipe("eagle3_track", ["rl.steps=60"]), resolve=True)
+    now = load_recipe("eagle3_track", ["rl.steps=60", "run.checkpoint_every=10", "run.keep_checkpoints=5"])
+    assert changed_settings(saved, now, 60) == []
+
+
+# ---- the checkpoints kept ------------------------------------------------------------------------------------
+class _Acc:
+    num_processes, is_main_process = 1, True
+
+    def wait_for_everyone(self):
+        pass
+
+
+def _checkpointer(out: Path, keep: int, every: int = 1):
+    from types import SimpleNamespace
+
+    from drafttrain.rl.runfolder import Checkpointer
+
+    return Checkpointer(out, _Acc(), SimpleNamespace(checkpoint_every=every, keep_checkpoints=keep))
+
+
+def _step(out: Path, n: int) -> None:
+    d = out / "ckpt" / f"step-{n}"
+    d.mkdir(parents=True)
+    (d / "state.pt").write_bytes(b"x")
+
+
+def test_the_newest_checkpoints_of_the_run_are_kept_and_the_rest_go(tmp_path):
+    """Resumed at step 4, the run writes step 5: step 4 and 5 are kept (2), steps 1 and 2 are older, step 6 was
+    written after step 4 before it was restored by hand, and the temporary folder was left by a kill."""
+    out = tmp_path / "run"
+    for n in (1, 2, 4, 6, 5):
+        _step(out, n)
+    (out / "ckpt" / ".tmp-step-7").mkdir()
+    ck = _checkpointer(out, keep=2)
+    ck.resumed(out / "ckpt" / "step-4")
+    ck.written.add(5)
+    ck._prune()
+    assert sorted(p.name for p in (out / "ckpt").iterdir()) == ["step-4", "step-5"]
+
+
+def test_a_run_started_over_keeps_none_of_the_old_runs_checkpoints(tmp_path):
+    out = tmp_path / "run"
+    for n in (3, 6, 1):
+        _step(out, n)
+    ck = _checkpointer(out, keep=3)  # not resumed (run.resume=false)
+    ck.written.add(1)
+    ck._prune()
+    assert sorted(p.name for p in (out / "ckpt").iterdir()) == ["step-1"]
+
+
+def test_a_checkpoint_is_due_at_the_cadence_and_after_the_last_step(tmp_path):
+    ck = _checkpointer(tmp_path, keep=2, every=3)
+    assert [n for n in range(1, 8) if ck.due(n, 7)] == [3, 6, 7]
+    assert [n for n in range(1, 4) if _checkpointer(tmp_path, keep=2).due(n, 3)] == [1, 2, 3]
+
+
+def test_the_resume_hint_names_the_other_kept_checkpoints(tmp_path):
+    out = tmp_path / "run"
+    ck = _checkpointer(out, keep=3)
+    _step(out, 2)
+    assert ck.resume_hint(out / "ckpt" / "step-2") == "set run.resume=false to start over"
+    for n in (4, 6):
+        _step(out, n)
+    hint = ck.resume_hint(out / "ckpt" / "step-6")
+    assert hint.endswith(f"another kept checkpoint (step-2, step-4) into {out / 'ckpt' / 'latest'} to resume from it")
