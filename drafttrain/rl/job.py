@@ -23,7 +23,7 @@ import torch
 import transformers
 from tqdm import tqdm
 
-from drafttrain.checkpoint import CheckpointError, load_checkpoint
+from drafttrain.checkpoint import CheckpointError, load_checkpoint, shared_sets
 from drafttrain.config import ConfigError, resolve_path, save_config
 from drafttrain.data import Prompts, stop_ids
 from drafttrain.drafters import build_drafter
@@ -154,7 +154,7 @@ def _run(cfg, acc, out: Path, stopper: Stopper, closing: contextlib.ExitStack) -
 def _restore(state: dict, last: Path, tracker, grpo, ckpt: Checkpointer) -> int:
     """The tracker's, the optimizer's and the RNG's state from the checkpoint at `last`; the step it resumes at."""
     try:
-        tracker.load_state_dict(state["tracker"], last)
+        tracker.load_state_dict(state["tracker"], last, shared_sets(last, grpo.policy))
     except CheckpointError as e:
         raise ConfigError(f"run.resume: {e} ({ckpt.resume_hint(last)})") from None
     except ValueError as e:  # resumed with another number of processes: bad input, one line

@@ -8,6 +8,7 @@ last complete one behind: stopping at once is always safe, stopping at a step bo
 from __future__ import annotations
 
 import errno
+import json
 import os
 import shutil
 import signal
@@ -18,6 +19,7 @@ from pathlib import Path
 import torch
 from omegaconf import OmegaConf
 
+from drafttrain.checkpoint import SHARED
 from drafttrain.config import ConfigError, key_docs
 
 
@@ -210,13 +212,15 @@ class Checkpointer:
     """out/ckpt/step-N/ (policy, state.pt with the resolved config, trainer state), due after every
     run.checkpoint_every steps and after the last; `latest` names the last complete one, and `finished` names it once
     the run's outputs (report, eval) are written. The newest run.keep_checkpoints of the run's are kept, and any of
-    them resumes exactly once named in `latest`."""
+    them resumes exactly once named in `latest`. The frozen step-0 drafter, the same in every step of a run, is stored
+    once beside them (frozen-<id>.pt, which each step's shared.json names)."""
 
     def __init__(self, out: Path, acc, run_cfg):
         self.root, self.acc = out / "ckpt", acc
         self.every, self.keep = run_cfg.checkpoint_every, run_cfg.keep_checkpoints
         self.base: int | None = None  # the step this job resumed at: the kept steps up to it are the run's
         self.written: set[int] = set()
+        self.frozen_file: str | None = None  # this run's frozen drafter's file, once known
 
     def latest(self) -> Path | None:
         f = self.root / "latest"
@@ -235,8 +239,10 @@ class Checkpointer:
         return step % self.every == 0 or step >= steps
 
     def resumed(self, last: Path) -> None:
-        """This job resumes at `last`: the kept steps up to it are the run's."""
+        """This job resumes at `last`: the kept steps up to it are the run's, and so is its frozen drafter's file."""
         self.base = _step_of(last)
+        shared = last / SHARED
+        self.frozen_file = json.loads(shared.read_text()).get("run_frozen") if shared.is_file() else None
 
     def resume_hint(self, bad: Path) -> str:
         """What to do when checkpoint `bad` cannot be resumed: start over, or resume from another kept one."""
@@ -303,22 +309,40 @@ class Checkpointer:
         tracker.save_training(tmp)  # every process: its buffer shard
         if self.acc.is_main_process:
             save_policy(grpo.policy, grpo.tok, str(tmp / "policy"))
+            frozen = self._frozen(tracker, tmp)
             torch.save({"step": step, "recipe": cfg.recipe, "config": OmegaConf.to_container(cfg, resolve=True),
-                        "opt": grpo.opt.state_dict(), "tracker": tracker.state_dict(), "rng": torch.get_rng_state(),
-                        "eval_before": eval_before}, tmp / "state.pt")
+                        "opt": grpo.opt.state_dict(), "rng": torch.get_rng_state(), "eval_before": eval_before,
+                        "tracker": tracker.state_dict({"run_frozen": frozen, "policy": grpo.policy.state_dict()})},
+                       tmp / "state.pt")
+            if (tmp / self.frozen_file).is_file():  # the run's first checkpoint: its frozen drafter, beside it
+                os.replace(tmp / self.frozen_file, self.root / self.frozen_file)
             shutil.rmtree(d, ignore_errors=True)
             os.replace(tmp, d)
             _write_atomic(self.root / "latest", d.name)
 
+    def _frozen(self, tracker, tmp: Path) -> dict:
+        """The frozen drafter's weights, named in the step's shared.json; written (into tmp) if the run has no file
+        of them yet. Each run's file has a name of its own: a run started over keeps the old run's until it goes."""
+        weights = tracker.frozen.state_dict()
+        if self.frozen_file is None or not (self.root / self.frozen_file).is_file():
+            self.frozen_file = self.frozen_file or f"frozen-{os.urandom(4).hex()}.pt"
+            torch.save(weights, tmp / self.frozen_file)
+        (tmp / SHARED).write_text(json.dumps({"run_frozen": self.frozen_file}) + "\n")
+        return weights
+
     def _prune(self) -> None:
         """Keeps the newest run.keep_checkpoints of the run's checkpoints (those this job wrote, and those up to the
-        step it resumed at); removes the rest (another run's, or those after a step restored by hand) and temporary
-        folders left by a kill."""
+        step it resumed at); removes the rest (another run's, or those after a step restored by hand), temporary
+        folders left by a kill, and frozen drafter files no kept step names."""
         base = self.base if self.base is not None else -1
         keep = [p for p in self.kept() if _step_of(p) in self.written or _step_of(p) <= base][-self.keep:]
         for p in [*self.root.glob("step-*"), *self.root.glob(".tmp-step-*")]:
             if p not in keep:
                 shutil.rmtree(p, ignore_errors=True)
+        named = {f for p in keep if (p / SHARED).is_file() for f in json.loads((p / SHARED).read_text()).values()}
+        for f in self.root.glob("frozen-*.pt"):
+            if f.name not in named:
+                f.unlink(missing_ok=True)
 
 
 def _step_of(folder: Path) -> int:

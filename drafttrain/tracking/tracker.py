@@ -33,6 +33,7 @@ from drafttrain.tracking.hotswap import Publisher, probation
 from drafttrain.tracking.record import UpdateRecord
 from drafttrain.tracking.scoring import Scorer
 from drafttrain.tracking.trainer import DrafterTrainer
+from drafttrain.tracking.weightsets import stored, whole
 
 
 class DraftTracker:
@@ -372,22 +373,26 @@ class DraftTracker:
         return {**out, "policy_minus_drafter_version": self.drafter_lag, "measure_s": dt}
 
     # ---- checkpointing ------------------------------------------------------------------------------------
-    def save_training(self, folder) -> None:  # every process: its optimizer and buffer shard (a self-drafter: none)
+    def save_training(self, folder) -> None:  # every process: optimizer, buffer shard; the weights: state_dict()'s
+        self.wait()
         if self.trainer is not None:
-            self.trainer.save(Path(folder) / "trainer.pt")
+            self.trainer.save(Path(folder) / "trainer.pt", weights=False)
 
     def agreement(self) -> dict | None:  # several processes: the same drafter version, equal weights; None: untrained
         return None if self.trainer is None else self.collective.agreement(self.version, self.drafter)
 
-    def state_dict(self) -> dict:
+    def state_dict(self, shared: dict | None = None) -> dict:
+        """What a resume needs beside save_training's (weightsets.stored: shared, the sets stored elsewhere)."""
         self.wait()
-        return {**self.scorer.state_dict(), **self.publisher.state_dict(), "policy_version": self.policy_version,
-                **self.bank.state_dict()}
+        trained = None if self.trainer is None else self.trainer.weights_left_out()
+        return stored({**self.scorer.state_dict(), **self.publisher.state_dict(), **self.bank.state_dict(),
+                       "trained": trained, "policy_version": self.policy_version}, shared)
 
-    def load_state_dict(self, state: dict, folder=None) -> None:
-        """state_dict()'s; folder: also what save_training wrote there (CheckpointError / ValueError: unreadable)."""
+    def load_state_dict(self, state: dict, folder=None, shared: dict | None = None) -> None:
+        """state_dict(shared)'s; folder: also save_training's there (CheckpointError / ValueError: unreadable)."""
+        state = whole(state, shared)
         if folder is not None and self.trainer is not None:
-            self.trainer.load(Path(folder) / "trainer.pt")
+            self.trainer.load(Path(folder) / "trainer.pt", weights=state["trained"])
         self.scorer.load_state_dict(state)
         self.policy_version = state["policy_version"]
         self.bank.load_state_dict(state)

@@ -1,6 +1,6 @@
-"""Checkpoints at a cadence (run.checkpoint_every), the newest run.keep_checkpoints kept: a run killed or stopped
-between checkpoints, or resumed from an earlier kept one (in a copy of its folder), ends as the uninterrupted run
-does, each step's record once."""
+"""Checkpoints at a cadence (run.checkpoint_every), the newest run.keep_checkpoints kept, the frozen drafter stored
+once per run folder: a run killed or stopped between checkpoints, or resumed from an earlier kept one (in a copy of
+its folder), ends as the uninterrupted run does, each step's record once."""
 from __future__ import annotations
 
 import os
@@ -11,9 +11,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from drafttrain.checkpoint import load_checkpoint
+from drafttrain.checkpoint import load_checkpoint, shared_sets
 from drafttrain.config import load_recipe
 from drafttrain.report import read_jsonl
+from drafttrain.tracking.weightsets import weight_sets
 from tests.integration.test_job import overrides
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -64,15 +65,21 @@ def _same_run(out, recs, ref_out, ref_recs) -> None:
     last = f"ckpt/step-{STEPS}"
     a, b = (load_file(o / last / "policy" / "model.safetensors") for o in (out, ref_out))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-    sa, sb = (load_checkpoint(o / last / "state.pt")["tracker"] for o in (out, ref_out))
-    for name in ("frozen", "good_weights"):
+    sa, sb = (weight_sets(load_checkpoint(o / last / "state.pt")["tracker"], shared_sets(o / last))
+              for o in (out, ref_out))
+    for name in ("frozen", "trained", "good_weights"):
         assert all(torch.equal(sa[name][k], sb[name][k]) for k in sb[name]), name
 
 
-def test_checkpoints_at_a_cadence_keep_the_newest(reference):
+def test_checkpoints_at_a_cadence_keep_the_newest_and_one_frozen_drafter(reference):
     out, recs = reference
+    ckpt = out / "ckpt"
     assert len(recs) == STEPS
-    assert sorted(p.name for p in (out / "ckpt").iterdir()) == ["finished", "latest", "step-4", "step-5"]  # 2, 4, last
+    names = sorted(p.name for p in ckpt.iterdir())
+    frozen = [n for n in names if n.startswith("frozen-")]
+    assert [n for n in names if n not in frozen] == ["finished", "latest", "step-4", "step-5"]  # due at 2, 4, last
+    assert len(frozen) == 1 and all((ckpt / s / "shared.json").read_text().strip() == f'{{"run_frozen": "{frozen[0]}"}}'
+                                    for s in ("step-4", "step-5"))
 
 
 def test_a_run_killed_between_checkpoints_resumes_exactly_from_the_last(policy_dir, tmp_path, monkeypatch, reference):
