@@ -153,6 +153,8 @@ class RunConfig:
     seed: int = 0  # torch seed (+ process index)
     resume: bool = True  # continue from out_dir's checkpoint when there is one
     tensorboard: bool = True  # also write TensorBoard events under out_dir/tb
+    checkpoint_every: int = 1  # write a checkpoint every N RL steps (also after the last, and when stopped by a signal)
+    keep_checkpoints: int = 2  # how many of the newest checkpoints are kept (older ones go once a new one is complete)
 
 
 @dataclass
@@ -301,6 +303,8 @@ def _rl_train_checks(cfg: Config) -> list[tuple[bool, str, str]]:
         (cfg.rl.lr > 0, "rl.lr", f"must be > 0, got {cfg.rl.lr}"),
         (cfg.policy.path.strip() != "", "policy.path", "is empty: give the policy's checkpoint folder"),
         (cfg.run.out_dir.strip() != "", "run.out_dir", "is empty: give the folder the run writes to"),
+        (cfg.run.checkpoint_every >= 1, "run.checkpoint_every", f"must be >= 1, got {cfg.run.checkpoint_every}"),
+        (cfg.run.keep_checkpoints >= 1, "run.keep_checkpoints", f"must be >= 1, got {cfg.run.keep_checkpoints}"),
         (cfg.rl.clip_eps > 0, "rl.clip_eps", f"must be > 0, got {cfg.rl.clip_eps}"),
         (cfg.data.eval_size >= 1, "data.eval_size", f"must be >= 1, got {cfg.data.eval_size}"),
         (cfg.online.canary_min_ratio >= 0, "online.canary_min_ratio",

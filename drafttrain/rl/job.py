@@ -1,16 +1,17 @@
 """The main job: GRPO on the tiny policy with speculative rollouts and a drafter that tracks the policy (launched
 through drafttrain/online.py).
 
-Writes into run.out_dir: config.yaml (resolved), metrics.jsonl (+ tb/), ckpt/ (resumable after any kill: the
-latest complete step wins), report.png and a summary table at the end, eval.json with its table: the policy's
-held-out accuracy before and after the run (rl.eval_prompts fixed problems, sampled and greedy), and export/: the
-final policy with its served drafter, ready for vLLM (tracking/deliverable.py; the `vllm serve` line printed). Under
-`accelerate launch` with N processes every process generates its own rollouts; the policy's gradients are averaged
-over the processes, and the drafter's by DDP, or by DeepSpeed ZeRO under a DeepSpeed accelerate config.
+Writes into run.out_dir: config.yaml (resolved), metrics.jsonl (+ tb/), ckpt/ (every run.checkpoint_every steps,
+the newest run.keep_checkpoints kept; resumable after any kill: the latest complete step wins), report.png and a
+summary table at the end, eval.json with its table: the policy's held-out accuracy before and after the run
+(rl.eval_prompts fixed problems, sampled and greedy), and export/: the final policy with its served drafter, ready
+for vLLM (tracking/deliverable.py; the `vllm serve` line printed). Under `accelerate launch` with N processes every
+process generates its own rollouts; the policy's gradients are averaged over the processes, and the drafter's by
+DDP, or by DeepSpeed ZeRO under a DeepSpeed accelerate config.
 
 A rerun into the same run.out_dir resumes it, if its settings are the checkpoint's (raising rl.steps continues a
 run; a finished run is left as it is). One job at a time holds a run folder. SIGTERM/SIGINT stop the job after the
-current step's checkpoint, and the job ends with the process that started it: see rl/runfolder.py.
+current step, with a checkpoint of it, and the job ends with the process that started it: see rl/runfolder.py.
 """
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ import torch
 import transformers
 from tqdm import tqdm
 
-from drafttrain.checkpoint import CheckpointError, load_checkpoint
+from drafttrain.checkpoint import CheckpointError, load_checkpoint, shared_sets
 from drafttrain.config import ConfigError, resolve_path, sampling_params, save_config
 from drafttrain.data import Prompts, stop_ids
 from drafttrain.drafters import build_drafter
@@ -40,9 +41,6 @@ from drafttrain.tracking.trainer import make_accelerator
 from drafttrain.tracking.vocab import vocab_from_rollouts
 
 
-RESUME_HINT = "set run.resume=false to start over, or restore an earlier ckpt/step-N and name it in ckpt/latest"
-
-
 def main(cfg) -> list[dict]:
     transformers.utils.logging.disable_progress_bar()
     acc = make_accelerator()  # one process, N with DDP, or N with the drafter under DeepSpeed: as launched
@@ -58,12 +56,12 @@ def main(cfg) -> list[dict]:
         Collective(acc).settle()  # the last all-reduce's tensors freed before this process exits
 
 
-def _resume_state(cfg, last: Path, out: Path) -> dict:
+def _resume_state(cfg, last: Path, out: Path, ckpt: Checkpointer) -> dict:
     """The checkpoint's state, if this run may continue it: same recipe, same settings (FREE_ON_RESUME aside)."""
     try:
         state = load_checkpoint(last / "state.pt")
     except CheckpointError as e:
-        raise ConfigError(f"run.resume: {e} ({RESUME_HINT})") from None
+        raise ConfigError(f"run.resume: {e} ({ckpt.resume_hint(last)})") from None
     if state["recipe"] != cfg.recipe:
         raise ConfigError(f"run.resume: {out} holds a checkpoint of recipe {state['recipe']!r}, not "
                           f"{cfg.recipe!r} (choose another run.out_dir or set run.resume=false)")
@@ -76,9 +74,9 @@ def _resume_state(cfg, last: Path, out: Path) -> dict:
 
 
 def _run(cfg, acc, out: Path, stopper: Stopper, closing: contextlib.ExitStack) -> list[dict]:
-    ckpt = Checkpointer(out, acc)
+    ckpt = Checkpointer(out, acc, cfg.run)
     last = ckpt.latest() if cfg.run.resume else None
-    state = _resume_state(cfg, last, out) if last else None
+    state = _resume_state(cfg, last, out, ckpt) if last else None
     policy, tok = load_policy(str(last / "policy") if last else str(resolve_path(cfg.policy.path)), cfg.engine.kind)
     say = (lambda m: tqdm.write(m)) if acc.is_main_process else (lambda m: None)
     # bad data.* or reward.fn: one line, before any heavy set-up
@@ -99,7 +97,7 @@ def _run(cfg, acc, out: Path, stopper: Stopper, closing: contextlib.ExitStack) -
     grpo = GRPO.from_config(cfg, policy, tok, engine, tracker, acc, rank=acc.process_index, prompts=prompts)
     start = 0
     if state is not None:
-        start = _restore(state, last, tracker, grpo)
+        start = _restore(state, last, tracker, grpo, ckpt)
         if start >= cfg.rl.steps and ckpt.finished():  # its report and eval are written: rewrite nothing
             say(f"[drafttrain] {out} holds a finished run ({start} of {cfg.rl.steps} steps): nothing to do (raise "
                 f"rl.steps to continue it)")
@@ -137,8 +135,13 @@ def _run(cfg, acc, out: Path, stopper: Stopper, closing: contextlib.ExitStack) -
             if logger:
                 logger.log(rec)
                 bar.set_postfix(postfix(rec, tracker.version))
-            ckpt.save(step + 1, grpo, tracker, cfg, before)
-        if stopper.stop_requested():
+            due = ckpt.due(step + 1, cfg.rl.steps)
+            if due:
+                ckpt.save(step + 1, grpo, tracker, cfg, before)
+            stop = stopper.stop_requested()
+            if stop and not due:  # a stop between checkpoints saves this step's
+                ckpt.save(step + 1, grpo, tracker, cfg, before)
+        if stop:
             bar.close()
             if logger:
                 logger.close()
@@ -167,16 +170,17 @@ def _choose_draft_vocab(cfg, acc, policy, drafter, engine, prompts: Prompts, say
     say(f"{note}; the engine serves it as drafter v{engine.drafter_version}")
 
 
-def _restore(state: dict, last: Path, tracker, grpo) -> int:
+def _restore(state: dict, last: Path, tracker, grpo, ckpt: Checkpointer) -> int:
     """The tracker's, the optimizer's and the RNG's state from the checkpoint at `last`; the step it resumes at."""
     try:
-        tracker.load_state_dict(state["tracker"], last)
+        tracker.load_state_dict(state["tracker"], last, shared_sets(last, grpo.policy))
     except CheckpointError as e:
-        raise ConfigError(f"run.resume: {e} ({RESUME_HINT})") from None
+        raise ConfigError(f"run.resume: {e} ({ckpt.resume_hint(last)})") from None
     except ValueError as e:  # resumed with another number of processes: bad input, one line
         raise ConfigError(f"run.resume: {e}") from None
     grpo.opt.load_state_dict(state["opt"])
     torch.set_rng_state(state["rng"])
+    ckpt.resumed(last)
     return state["step"]
 
 

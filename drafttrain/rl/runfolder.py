@@ -1,6 +1,6 @@
 """What keeps a run folder whole: one job at a time (RunLock), a job that stops cleanly on SIGTERM/SIGINT and never
-outlives the process that started it (Stopper), and atomic checkpoints with the resolved config (Checkpointer); they
-are read back through drafttrain.checkpoint.load_checkpoint.
+outlives the process that started it (Stopper), and atomic checkpoints with the resolved config, at a cadence, the
+newest kept (Checkpointer); they are read back through drafttrain.checkpoint.load_checkpoint.
 
 Every checkpoint is written to a temporary folder and renamed into place, so a job stopped at any moment leaves the
 last complete one behind: stopping at once is always safe, stopping at a step boundary only saves the step's work.
@@ -8,6 +8,7 @@ last complete one behind: stopping at once is always safe, stopping at a step bo
 from __future__ import annotations
 
 import errno
+import json
 import os
 import shutil
 import signal
@@ -18,6 +19,7 @@ from pathlib import Path
 import torch
 from omegaconf import OmegaConf
 
+from drafttrain.checkpoint import SHARED
 from drafttrain.config import ConfigError, key_docs
 
 
@@ -165,7 +167,9 @@ class Stopper:
 
 
 # keys a resumed run may change: the step budget (raising it continues a finished run), where and how it writes
-FREE_ON_RESUME = ("rl.steps", "run.resume", "run.out_dir", "run.tensorboard")
+# (checkpoints included: how often and how many change nothing the run computes)
+FREE_ON_RESUME = ("rl.steps", "run.resume", "run.out_dir", "run.tensorboard", "run.checkpoint_every",
+                  "run.keep_checkpoints")
 
 
 # keys a later version moved: a checkpoint written before keeps its settings under their new names
@@ -205,11 +209,18 @@ def _short(v) -> str:
 
 
 class Checkpointer:
-    """out/ckpt/step-N/ (policy, state.pt with the resolved config, trainer state); `latest` names the last complete
-    one, and `finished` names it once the run's outputs (report, eval) are written."""
+    """out/ckpt/step-N/ (policy, state.pt with the resolved config, trainer state), due after every
+    run.checkpoint_every steps and after the last; `latest` names the last complete one, and `finished` names it once
+    the run's outputs (report, eval) are written. The newest run.keep_checkpoints of the run's are kept, and any of
+    them resumes exactly once named in `latest`. The frozen step-0 drafter, the same in every step of a run, is stored
+    once beside them (frozen-<id>.pt, which each step's shared.json names)."""
 
-    def __init__(self, out: Path, acc):
+    def __init__(self, out: Path, acc, run_cfg):
         self.root, self.acc = out / "ckpt", acc
+        self.every, self.keep = run_cfg.checkpoint_every, run_cfg.keep_checkpoints
+        self.base: int | None = None  # the step this job resumed at: the kept steps up to it are the run's
+        self.written: set[int] = set()
+        self.frozen_file: str | None = None  # this run's frozen drafter's file, once known
 
     def latest(self) -> Path | None:
         f = self.root / "latest"
@@ -217,6 +228,29 @@ class Checkpointer:
             return None
         p = self.root / f.read_text().strip()
         return p if (p / "state.pt").is_file() else None
+
+    def kept(self) -> list[Path]:
+        """The complete checkpoints in the folder, oldest first."""
+        steps = [p for p in self.root.glob("step-*") if p.name[5:].isdigit() and (p / "state.pt").is_file()]
+        return sorted(steps, key=_step_of)
+
+    def due(self, step: int, steps: int) -> bool:
+        """Is a checkpoint written after `step` of `steps` steps?"""
+        return step % self.every == 0 or step >= steps
+
+    def resumed(self, last: Path) -> None:
+        """This job resumes at `last`: the kept steps up to it are the run's, and so is its frozen drafter's file."""
+        self.base = _step_of(last)
+        shared = last / SHARED
+        self.frozen_file = json.loads(shared.read_text()).get("run_frozen") if shared.is_file() else None
+
+    def resume_hint(self, bad: Path) -> str:
+        """What to do when checkpoint `bad` cannot be resumed: start over, or resume from another kept one."""
+        others = [p.name for p in self.kept() if p.name != bad.name]
+        if not others:
+            return "set run.resume=false to start over"
+        return (f"set run.resume=false to start over, or write the name of another kept checkpoint "
+                f"({', '.join(others)}) into {self.root / 'latest'} to resume from it")
 
     def finished(self) -> bool:
         f, last = self.root / "finished", self.latest()
@@ -228,7 +262,8 @@ class Checkpointer:
             _write_atomic(self.root / "finished", last.name)
 
     def save(self, step: int, grpo, tracker, cfg, eval_before: dict | None) -> None:
-        """Writes step-N whole, or not at all; a full disk is RunStopped, in one line, with the partial folder gone."""
+        """Writes step-N whole, or not at all; a full disk is RunStopped, in one line, with the partial folder gone.
+        Then the checkpoints beyond run.keep_checkpoints go."""
         tmp = self.root / f".tmp-step-{step}"
         if self.acc.is_main_process:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -243,6 +278,9 @@ class Checkpointer:
             if full:
                 raise RunStopped(full) from None
             raise
+        self.written.add(step)
+        if self.acc.is_main_process:
+            self._prune()
         self.acc.wait_for_everyone()
 
     def _no_space(self, e: BaseException, step: int, written: int) -> str | None:
@@ -271,15 +309,44 @@ class Checkpointer:
         tracker.save_training(tmp)  # every process: its buffer shard
         if self.acc.is_main_process:
             save_policy(grpo.policy, grpo.tok, str(tmp / "policy"))
+            frozen = self._frozen(tracker, tmp)
             torch.save({"step": step, "recipe": cfg.recipe, "config": OmegaConf.to_container(cfg, resolve=True),
-                        "opt": grpo.opt.state_dict(), "tracker": tracker.state_dict(), "rng": torch.get_rng_state(),
-                        "eval_before": eval_before}, tmp / "state.pt")
+                        "opt": grpo.opt.state_dict(), "rng": torch.get_rng_state(), "eval_before": eval_before,
+                        "tracker": tracker.state_dict({"run_frozen": frozen, "policy": grpo.policy.state_dict()})},
+                       tmp / "state.pt")
+            if (tmp / self.frozen_file).is_file():  # the run's first checkpoint: its frozen drafter, beside it
+                os.replace(tmp / self.frozen_file, self.root / self.frozen_file)
             shutil.rmtree(d, ignore_errors=True)
             os.replace(tmp, d)
             _write_atomic(self.root / "latest", d.name)
-            for old in self.root.glob("step-*"):
-                if old != d:
-                    shutil.rmtree(old, ignore_errors=True)
+
+    def _frozen(self, tracker, tmp: Path) -> dict:
+        """The frozen drafter's weights, named in the step's shared.json; written (into tmp) if the run has no file
+        of them yet. Each run's file has a name of its own: a run started over keeps the old run's until it goes."""
+        weights = tracker.frozen.state_dict()
+        if self.frozen_file is None or not (self.root / self.frozen_file).is_file():
+            self.frozen_file = self.frozen_file or f"frozen-{os.urandom(4).hex()}.pt"
+            torch.save(weights, tmp / self.frozen_file)
+        (tmp / SHARED).write_text(json.dumps({"run_frozen": self.frozen_file}) + "\n")
+        return weights
+
+    def _prune(self) -> None:
+        """Keeps the newest run.keep_checkpoints of the run's checkpoints (those this job wrote, and those up to the
+        step it resumed at); removes the rest (another run's, or those after a step restored by hand), temporary
+        folders left by a kill, and frozen drafter files no kept step names."""
+        base = self.base if self.base is not None else -1
+        keep = [p for p in self.kept() if _step_of(p) in self.written or _step_of(p) <= base][-self.keep:]
+        for p in [*self.root.glob("step-*"), *self.root.glob(".tmp-step-*")]:
+            if p not in keep:
+                shutil.rmtree(p, ignore_errors=True)
+        named = {f for p in keep if (p / SHARED).is_file() for f in json.loads((p / SHARED).read_text()).values()}
+        for f in self.root.glob("frozen-*.pt"):
+            if f.name not in named:
+                f.unlink(missing_ok=True)
+
+
+def _step_of(folder: Path) -> int:
+    return int(folder.name.split("-")[-1])
 
 
 def _du(folder: Path) -> int:

@@ -19,9 +19,10 @@ from pathlib import Path
 from omegaconf import OmegaConf
 
 from drafttrain.atomic import atomic_dir
-from drafttrain.checkpoint import load_checkpoint
+from drafttrain.checkpoint import load_checkpoint, shared_sets
 from drafttrain.config import Config, ConfigError, max_draft_len
 from drafttrain.drafters.base import DRAFTERS, build_drafter
+from drafttrain.tracking.weightsets import weight_sets
 
 
 def unservable(kind: str) -> str | None:
@@ -109,7 +110,8 @@ def export_run(run_dir: str | Path, out: str | Path, step: int | None = None, lo
     if unservable(kind) is None:
         policy, _ = load_policy(str(ckpt / "policy"), "vllm")
         drafter = build_drafter(cfg.drafter, policy)
-        drafter.load_state_dict(state["tracker"]["good_weights"])
+        good = weight_sets(state["tracker"], shared_sets(ckpt, policy))["good_weights"]
+        drafter.load_state_dict(good)
     res = write_pair(ckpt / "policy", drafter, kind, k, out)
     if res["unservable"]:
         log(f"[drafttrain] export: {res['unservable']}, so vLLM cannot serve it: wrote the policy only, to "

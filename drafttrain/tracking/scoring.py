@@ -120,9 +120,16 @@ class Scorer:
         return {"live_tf_mal": live["mal"], "live_tf_acc_pos": live["acceptance_per_position"],
                 "frozen_tf_mal": frozen["mal"], "frozen_tf_acc_pos": frozen["acceptance_per_position"]}
 
-    def load_frozen(self, state: dict) -> None:
-        self.frozen.load_state_dict(state)
+    def state_dict(self) -> dict:
+        """The frozen step-0 drafter's weights and the row generators it was given (the tracker's capture draws too:
+        one dict). The held-out rows are records of the buffer, saved with it."""
+        return {"frozen": self.frozen.state_dict(), "row_gens": {k: g.get_state() for k, g in self.gen.items()}}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.frozen.load_state_dict(state["frozen"])
         self._frozen_rt = None
+        for k, g in state.get("row_gens", {}).items():
+            self.gen[k].set_state(g)
 
 
 def sample(recs: list, n: int, gen: torch.Generator) -> list:

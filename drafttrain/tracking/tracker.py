@@ -34,6 +34,7 @@ from drafttrain.tracking.hotswap import Publisher, probation
 from drafttrain.tracking.record import UpdateRecord
 from drafttrain.tracking.scoring import Scorer
 from drafttrain.tracking.trainer import DrafterTrainer
+from drafttrain.tracking.weightsets import stored, whole
 
 
 class DraftTracker:
@@ -70,9 +71,8 @@ class DraftTracker:
         self.scorer = Scorer(cfg.online, cfg.engine, self.drafter, self.publisher, self.steps, self._gen)
         self.probe_prompts, self.probe_stop = [], ()  # set_probe: recent prompts, the rollouts' stop tokens
         self.policy, self.policy_version = policy, 0
-        # the LM head of the policy whose forwards are captured: the targets are recomputed with it from the stored
-        # hidden states (drafters/targets.py). Taken here and after each update, so it is always the head of the
-        # policy the next capture runs (a resumed run takes the same one)
+        # the LM head the targets are recomputed with (drafters/targets.py): taken here and after each update, so it
+        # is the head of the policy the next capture runs (a resumed run takes the same one)
         self.head = TargetHead.of(policy, 0) if self.learns and not self.unused else None
         self._last_update_t: float | None = None  # RL time is measured from here: set by the first rollout or
         # capture (not construction: loading and engine set-up are not RL time), then after each update's work
@@ -121,8 +121,7 @@ class DraftTracker:
         finally:
             self.stop_capture()
             if extra and cap is not None:  # the forward around the capture's own copies (counted in _keep)
-                forward = (self._now() - t0) - (self._capture_s - before)
-                oc = self.cfg.online
+                forward, oc = (self._now() - t0) - (self._capture_s - before), self.cfg.online
                 if oc.track and not self.self_drafter and oc.capture_rows == "all":  # the drafter trains on them
                     self._capture_s += forward
                 else:
@@ -373,28 +372,29 @@ class DraftTracker:
         return {**out, "policy_minus_drafter_version": self.drafter_lag, "measure_s": dt}
 
     # ---- checkpointing ------------------------------------------------------------------------------------
-    def save_training(self, folder) -> None:  # every process: its optimizer and buffer shard (a self-drafter: none)
+    def save_training(self, folder) -> None:  # every process: optimizer, buffer shard; the weights: state_dict()'s
+        self.wait()
         if self.trainer is not None:
-            self.trainer.save(Path(folder) / "trainer.pt")
+            self.trainer.save(Path(folder) / "trainer.pt", weights=False)
 
     def agreement(self) -> dict | None:  # several processes: the same drafter version, equal weights; None: untrained
         return None if self.trainer is None else self.collective.agreement(self.version, self.drafter)
 
-    def state_dict(self) -> dict:
+    def state_dict(self, shared: dict | None = None) -> dict:
+        """What a resume needs beside save_training's (weightsets.stored: shared, the sets stored elsewhere)."""
         self.wait()
-        return {"frozen": self.frozen.state_dict(), **self.publisher.state_dict(),
-                "policy_version": self.policy_version, **self.bank.state_dict(),
-                "row_gens": {k: g.get_state() for k, g in self._gen.items()}}
+        trained = None if self.trainer is None else self.trainer.weights_left_out()
+        return stored({**self.scorer.state_dict(), **self.publisher.state_dict(), **self.bank.state_dict(),
+                       "trained": trained, "policy_version": self.policy_version}, shared)
 
-    def load_state_dict(self, state: dict, folder=None) -> None:
-        """state_dict()'s; folder: also what save_training wrote there (CheckpointError / ValueError: unreadable)."""
+    def load_state_dict(self, state: dict, folder=None, shared: dict | None = None) -> None:
+        """state_dict(shared)'s; folder: also save_training's there (CheckpointError / ValueError: unreadable)."""
+        state = whole(state, shared)
         if folder is not None and self.trainer is not None:
-            self.trainer.load(Path(folder) / "trainer.pt")
-            if self.trainer.buffer_note:
-                self.log(f"[drafttrain] {self.trainer.buffer_note}")
-        self.scorer.load_frozen(state["frozen"])
+            self.trainer.load(Path(folder) / "trainer.pt", weights=state["trained"])
+            for note in filter(None, [self.trainer.buffer_note]):  # what it could not keep of the saved buffer
+                self.log(f"[drafttrain] {note}")
+        self.scorer.load_state_dict(state)
         self.policy_version = state["policy_version"]
         self.bank.load_state_dict(state)
-        for k, g in state.get("row_gens", {}).items():
-            self._gen[k].set_state(g)
         self.publisher.load_state_dict(state)

@@ -185,10 +185,12 @@ class DrafterTrainer:
         r = self.acc.process_index
         return path if r == 0 else path.with_name(f"{path.stem}.rank{r}{path.suffix}")
 
-    def save(self, path: str | Path, extra: dict | None = None) -> None:
+    def save(self, path: str | Path, extra: dict | None = None, weights: bool = True) -> None:
         """Drafter weights + optimizer + step (process 0) and each process's buffer shard and query-position
         generator; atomic per file. `extra`: the caller's own resume state (e.g. a data cursor), per process, returned
-        by load() to the process that saved it. Under DeepSpeed: the folder path.ds instead (see _save_deepspeed)."""
+        by load() to the process that saved it. weights=False: without the drafter's weights (the caller stores them;
+        load() then leaves the drafter as it is). Under DeepSpeed: the folder path.ds instead (see _save_deepspeed),
+        whose engine state holds the weights either way."""
         path = Path(path)
         state: dict = {"step": self.step_count, "world": self.acc.num_processes, "extra": extra or {},
                        "ttt_gen": self.ttt.gen.get_state()}
@@ -197,7 +199,9 @@ class DrafterTrainer:
         if self.deepspeed:
             return self._save_deepspeed(path.with_suffix(".ds"), state)
         if self.acc.is_main_process:
-            state.update(drafter=self.drafter.state_dict(), optimizer=self.opt.state_dict())
+            state["optimizer"] = self.opt.state_dict()
+            if weights:
+                state["drafter"] = self.drafter.state_dict()
         if self.acc.is_main_process or self.buffer is not None:
             out = self._rank_path(path)
             out.parent.mkdir(parents=True, exist_ok=True)
@@ -222,23 +226,34 @@ class DrafterTrainer:
             os.replace(tmp, folder)
         self.acc.wait_for_everyone()
 
+    def weights_left_out(self) -> dict | None:
+        """What save(weights=False) leaves for its caller to store: a copy of the drafter's weights (training goes
+        on); None under DeepSpeed, whose engine state holds them."""
+        return None if self.deepspeed else {k: v.detach().clone() for k, v in self.drafter.state_dict().items()}
+
     @staticmethod
     def saved(path: str | Path) -> bool:
         """Is there a trainer state at `path` (save's file, or its DeepSpeed folder path.ds)?"""
         return Path(path).is_file() or Path(path).with_suffix(".ds").is_dir()
 
-    def load(self, path: str | Path) -> dict:
+    def load(self, path: str | Path, weights: dict | None = None) -> dict:
+        """save()'s state back; weights: the drafter's, where save() left them out (loaded last, as set_weights)."""
         path = Path(path)
         folder = path.with_suffix(".ds")
         if self.deepspeed != folder.is_dir() and (path.is_file() or folder.is_dir()):
             raise ValueError(f"trainer state {path}: saved {'with' if folder.is_dir() else 'without'} DeepSpeed, "
                              f"resumed {'with' if self.deepspeed else 'without'} it (launch with the accelerate "
                              f"config that wrote it)")
-        if self.deepspeed:
-            return self._load_deepspeed(folder)
+        extra = self._load_deepspeed(folder) if self.deepspeed else self._load_file(path)
+        if weights is not None:
+            self.set_weights(weights)
+        return extra
+
+    def _load_file(self, path: Path) -> dict:
         main = load_checkpoint(path)  # tensors and plain containers only: CheckpointError otherwise
         self._check_world(path, main)
-        self.drafter.load_state_dict(main["drafter"])
+        if "drafter" in main:  # absent: saved with weights=False
+            self.drafter.load_state_dict(main["drafter"])
         self.opt.load_state_dict(main["optimizer"])
         self.step_count = int(main["step"])
         own = main  # a process without a buffer writes no file of its own: it takes process 0's generator and extra

@@ -313,3 +313,52 @@ def test_resume_serves_a_published_version_its_canary_has_not_judged_yet(trained
     params = sampling_params(tracker.cfg.sampling, max_new_tokens=32)
     tracker2.observe_rollout(engine2.generate(trained["prompts"], params))
     assert tracker2.publisher.pending is None and tracker2.publisher.good_version == 1
+
+
+def test_a_checkpoint_stores_each_distinct_drafter_tensor_once(trained, tmp_path):
+    """The frozen step-0 drafter stored elsewhere (the run folder's file: `shared`), an update published and judged
+    good: the trained, the last good and the frozen weights are then one copy, and the frozen ones none. A second
+    update on probation: the pending weights are the trained ones; the last good ones a copy of their own. A fresh
+    tracker loads every set back exactly, and its engine serves the version on probation."""
+    from drafttrain.checkpoint import load_checkpoint
+    from drafttrain.drafters import build_drafter
+    from drafttrain.tracking.tracker import DraftTracker
+    from drafttrain.tracking.weightsets import weight_sets
+
+    engine = engine_for(trained)
+    tracker, _ = tracker_with_features(trained, engine, "online.publish_gate=false")
+    frozen = {k: v.clone() for k, v in tracker.frozen.state_dict().items()}
+    shared = {"run_frozen": frozen}
+    params = sampling_params(tracker.cfg.sampling, max_new_tokens=32)
+    assert tracker.on_policy_update(trained["policy"], 0)["published"]
+    tracker.observe_rollout(engine.generate(trained["prompts"], params))  # its canary passes: good == trained
+    assert tracker.publisher.pending is None and tracker.publisher.good_version == 1
+    state = tracker.state_dict(shared)
+    trained_new = [k for k, v in tracker.drafter.state_dict().items() if not torch.equal(v, frozen[k])]
+    assert trained_new and all(v == "run_frozen" for v in state["frozen"].values())
+    assert sorted(k for k, v in state["trained"].items() if torch.is_tensor(v)) == sorted(trained_new)
+    assert all(isinstance(v, str) for v in state["good_weights"].values())  # one copy: trained's or frozen's
+
+    assert tracker.on_policy_update(trained["policy"], 1)["published"]  # v2, on probation
+    assert tracker.publisher.pending is not None and tracker.publisher.good_version == 1
+    want = {"frozen": frozen, "trained": tracker.drafter.state_dict(), "good_weights": tracker.publisher.good_weights,
+            "pending": tracker.publisher.pending["weights"]}
+    torch.save(tracker.state_dict(shared), tmp_path / "state.pt")
+    tracker.save_training(tmp_path)
+    state = load_checkpoint(tmp_path / "state.pt")
+    assert all(v in ("trained", "run_frozen") for v in state["pending"]["weights"].values())
+    assert any(torch.is_tensor(v) for v in state["good_weights"].values())  # v1: not v2's weights
+    assert weight_sets(state, shared).keys() == want.keys()
+    for name, got in weight_sets(state, shared).items():
+        assert got.keys() == want[name].keys() and all(torch.equal(got[k], want[name][k]) for k in got), name
+
+    engine2 = engine_for(trained)
+    fresh = DraftTracker(tracker.cfg, trained["policy"], [engine2],
+                         build_drafter(tracker.cfg.drafter, trained["policy"]), log=lambda m: None)
+    fresh.load_state_dict(state, tmp_path, shared)
+    got = {"frozen": fresh.frozen.state_dict(), "trained": fresh.drafter.state_dict(),
+           "good_weights": fresh.publisher.good_weights, "pending": fresh.publisher.pending["weights"]}
+    for name in want:
+        assert all(torch.equal(got[name][k], want[name][k]) for k in want[name]), name
+    served = engine2.drafter.state_dict()
+    assert engine2.drafter_version == 2 and all(torch.equal(served[k], want["pending"][k]) for k in served)

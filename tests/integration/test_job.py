@@ -14,9 +14,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from drafttrain.checkpoint import shared_sets
 from drafttrain.config import PROJECT_ROOT, load_recipe
 from drafttrain.export import load_drafter
 from drafttrain.report import read_jsonl
+from drafttrain.tracking.weightsets import weight_sets
 from tests.integration.conftest import kill_at_checkpoint
 
 KEYS = {"step", "reward_mean", "resp_len_mean", "rollout_tokens_per_s", "live_mal", "live_k", "live_acc_pos",
@@ -67,7 +69,8 @@ def test_one_rl_step_with_hot_swap(policy_dir, tmp_path, monkeypatch, mode):
     assert ev["prompts"] == 4 and set(ev["before"]) == set(ev["after"]) == {"eval_sampled_acc", "eval_greedy_acc"}
     assert state["eval_before"] == ev["before"]  # carried through a resume
     served = load_drafter(tmp_path / "export" / "drafter").state_dict()  # the deliverable: the drafter it served
-    assert all(torch.equal(served[n], t) for n, t in state["tracker"]["good_weights"].items())
+    good = weight_sets(state["tracker"], shared_sets(tmp_path / "ckpt" / "step-1"))["good_weights"]
+    assert all(torch.equal(served[n], t) for n, t in good.items())
 
 
 def test_rl_step_time_includes_the_steps_own_rollout(policy_dir, tmp_path, monkeypatch):

@@ -183,6 +183,31 @@ def test_the_estimate_scores_rollouts_held_out_of_training(trained, monkeypatch)
     assert out["expected_mal"] is not None and scored and set(scored) <= held_aux
 
 
+def test_a_resumed_tracker_estimates_on_the_held_out_rows_it_had(trained, tmp_path):
+    """The estimate's (and the publish gate's) held-out rows span the last steps: a tracker resumed from a checkpoint
+    scores its next update on the rows the one that ran on does. They were not saved: after a resume the run's
+    expected_mal, and with it the gate's verdicts, parted from the uninterrupted run's."""
+    from drafttrain.drafters import build_drafter
+    from drafttrain.tracking.tracker import DraftTracker
+
+    policy = trained["policy"]
+    a, _ = tracker_with_features(trained, engine_for(trained), "online.holdout_frac=0.5")
+    a.on_policy_update(policy, 0)
+    assert a.buffer.heldout(8)
+    state = a.state_dict()
+    a.save_training(tmp_path)
+    b = DraftTracker(a.cfg, policy, [engine_for(trained)], build_drafter(a.cfg.drafter, policy), log=lambda m: None)
+    b.load_state_dict(state, tmp_path)
+    seqs = [p + list(range(5, 14)) for p in trained["prompts"][:4]]
+    ids = torch.tensor([s_[:min(map(len, seqs))] for s_ in seqs])
+    outs = []
+    for t in (a, b):
+        with t.capture(policy, response_start=ids.shape[1] - 9):
+            policy(input_ids=ids)
+        outs.append(t.on_policy_update(policy, 1))
+    assert outs[0]["expected_mal"] is not None and outs[0]["expected_mal"] == outs[1]["expected_mal"]
+
+
 def test_measure_scores_a_random_sample_of_the_steps_rollouts(trained, monkeypatch):
     """online.measure_rows=3 of 12 captured rows: a sample drawn over all of them. The loss forward runs
     zero-advantage sequences last, sorted by length, so "the last rows" (the old rule) always scored the same kind."""

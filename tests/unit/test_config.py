@@ -114,6 +114,10 @@ def test_overrides_and_defaults(tmp_path):
     ("drafter.path=''", "drafter.path"),
     ("policy.path=' '", "policy.path"),
     ("run.out_dir=''", "run.out_dir"),
+    ("run.checkpoint_every=0", "run.checkpoint_every"),
+    ("run.checkpoint_every=often", "run.checkpoint_every"),
+    ("run.keep_checkpoints=0", "run.keep_checkpoints"),
+    ("run.keep_checkpoints=-2", "run.keep_checkpoints"),
 ])
 def test_bad_override_names_the_key(tmp_path, override, key):
     with pytest.raises(ConfigError) as e:

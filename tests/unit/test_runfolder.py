@@ -214,3 +214,103 @@ def test_the_launcher_watch_ends_with_the_stopper(monkeypatch, tmp_path):
         started = set(threading.enumerate()) - before
         assert len(started) == 1, started  # launched: one thread follows the launcher
     assert [t for t in started if t.is_alive()] == []
+
+
+def test_checkpoint_settings_may_change_on_resume():
+    """How often and how many checkpoints change nothing a run computes: a resume may change them."""
+    from omegaconf import OmegaConf
+
+    saved = OmegaConf.to_container(load_recipe("eagle3_track", ["rl.steps=60"]), resolve=True)
+    now = load_recipe("eagle3_track", ["rl.steps=60", "run.checkpoint_every=10", "run.keep_checkpoints=5"])
+    assert changed_settings(saved, now, 60) == []
+
+
+# ---- weight sets stored once, the checkpoints kept ----------------------------------------------------------
+def test_equal_weights_are_stored_once_and_given_back_whole(tmp_path):
+    from drafttrain.checkpoint import share, unshare
+
+    g = torch.Generator().manual_seed(0)
+    emb, w1, w2 = (torch.randn(64, 64, generator=g) for _ in range(3))
+    run = {"emb": emb.clone(), "w": w1.clone()}  # stored elsewhere
+    sets = {"a": {"emb": emb.clone(), "w": w2.clone()}, "b": {"emb": emb.clone(), "w": w2.clone()},
+            "c": {"emb": emb.clone(), "w": w1 + 1}, "none": None}
+    packed = share(sets, {"run": run})
+    assert packed["a"]["emb"] == "run" and torch.is_tensor(packed["a"]["w"]) and packed["none"] is None
+    assert packed["b"] == {"emb": "run", "w": "a"} and torch.is_tensor(packed["c"]["w"])
+    torch.save(packed, tmp_path / "s.pt")
+    assert (tmp_path / "s.pt").stat().st_size < 2.2 * w1.numel() * 4  # two distinct tensors, not eight
+    got = unshare(load_checkpoint(tmp_path / "s.pt"), {"run": run})
+    assert got["none"] is None
+    for name in ("a", "b", "c"):
+        assert all(torch.equal(got[name][k], sets[name][k]) for k in ("emb", "w")), name
+    got["a"]["w"].zero_()  # each set its own tensors, as before
+    assert torch.equal(got["b"]["w"], w2) and torch.equal(run["emb"], emb)
+    with pytest.raises(CheckpointError, match="refer to run, which is missing"):
+        unshare(load_checkpoint(tmp_path / "s.pt"))
+
+
+class _Acc:
+    num_processes, is_main_process = 1, True
+
+    def wait_for_everyone(self):
+        pass
+
+
+def _checkpointer(out: Path, keep: int, every: int = 1):
+    from types import SimpleNamespace
+
+    from drafttrain.rl.runfolder import Checkpointer
+
+    return Checkpointer(out, _Acc(), SimpleNamespace(checkpoint_every=every, keep_checkpoints=keep))
+
+
+def _step(out: Path, n: int, frozen: str) -> None:
+    d = out / "ckpt" / f"step-{n}"
+    d.mkdir(parents=True)
+    (d / "state.pt").write_bytes(b"x")
+    (d / "shared.json").write_text(f'{{"run_frozen": "{frozen}"}}')
+    (out / "ckpt" / frozen).write_bytes(b"x")
+
+
+def test_the_newest_checkpoints_of_the_run_are_kept_and_the_rest_go(tmp_path):
+    """Resumed at step 4 (its frozen drafter's file: a), the run writes step 5: step 4 and 5 are kept (2), steps 1
+    and 2 are older, step 6 was written after step 4 before it was restored by hand, the temporary folder was left by
+    a kill, and the frozen file b is no kept step's."""
+    out = tmp_path / "run"
+    for n, f in ((1, "frozen-a.pt"), (2, "frozen-b.pt"), (4, "frozen-a.pt"), (6, "frozen-a.pt"), (5, "frozen-a.pt")):
+        _step(out, n, f)
+    (out / "ckpt" / ".tmp-step-7").mkdir()
+    ck = _checkpointer(out, keep=2)
+    ck.resumed(out / "ckpt" / "step-4")
+    assert ck.frozen_file == "frozen-a.pt"
+    ck.written.add(5)
+    ck._prune()
+    assert sorted(p.name for p in (out / "ckpt").iterdir()) == ["frozen-a.pt", "step-4", "step-5"]
+
+
+def test_a_run_started_over_keeps_none_of_the_old_runs_checkpoints(tmp_path):
+    out = tmp_path / "run"
+    for n in (3, 6):
+        _step(out, n, "frozen-old.pt")
+    _step(out, 1, "frozen-new.pt")
+    ck = _checkpointer(out, keep=3)  # not resumed (run.resume=false)
+    ck.written.add(1)
+    ck._prune()
+    assert sorted(p.name for p in (out / "ckpt").iterdir()) == ["frozen-new.pt", "step-1"]
+
+
+def test_a_checkpoint_is_due_at_the_cadence_and_after_the_last_step(tmp_path):
+    ck = _checkpointer(tmp_path, keep=2, every=3)
+    assert [n for n in range(1, 8) if ck.due(n, 7)] == [3, 6, 7]
+    assert [n for n in range(1, 4) if _checkpointer(tmp_path, keep=2).due(n, 3)] == [1, 2, 3]
+
+
+def test_the_resume_hint_names_the_other_kept_checkpoints(tmp_path):
+    out = tmp_path / "run"
+    ck = _checkpointer(out, keep=3)
+    _step(out, 2, "frozen-a.pt")
+    assert ck.resume_hint(out / "ckpt" / "step-2") == "set run.resume=false to start over"
+    for n in (4, 6):
+        _step(out, n, "frozen-a.pt")
+    hint = ck.resume_hint(out / "ckpt" / "step-6")
+    assert hint.endswith(f"another kept checkpoint (step-2, step-4) into {out / 'ckpt' / 'latest'} to resume from it")
