@@ -39,7 +39,6 @@ from pathlib import Path
 
 import torch
 
-from drafttrain.checkpoint import load_checkpoint
 from drafttrain.config import load_recipe, max_draft_len, resolve_path, script_config
 from drafttrain.drafters import TargetHead, build_drafter
 from drafttrain.engines import build_engine
@@ -50,6 +49,7 @@ from drafttrain.rl.job import main as run_main
 from drafttrain.spec import SamplingParams, SpecStats
 from drafttrain.tracking.acceptance import teacher_forced_acceptance
 from drafttrain.tracking.buffer import FeatureBuffer
+from drafttrain.tracking.weightsets import checkpoint_sets
 from drafttrain.tracking.capture import teacher_forced_features
 from drafttrain.tracking.trainer import DrafterTrainer
 
@@ -184,10 +184,9 @@ def accuracy_gain(ev: dict | None) -> tuple[float | None, float | None]:
 def load_tracking(frozen, ckpt: Path):
     """The drafter the run serves at a checkpoint: the version published last, also while its canary has not judged
     it yet (else the last good weights); the trainer's may be newer: updates the publish gate has not passed."""
-    state = load_checkpoint(ckpt / "state.pt")["tracker"]
-    pending = state.get("pending")
+    sets = checkpoint_sets(ckpt)
     tracking = copy.deepcopy(frozen)
-    tracking.load_state_dict(pending["weights"] if pending is not None else state["good_weights"])
+    tracking.load_state_dict(sets["pending"] if sets["pending"] is not None else sets["good_weights"])
     return tracking.eval()
 
 

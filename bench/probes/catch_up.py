@@ -19,16 +19,15 @@ import torch
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2] / "scripts"))
 from bench_tracking import features, rollouts  # noqa: E402
 
-from drafttrain.checkpoint import load_checkpoint  # noqa: E402
 from drafttrain.config import load_recipe, max_draft_len, resolve_path  # noqa: E402
-from drafttrain.drafters import build_drafter  # noqa: E402
+from drafttrain.drafters import TargetHead, build_drafter  # noqa: E402
 from drafttrain.engines import build_engine  # noqa: E402
 from drafttrain.policy import load_policy  # noqa: E402
 from drafttrain.spec import SpecStats  # noqa: E402
-from drafttrain.drafters import TargetHead  # noqa: E402
 from drafttrain.tracking.acceptance import teacher_forced_acceptance  # noqa: E402
 from drafttrain.tracking.buffer import FeatureBuffer, collate  # noqa: E402
 from drafttrain.tracking.trainer import DrafterTrainer  # noqa: E402
+from drafttrain.tracking.weightsets import checkpoint_sets  # noqa: E402
 
 VARIANTS = {"base": {}, "ttt1": {"ttt_steps": 1}, "ttt2": {"ttt_steps": 2}, "ttt5": {"ttt_steps": 5},
             "lr6e-4": {"lr": 6e-4}, "ttt2_lr6e-4": {"ttt_steps": 2, "lr": 6e-4}, "bs8": {"batch_size": 8},
@@ -49,11 +48,12 @@ def main(run: pathlib.Path, seed: int, names: list[str]) -> None:
     frozen = build_drafter(rc.drafter, pol0).eval()
     last = run / "ckpt" / (run / "ckpt" / "latest").read_text().strip()
     policy, _ = load_policy(str(last / "policy"))
+    sets = checkpoint_sets(last)
     served = copy.deepcopy(frozen)
-    served.load_state_dict(load_checkpoint(last / "state.pt")["tracker"]["good_weights"])
+    served.load_state_dict(sets["good_weights"])
     trainer_state = torch.load(last / "trainer.pt", weights_only=False)
     latest = copy.deepcopy(frozen)
-    latest.load_state_dict(trainer_state["drafter"])
+    latest.load_state_dict(sets["trained"])
     ar = build_engine(rc.engine, policy, None)
     p_tr, b_tr = rollouts(ar, tok, 128, 10_000 + seed, rc.sampling.max_new_tokens)
     p_ev, b_ev = rollouts(ar, tok, 96, 20_000 + seed, rc.sampling.max_new_tokens)

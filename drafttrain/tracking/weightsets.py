@@ -5,7 +5,9 @@ train (embeddings): stored() keeps each distinct tensor once (checkpoint.share),
 """
 from __future__ import annotations
 
-from drafttrain.checkpoint import share, unshare
+from pathlib import Path
+
+from drafttrain.checkpoint import load_checkpoint, share, shared_sets, unshare
 
 
 def _sets(state: dict) -> dict:
@@ -30,6 +32,12 @@ def weight_sets(state: dict, shared: dict | None = None) -> dict[str, dict | Non
     """stored()'s sets, each whole (None where absent); a state written before stored() holds whole sets already.
     CheckpointError: it refers to a shared set not given."""
     return unshare(_sets(state), shared, "the drafter tracker's state")
+
+
+def checkpoint_sets(step_dir, policy=None) -> dict[str, dict | None]:
+    """weight_sets of a run folder's checkpoint step_dir (policy: the policy loaded from its policy/, where a set
+    refers to it: a self-drafter's)."""
+    return weight_sets(load_checkpoint(Path(step_dir) / "state.pt")["tracker"], shared_sets(step_dir, policy))
 
 
 def whole(state: dict, shared: dict | None = None) -> dict:

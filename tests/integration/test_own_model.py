@@ -216,6 +216,7 @@ def test_a_fresh_drafter_takes_its_draft_vocabulary_from_the_first_rollouts(own,
     from drafttrain.drafters.speculators import load_drafter
     from drafttrain.export.__main__ import main as export_main
     from drafttrain.rl.job import main
+    from drafttrain.tracking.weightsets import checkpoint_sets
 
     args = keys(own, "drafter.path=null", "drafter.eagle3.draft_vocab_size=24", "rl.prompts_per_step=2",
                 "rl.group_size=2", "rl.eval_prompts=0", "sampling.max_new_tokens=8", "online.budget_frac=0",
@@ -224,12 +225,12 @@ def test_a_fresh_drafter_takes_its_draft_vocabulary_from_the_first_rollouts(own,
     lines = [x for x in capsys.readouterr().out.splitlines() if "draft vocabulary:" in x]
     assert len(lines) == 1 and "24 of the policy's 48 tokens" in lines[0] and "drafter v1" in lines[0], lines
     assert len(recs) == 1 and recs[0]["drafter_version"] >= 1
-    state = torch.load(tmp_path / "run" / "ckpt" / "step-1" / "state.pt", weights_only=False)
-    served = state["tracker"]["good_weights"]
+    sets = checkpoint_sets(tmp_path / "run" / "ckpt" / "step-1")
+    served = sets["good_weights"]
     assert _not_identity(served["d2t"], served["t2d"]) and int(served["t2d"].sum()) == 24
     _, tok = load_policy(str(own / "qwen3"))
     assert bool(served["t2d"][tok.eos_token_id])  # the stop token is always draftable
-    assert torch.equal(state["tracker"]["frozen"]["d2t"], served["d2t"])  # the frozen reference drafts the same map
+    assert torch.equal(sets["frozen"]["d2t"], served["d2t"])  # the frozen reference drafts the same map
     exported = load_drafter(tmp_path / "run" / "export" / "drafter")
     assert torch.equal(exported.d2t, served["d2t"]) and torch.equal(exported.t2d, served["t2d"])
     assert export_main([str(tmp_path / "run"), str(tmp_path / "again")]) == 0

@@ -3,7 +3,6 @@ form it replaced (kept here as the reference), with one chunk or several (checkp
 long row."""
 from __future__ import annotations
 
-import copy
 import functools
 import math
 
