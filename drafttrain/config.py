@@ -94,8 +94,9 @@ class OnlineConfig:
     holdout_frac: float = 0.0625  # share of captured rollouts kept out of training, in [0, 1)
     # capture costs per row (features, buffer): rows never trained on need not be captured
     capture_frac: float = 1.0  # share of the other rollouts captured for training, in (0, 1]
-    # graded: the rows the policy update forwards anyway (nonzero advantage); all: also the others (a no-grad forward)
-    capture_rows: str = "all"  # all | graded (embedded GRPO host; every row at a report step)
+    # graded: the rows the policy update forwards anyway (nonzero advantage); all: also the others, whose no-grad
+    # forward runs for the drafter alone and is paid from its time bank
+    capture_rows: str = "graded"  # graded | all (embedded GRPO host; every row at a measured step, as reporting)
     # a random sample; costs about one policy forward per drafter over them
     measure_rows: int = 32  # rows per RL step of the live/frozen drafter scoring (reporting)
     # reporting, not tracking: at step 0, every measure_every steps and the last; benchmarks needing the series: 1

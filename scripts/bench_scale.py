@@ -14,8 +14,8 @@ Parts, each measurement in a process of its own (its peak memory is its own):
   152k one) on step_rows records of each length, train.max_len off (whole rows) and at its default: ms and the
   step's peak memory above the process's (the kernel's high-water mark, reset before the step).
 - job: the main job AR against tracking (recipe eagle3_track, a fresh drafter, online.budget_frac=0) on a random
-  Qwen3 of the issue's size: peak RSS and wall, at job_rows rows a step (vocabulary 151,936) and at long_rows rows
-  of up to long_tokens tokens (vocabulary 4,096).
+  Qwen3 of hidden size 64: peak RSS and wall, at job_rows rows a step (job_vocab: 151,936) and at long_rows rows of
+  up to long_tokens tokens (long_vocab: 4,096).
 """
 from __future__ import annotations
 
@@ -34,9 +34,10 @@ from drafttrain.config import PROJECT_ROOT, script_config
 from drafttrain.report import format_table, write_json
 
 DEFAULTS = dict(parts=["capture", "step", "job"], vocabs=[32000, 128256, 151936], hiddens=[256, 1024], layers=4,
-                capture_rows=4, capture_len=512, repeats=3, step_vocab=151936, step_hidden=256,
-                step_lens=[1024, 2048, 4096, 8192], step_rows=4, job_rows=[32, 128], job_steps=3, job_new_tokens=64,
-                long_rows=[8], long_tokens=4096, long_steps=2, threads=2, device="cpu", out="bench/scale.json")
+                capture_batch=4, capture_len=512, repeats=3, step_vocab=151936, step_hidden=256,
+                step_lens=[1024, 2048, 4096, 8192], step_rows=4, job_vocab=151936, job_rows=[32, 128], job_steps=3,
+                job_new_tokens=64, long_vocab=4096, long_rows=[8], long_tokens=4096, long_steps=2, threads=2,
+                device="cpu", out="bench/scale.json")
 REWARD = "def has_digit(prompt, response, row):\n    return float(any(c.isdigit() for c in response))\n"
 
 
@@ -211,8 +212,8 @@ def job(root: Path, mode: str, rows: int, steps: int, new_tokens: int, max_len: 
 def job_pairs(cfg, root: Path) -> list[dict]:
     """AR then tracking at each size: tracking's peak and wall over AR's."""
     out = []
-    sizes = [(151936, r, cfg.job_steps, cfg.job_new_tokens) for r in cfg.job_rows]
-    sizes += [(4096, r, cfg.long_steps, cfg.long_tokens) for r in cfg.long_rows]
+    sizes = [(cfg.job_vocab, r, cfg.job_steps, cfg.job_new_tokens) for r in cfg.job_rows]
+    sizes += [(cfg.long_vocab, r, cfg.long_steps, cfg.long_tokens) for r in cfg.long_rows]
     for vocab, rows, steps, new in sizes:
         max_len = new + 128
         w = world(root / f"w{vocab}-{max_len}", vocab, max_len)
@@ -230,7 +231,7 @@ def main(cfg) -> dict:
     res: dict = {"device": cfg.device, "threads": cfg.threads}
     if "capture" in cfg.parts:
         res["capture"] = [{"vocab": v, "hidden": h, **child("capture", dict(
-            vocab=v, hidden=h, layers=cfg.layers, rows=cfg.capture_rows, length=cfg.capture_len,
+            vocab=v, hidden=h, layers=cfg.layers, rows=cfg.capture_batch, length=cfg.capture_len,
             repeats=cfg.repeats, device=cfg.device, threads=cfg.threads))}
             for v in cfg.vocabs for h in cfg.hiddens]
         print(format_table(res["capture"], list(res["capture"][0])), flush=True)

@@ -154,11 +154,15 @@ class GRPO:
                 resp[j, p - 1: p + r - 1] = True
                 old[j, p - 1: p + r - 1] = torch.tensor(ro.logprobs[i])
             starts = torch.tensor([len(ro.prompts[i]) for i in idx])
-            # a micro-batch with no advantage runs only for the tracker: its forward is the tracker's time
+            # a micro-batch with no advantage runs only for the tracker (its forward is the tracker's time), which
+            # reads hidden states alone: no loss to take, and the LM head runs for one position, not the vocabulary
             ctx = (self.tracker.capture(self.policy, response_start=starts, extra=not grad) if reads
                    else contextlib.nullcontext())
             with ctx, torch.set_grad_enabled(grad):
-                logits = self.model(input_ids=ids, attention_mask=mask).logits  # [b, L, V]
+                out = self.model(input_ids=ids, attention_mask=mask, **({} if grad else {"logits_to_keep": 1}))
+            if not grad:
+                continue
+            logits = out.logits  # [b, L, V]
             # the distribution the engine sampled from (its top-k / top-p support too): ratio 1 on fresh rollouts
             logp = processed_logprobs(logits, params)[:, :-1].gather(-1, ids[:, 1:].unsqueeze(-1)).squeeze(-1)
             m = resp[:, :-1]
@@ -168,10 +172,9 @@ class GRPO:
             loss = -(obj * m).sum() / n_tok
             check_finite("loss", loss, ro.step, rl.lr)
             losses += float(loss.detach())
-            if grad:  # clip_frac: the share of the tokens the update learns from whose ratio was clipped
-                loss.backward()
-                clipped += int((((ratio - 1).abs() > rl.clip_eps) & m & (a != 0)).sum())
-                graded += int((m & (a != 0)).sum())
+            loss.backward()  # clip_frac: the share of the tokens the update learns from whose ratio was clipped
+            clipped += int((((ratio - 1).abs() > rl.clip_eps) & m & (a != 0)).sum())
+            graded += int((m & (a != 0)).sum())
         self.average_grads()
         check_finite("gradient norm", torch.nn.utils.clip_grad_norm_(self.policy.parameters(), 1.0), ro.step, rl.lr)
         self.opt.step()

@@ -307,7 +307,7 @@ SMOKE: list[Smoke] = [
     _main_job("auto_track", MAIN, "recipe=auto_track", trainer=False),
     _main_job("module_entry", "python -m drafttrain.online", "recipe=eagle3_track", steps=2),
     _main_job("online_options", MAIN, "recipe=eagle3_track engine.k=auto online.budget_frac=0 online.canary=probe "
-              "online.measure_every=1 rl.eval_decode=ar online.capture_rows=graded train.positions=rejected "
+              "online.measure_every=1 rl.eval_decode=ar online.capture_rows=all train.positions=rejected "
               "train.loss=kl_tv", steps=2),
     _main_job("two_processes", f"{TWO_PROC} drafttrain/online.py", "recipe=eagle3_track", processes=2),
     _main_job("one_process_config", "accelerate launch --config_file recipes/accelerate/one_process.yaml "
@@ -378,6 +378,10 @@ SMOKE: list[Smoke] = [
           "online.canary_max_new_tokens=8]",
           (LossRows("l.json", ("offline_mal_gain_pct", "online_mal_gain_pct", "best_tracking_over_oracle",
                                "step_cost_ratio"), ("rows", "per_seed", "summary")),)),
+    Smoke("bench_scale", "python scripts/bench_scale.py parts=[capture,step,job] vocabs=[512] hiddens=[64] "
+          "capture_batch=2 capture_len=16 step_vocab=512 step_hidden=64 step_lens=[32] step_rows=2 job_vocab=512 "
+          "job_rows=[8] job_steps=1 job_new_tokens=8 long_rows=[] repeats=1 threads=1 out={tmp}/s.json",
+          (Json("s.json", (), ("capture", "step", "job")),)),
     Smoke("bench_e2e", "python scripts/bench_e2e.py seeds=[0] arms=[ar,tracking] run_dir={tmp}/run out={tmp}/e.json "
           "plot={tmp}/e.png overrides=[rl.steps=2,rl.prompts_per_step=2,rl.group_size=2,sampling.max_new_tokens=16,"
           "rl.eval_prompts=4,online.canary_max_new_tokens=8]",

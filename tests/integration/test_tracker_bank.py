@@ -175,6 +175,34 @@ def test_capture_time_is_charged_to_the_time_bank(trained, monkeypatch):
     assert tracker.bank.bank_s == pytest.approx(0.0485 - 0.03 - 0.02)
 
 
+@pytest.mark.parametrize("capture_rows", ["all", "graded"])
+def test_a_forward_run_only_for_the_tracker_is_not_rl_time(trained, monkeypatch, capture_rows):
+    """The loss forward of rows with no advantage runs only because the tracker reads them (capture(extra=True)):
+    its 0.4 s is drafter work where the drafter trains on such rows (online.capture_rows=all: paid from the bank),
+    reporting where it is only scored (graded, at a measured step); RL time in neither. It was RL time, so it earned
+    budget instead of spending it."""
+    clock = fake_clock(monkeypatch)
+    tracker = banked_tracker(trained, monkeypatch, clock, f"online.capture_rows={capture_rows}")
+    tracker._last_update_t = 0.0
+    clock[0] += 1.0
+    seqs = [p + [5, 6, 7, 8] for p in trained["prompts"][:2]]
+    ids = torch.tensor([s_[:min(map(len, seqs))] for s_ in seqs])
+    with tracker.capture(trained["policy"], response_start=ids.shape[1] - 4, extra=True):
+        trained["policy"](input_ids=ids)
+        clock[0] += 0.4
+    drafter_work = capture_rows == "all"
+    assert tracker._capture_s == pytest.approx(0.4 if drafter_work else 0.0)
+    assert tracker._measure_s == pytest.approx(0.0 if drafter_work else 0.4)
+    out = tracker.on_policy_update(trained["policy"], 0)
+    assert out["capture_s"] == pytest.approx(0.4 if drafter_work else 0.0)
+    earned = 0.05 * 1.0 - (0.4 if drafter_work else 0.0)  # 1.4 s passed, 1 s of it RL time
+    assert out["drafter_steps"] == (0 if drafter_work else 1)  # in debt: no step; else one batch (5 ms a record)
+    if drafter_work:
+        assert tracker.bank.bank_s == pytest.approx(earned)
+    else:  # the batch it took (2 or 4 records) paid from what it earned
+        assert earned - tracker.bank.bank_s in (pytest.approx(0.01), pytest.approx(0.02))
+
+
 def test_measure_time_earns_the_time_bank_nothing(trained, monkeypatch):
     """Scoring the live and frozen drafters (measure, every RL step) is reporting, not RL time: 1 s of RL and 0.6 s
     of measure earn 0.05 x 1 s (50 ms: the first update's batch, 20 ms, leaves 30 ms), not 0.05 x 1.6 s. It took

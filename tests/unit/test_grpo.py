@@ -103,15 +103,16 @@ class _Reader:
     """A tracker stand-in that reads the rows of the steps in `steps` (and records the capture blocks)."""
 
     def __init__(self, steps, ungraded=True):
-        self.steps, self.ungraded, self.captured = steps, ungraded, 0
+        self.steps, self.ungraded, self.captured, self.extra = steps, ungraded, 0, []
 
     def reads_rows(self, step, last=False, ungraded=False):
         return step in self.steps and (self.ungraded or not ungraded)
 
-    def capture(self, policy, response_start=None):
+    def capture(self, policy, response_start=None, extra=False):
         import contextlib
 
         self.captured += 1
+        self.extra.append(extra)
         return contextlib.nullcontext()
 
 
@@ -133,6 +134,8 @@ def test_zero_advantage_rows_are_forwarded_only_where_the_tracker_reads_them(set
         grpo.opt.zero_grad(set_to_none=True)
     assert rows == ([True, True, False, False] if ungraded else [True, True])
     assert reader.captured == (4 if ungraded else 2 if reads else 0)  # no capture hooks where nobody reads the rows
+    # the zero-advantage forwards run for the tracker alone: their time is the tracker's, not RL time
+    assert reader.extra == ([False, False, True, True] if ungraded else [False, False] if reads else [])
 
 
 def test_evaluate_scores_fixed_held_out_problems(setup):
@@ -271,7 +274,7 @@ def test_the_live_frozen_scoring_runs_at_its_cadence_and_a_frozen_drafter_reads_
 
     torch.manual_seed(0)
     policy = build_policy({**TINY, "num_hidden_layers": 4}).eval()
-    cfg = load_recipe(recipe, ["drafter.path=null", "online.measure_every=3"])
+    cfg = load_recipe(recipe, ["drafter.path=null", "online.measure_every=3", "online.capture_rows=all"])
     drafter = build_drafter(cfg.drafter, policy)
     tracker = DraftTracker(cfg, policy, [build_engine(cfg.engine, policy, drafter)], drafter)
     assert [s for s in range(8) if tracker.scorer.due(s)] == [0, 3, 6]
