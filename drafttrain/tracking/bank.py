@@ -15,14 +15,15 @@ MARGIN = 1.25
 STARVED = 10  # updates in a row the bank could not pay for before one line says so
 
 
-def padded_tokens(group: list[dict]) -> int:
-    """Positions a collated batch of these records computes: rows x the longest record."""
-    return len(group) * max(r["aux"].shape[0] for r in group)
+def padded_tokens(group: list[dict], max_len: int | None = None) -> int:
+    """Positions a collated batch of these records computes: rows x the longest record, each cut to max_len (a longer
+    record trains on a window of that many: train.max_len)."""
+    return len(group) * min(max(r["aux"].shape[0] for r in group), max_len or float("inf"))
 
 
 class TimeBank:
-    def __init__(self, budget_frac: float, time_budget_s: float):
-        self.frac, self.cap_s = budget_frac, time_budget_s
+    def __init__(self, budget_frac: float, time_budget_s: float, max_len: int | None = None):
+        self.frac, self.cap_s, self.max_len = budget_frac, time_budget_s, max_len
         self.bank_s = 0.0  # drafter time earned minus drafter time spent
         self.tok_cost_s: float | None = None  # moving average of a drafter step's seconds per padded token
         self.fixed_cost_s: float | None = None  # moving average of an update's estimate + publish
@@ -60,7 +61,7 @@ class TimeBank:
             return group
         per_row = MARGIN * self.tok_cost_s
         n = 0
-        while n < len(group) and per_row * (n + 1) * group[n]["aux"].shape[0] <= allowance:
+        while n < len(group) and per_row * padded_tokens(group[:n + 1], self.max_len) <= allowance:
             n += 1
         return group[:n] if n else None
 
@@ -69,10 +70,10 @@ class TimeBank:
         measured yet: True."""
         if self.tok_cost_s is None:
             return True
-        return MARGIN * self.tok_cost_s * sum(padded_tokens(g) for g in groups) <= allowance
+        return MARGIN * self.tok_cost_s * sum(padded_tokens(g, self.max_len) for g in groups) <= allowance
 
     def step_took(self, seconds: float, group: list[dict]) -> None:
-        per_tok = seconds / padded_tokens(group)
+        per_tok = seconds / padded_tokens(group, self.max_len)
         self.tok_cost_s = per_tok if self.tok_cost_s is None else 0.8 * self.tok_cost_s + 0.2 * per_tok
 
     def fixed_took(self, seconds: float) -> None:
@@ -99,7 +100,7 @@ class TimeBank:
         recs = [r for g in groups for r in g]
         if self.tok_cost_s is None or not recs:
             return None
-        return self.tok_cost_s * min(r["aux"].shape[0] for r in recs)
+        return self.tok_cost_s * min(min(r["aux"].shape[0] for r in recs), self.max_len or float("inf"))
 
     def state_dict(self) -> dict:
         # the cost predictions too: a resumed run that forgot them would overspend its first update

@@ -65,7 +65,7 @@ class DraftTracker:
         # several processes: canary verdicts on what every process saw, alike everywhere
         pool = self.collective.sum if self.collective.n > 1 else None
         self.publisher = Publisher(self.engines, self.drafter.state_dict(), cfg.online, log, tag=0, pool=pool)
-        self.bank = TimeBank(cfg.online.budget_frac, cfg.online.time_budget_s)
+        self.bank = TimeBank(cfg.online.budget_frac, cfg.online.time_budget_s, self.max_len)
         self._gen = {name: torch.Generator().manual_seed(cfg.run.seed + 11 + i)  # the row draws, resumable
                      for i, name in enumerate(("estimate", "measure", "holdout", "capture"))}
         self.scorer = Scorer(cfg.online, cfg.engine, self.drafter, self.publisher, self.steps, self._gen)

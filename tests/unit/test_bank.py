@@ -104,3 +104,16 @@ def test_a_drafter_step_above_the_cap_is_named_as_the_reason():
         bank.earn(rl_s=100.0, capture_s=0.0)
         line = bank.fed(False, bank.one_record_s([_group(100, 120)])) or line
     assert line and "one record costs ~2.00 s" in line and "online.time_budget_s=1" in line
+
+
+def test_a_record_past_train_max_len_costs_its_window():
+    """A drafter step trains a record longer than train.max_len on a window of that many positions: the bank prices
+    it so (it priced the whole record, 4x a 4k window for a 16k row, and bought a quarter of the steps it could)."""
+    bank = TimeBank(0.05, 100.0, max_len=4096)
+    assert padded_tokens(_group(16384, 100), 4096) == 2 * 4096 and padded_tokens(_group(16384, 100)) == 2 * 16384
+    bank.step_took(8.192, _group(16384, 16384))  # two windows of 4,096 positions: 1 ms a position
+    assert bank.tok_cost_s == pytest.approx(0.001)
+    per = MARGIN * 0.001
+    two = _group(16384, 20000, 30000)
+    assert len(bank.fit(two, per * 2 * 4096)) == 2 and len(bank.fit(two, per * 3 * 4096)) == 3
+    assert bank.fit(_group(16384), per * 4096 - 1e-9) is None
