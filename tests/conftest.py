@@ -24,6 +24,25 @@ def tiny_policy(vocab=32, hidden=64, layers=4, heads=4, kv_heads=2, inter=128, m
     return m
 
 
+def qwen3_world(root, vocab: int, rows: int, chat_template: str | None = None, policy_dir: str = "qwen3"):
+    """A user's world in `root`: a tiny random Qwen3 of `vocab` tokens saved with the shipped tokenizer (its stop and
+    start tokens; a chat template if given) at root/policy_dir, and `rows` prompts in root/prompts.jsonl (columns
+    question, answer). Returns root."""
+    import json
+
+    from drafttrain.policy import build_tokenizer, save_policy
+
+    tok = build_tokenizer()
+    tok.chat_template = chat_template
+    pol = tiny_policy(vocab=vocab, hidden=64, layers=4, heads=4, kv_heads=2, inter=128, max_pos=256, family="qwen3")
+    pol.config.bos_token_id, pol.config.eos_token_id = tok.bos_token_id, tok.eos_token_id
+    pol.generation_config.eos_token_id = tok.eos_token_id
+    save_policy(pol, tok, str(root / policy_dir))
+    lines = [{"question": f"Q:{i:02d}*{1 + i % 4}=", "answer": str(i)} for i in range(rows)]
+    (root / "prompts.jsonl").write_text("\n".join(json.dumps(r) for r in lines) + "\n")
+    return root
+
+
 def dense_targets(probs: torch.Tensor):
     """Targets whose distributions are the given ones [B, N, V] (no zeros): hidden = log p under an identity head,
     so softmax(head . hidden) = p. For tests that pick the policy's distributions by hand."""

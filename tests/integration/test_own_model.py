@@ -12,9 +12,9 @@ import pytest
 from drafttrain.config import ConfigError, load_recipe
 from drafttrain.data import HOLDOUT_SEED, Prompts, RewardError, stop_ids
 from drafttrain.drafters import Reads
-from drafttrain.policy import build_tokenizer, load_policy, save_policy
+from drafttrain.policy import load_policy
 from tests import own_reward
-from tests.conftest import load_script, tiny_policy
+from tests.conftest import load_script, qwen3_world
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 # ends every chat prompt with "A": a prompt encoded through the template is told apart from a plain one
@@ -24,16 +24,7 @@ TEMPLATE = ("{{ bos_token }}{% for m in messages %}{{ m['content'] }}{% endfor %
 
 @pytest.fixture(scope="module")
 def own(tmp_path_factory):
-    root = tmp_path_factory.mktemp("own")
-    tok = build_tokenizer()
-    tok.chat_template = TEMPLATE
-    pol = tiny_policy(vocab=48, hidden=64, layers=4, heads=4, kv_heads=2, inter=128, max_pos=256, family="qwen3")
-    pol.config.bos_token_id, pol.config.eos_token_id = tok.bos_token_id, tok.eos_token_id
-    pol.generation_config.eos_token_id = tok.eos_token_id
-    save_policy(pol, tok, str(root / "qwen3"))
-    rows = [{"question": f"Q:{i:02d}*{1 + i % 4}=", "answer": str(i)} for i in range(40)]
-    (root / "prompts.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
-    return root
+    return qwen3_world(tmp_path_factory.mktemp("own"), vocab=48, rows=40, chat_template=TEMPLATE)
 
 
 def keys(own, *extra):

@@ -4,7 +4,6 @@ drafter drafts over a 32,000-token draft vocabulary chosen from the policy's rol
 captured."""
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -13,7 +12,7 @@ import pytest
 import torch
 
 from drafttrain.config import PROJECT_ROOT
-from tests.conftest import tiny_policy
+from tests.conftest import qwen3_world
 
 pytestmark = pytest.mark.slow
 
@@ -25,17 +24,7 @@ PEAK_MB = 2600
 
 @pytest.fixture(scope="module")
 def world(tmp_path_factory):
-    from drafttrain.policy import build_tokenizer, save_policy
-
-    root = tmp_path_factory.mktemp("qwen3_152k")
-    tok = build_tokenizer()
-    pol = tiny_policy(vocab=V, hidden=64, layers=4, heads=4, kv_heads=2, inter=128, max_pos=256, family="qwen3")
-    pol.config.bos_token_id, pol.config.eos_token_id = tok.bos_token_id, tok.eos_token_id
-    pol.generation_config.eos_token_id = tok.eos_token_id
-    save_policy(pol, tok, str(root / "policy"))
-    rows = [{"question": f"Q:{i:02d}*{1 + i % 4}=", "answer": str(i)} for i in range(64)]
-    (root / "prompts.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
-    return root
+    return qwen3_world(tmp_path_factory.mktemp("qwen3_152k"), vocab=V, rows=64, policy_dir="policy")
 
 
 def run_job(world, out, *keys) -> tuple[float, str]:
