@@ -6,7 +6,7 @@ holds out (the estimate's, the publish gate's and the canary's reference) and th
     batch = buf.sample(16)                # padded float32 batch of training records (held-out ones never drawn)
     groups = buf.sample_groups(16, 8)     # 8 groups of 16 similar-length records (less padding) ...
     batch = collate(groups[0], buf.steps)  # ... each collated as sample() returns it, when it is used
-    buf.of_version(v); buf.heldout(n)      # a policy version's records; the newest n held-out ones
+    buf.of_version(v)                      # a policy version's records, in the order they came
 
 A record is one row of build_features trimmed to its length L: aux [L, X] (what the drafter reads) and hidden [L, H]
 (the policy's final hidden state: its targets, recomputed with the LM head when read) in reduced precision, the
@@ -100,16 +100,6 @@ class FeatureBuffer:
     def of_version(self, version: int) -> list[dict]:
         """The records of one policy version, in the order they came."""
         return [r for r in self.records if r["version"] == version]
-
-    def heldout(self, n: int) -> list[dict]:
-        """The newest n held-out records, newest first."""
-        out = []
-        for r in reversed(self.records):
-            if r["heldout"]:
-                out.append(r)
-                if len(out) == n:
-                    break
-        return out
 
     def notes(self, version: int, step=None) -> list[str]:
         """One line for each way the buffer could not keep what was captured at policy `version` (since the last

@@ -87,14 +87,20 @@ class Scorer:
         st = SpecStats(verify_rows=float(steps[ok].sum()), emitted=float((mal[ok] * steps[ok]).sum()))
         return {"mal": st.mean_accepted_length if st.verify_rows else 1.0, "stats": st, "row_mal": mal}
 
+    def keep_heldout(self, buffer, version: int) -> None:
+        """Policy `version`'s rows held out of training join the estimate's rows (flagged in the buffer): the most
+        recent, over the last steps, up to online.estimate_rows, a random sample of one step's where it holds more
+        (its last rows are the loss forward's last micro-batches: the longest)."""
+        held = [r for r in buffer.of_version(version) if r["heldout"]]
+        for r in sample(held, self.online.estimate_rows, self.gen["estimate"]):
+            r["estimate"] = True
+
     def estimate_records(self, buffer, version: int) -> list[dict]:
-        """The records the estimate and the gate score: the newest online.estimate_rows held out of training (over
-        the last steps); with none held out (online.holdout_frac=0), a sample of policy `version`'s, which the
-        update trained on. []: none at all."""
-        held = buffer.heldout(self.online.estimate_rows)
-        if held:
-            return held
-        return sample(buffer.of_version(version), self.online.estimate_rows, self.gen["estimate"])
+        """The records the estimate and the gate score: keep_heldout's newest online.estimate_rows; with none held out
+        (online.holdout_frac=0), a sample of policy `version`'s, which the update trained on. []: none at all."""
+        n = self.online.estimate_rows
+        held = [r for r in reversed(buffer.records) if r.get("estimate")][:n]
+        return held or sample(buffer.of_version(version), n, self.gen["estimate"])
 
     def due(self, step: int | None, last: bool = False) -> bool:
         """measure() scores at step 0, every online.measure_every steps and the last (step None: always)."""

@@ -185,6 +185,7 @@ class DraftTracker:
             return self._requantize(policy)
         if not self.cfg.online.track or not self.learns:
             return self._idle()
+        self.scorer.keep_heldout(self.buffer, self._trained_version)  # before any idle return: a skipped update too
         # every go/no-go before a drafter step is agreed by all processes. This first one also lines them up: the
         # wait here for a slower process is RL time, so every process earns the same bank
         if not self.collective.everywhere(self.buffer.trainable() > 0):  # no update
@@ -354,9 +355,8 @@ class DraftTracker:
     def measure(self, k: int | None = None, step: int | None = None, last: bool = False) -> dict:
         """Teacher-forced acceptance of the live (served) and the frozen step-0 drafter on the rollouts captured since
         the last on_policy_update (the buffer's records of this policy version; call it before on_policy_update:
-        live is then the drafter that generated them),
-        at the steps Scorer.due names (the keys with None at the others). Its time (measure_s) is reporting: the
-        time bank counts it neither as RL time nor as drafter work."""
+        live is then the drafter that generated them), at the steps Scorer.due names (the keys with None at the
+        others). Its time (measure_s) is reporting: the time bank counts it neither as RL time nor as drafter work."""
         if not self.learns or not self.scorer.due(step, last):  # the same keys all the same
             return {"live_tf_mal": None, "live_tf_acc_pos": None, "frozen_tf_mal": None, "frozen_tf_acc_pos": None,
                     "policy_minus_drafter_version": self.drafter_lag, "measure_s": 0.0}

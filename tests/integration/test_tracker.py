@@ -148,8 +148,8 @@ def test_measure_scores_the_served_drafter_on_the_gates_rows_for_it(trained, mon
     monkeypatch.setattr(scoring, "teacher_forced_acceptance", spy)
     out = tracker.on_policy_update(policy, 0)
     assert scored == [(False, held)] and out["gate_rows"] == held
-    fresh = teacher_forced_acceptance(serving, collate(tracker.buffer.heldout(64), tracker.steps), tracker.steps,
-                                      tracker.head)["mal"]
+    rows = collate(tracker.scorer.estimate_records(tracker.buffer, 0), tracker.steps)
+    fresh = teacher_forced_acceptance(serving, rows, tracker.steps, tracker.head)["mal"]
     assert out["serving_mal"] == pytest.approx(fresh, rel=1e-5)
 
 
@@ -183,6 +183,26 @@ def test_the_estimate_scores_rollouts_held_out_of_training(trained, monkeypatch)
     assert out["expected_mal"] is not None and scored and set(scored) <= held_aux
 
 
+def test_the_estimate_takes_a_random_sample_of_a_steps_held_out_rows(trained):
+    """online.estimate_rows of a step's held-out rows, drawn at random among them: the newest (the loss forward's last
+    micro-batches, its longest rows) were the estimate's rows every time, a biased gate."""
+    tracker, _ = tracker_with_features(trained, engine_for(trained), "online.holdout_frac=0.5",
+                                        "online.estimate_rows=2")
+    _capture_with_held_out_rows(tracker, trained)
+    held = [r for r in tracker.buffer.records if r["heldout"]]
+    assert len(held) >= 4
+    chosen = []
+    for _ in range(30):
+        for r in held:
+            r.pop("estimate", None)
+        tracker.scorer.keep_heldout(tracker.buffer, 0)
+        got = tracker.scorer.estimate_records(tracker.buffer, 0)
+        assert len(got) == 2 and all(r["heldout"] for r in got)
+        chosen.append({next(i for i, h in enumerate(held) if h is r) for r in got})
+    assert set().union(*chosen) == set(range(len(held)))  # every held-out row drawn at some point
+    assert len({frozenset(c) for c in chosen}) > 3
+
+
 def test_a_resumed_tracker_estimates_on_the_held_out_rows_it_had(trained, tmp_path):
     """The estimate's (and the publish gate's) held-out rows span the last steps: a tracker resumed from a checkpoint
     scores its next update on the rows the one that ran on does. They were not saved: after a resume the run's
@@ -193,7 +213,7 @@ def test_a_resumed_tracker_estimates_on_the_held_out_rows_it_had(trained, tmp_pa
     policy = trained["policy"]
     a, _ = tracker_with_features(trained, engine_for(trained), "online.holdout_frac=0.5")
     a.on_policy_update(policy, 0)
-    assert a.buffer.heldout(8)
+    assert any(r.get("estimate") for r in a.buffer.records)
     state = a.state_dict()
     a.save_training(tmp_path)
     b = DraftTracker(a.cfg, policy, [engine_for(trained)], build_drafter(a.cfg.drafter, policy), log=lambda m: None)
