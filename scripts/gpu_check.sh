@@ -21,8 +21,7 @@ step install 240 python -m pip install -q -c constraints.txt -e ".[test]" "vllm=
 step contract 180 python -m pytest -q -x -m vllm tests/test_contract.py
 step bench_rollout 120 python scripts/bench_rollout.py vllm=true "out=$TMP/rollout.json"
 step decode_8b 180 python scripts/gpu_check.py model=8b backend=vllm "out=$TMP/decode_8b.json"
-step bench_scale 150 python scripts/bench_scale.py parts=[capture,step] device=cuda vocabs=[151936] \
-    hiddens=[1024,4096] step_hidden=1024 threads=8 "out=$TMP/scale.json"
+step bench_scale 150 python scripts/bench_scale.py parts=[capture,step] device=cuda vocabs=[151936] hiddens=[1024,4096] step_hidden=1024 threads=8 "out=$TMP/scale.json"
 python - "$TMP" "$OUT" <<'PY'
 import json, sys
 from pathlib import Path
