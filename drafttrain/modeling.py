@@ -332,7 +332,16 @@ class LeanLlama:
         return KVCache(self.n_layers, batch, self.n_kv, length, self.head_dim)
 
     @torch.no_grad()
-    def forward(self, tokens: torch.Tensor, pos0: torch.Tensor, cache: KVCache, aux_ids=(), final: bool = False):
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        """The LM head on hidden states from forward(..., head=False): [..., hidden] -> [..., V]."""
+        return linear(h, self.head)
+
+    @torch.no_grad()
+    def forward(self, tokens: torch.Tensor, pos0: torch.Tensor, cache: KVCache, aux_ids=(), final: bool = False,
+                head: bool = True):
+        """(logits [B, m, V], the aux states or None). head=False: the normed hidden states [B, m, hidden] in place
+        of the logits, for the caller to run `logits` on the positions and rows it reads (at a real vocabulary the
+        prefill's [B, P, V] and a verify's [B, k+1, V] are GBs)."""
         B, m = tokens.shape
         H, Hkv, D = self.n_heads, self.n_kv, self.head_dim
         pos = pos0.view(B, 1) + torch.arange(m).view(1, m) if m > 1 else pos0.view(B, 1)  # [B, m]
@@ -360,7 +369,8 @@ class LeanLlama:
             x = x + linear(o, w["o"])
             g, u = linear(self._norm(x, w, "ln2"), w["gate_up"]).chunk(2, dim=-1)
             x = x + linear(F.silu(g) * u, w["down"])
-        logits = linear(self._norm(x, self.weights, "norm"), self.head)  # [B, m, V]
+        h = self._norm(x, self.weights, "norm")
+        logits = linear(h, self.head) if head else h  # [B, m, V]
         if aux_ids and len(aux) != len(aux_ids):
             raise ValueError(f"aux_layer_ids {list(aux_ids)} must be distinct layers in [0, {self.n_layers - 1}]")
         if final:  # the final hidden state, after the final norm (an MTP head's input)

@@ -19,7 +19,7 @@ import hashlib
 
 import torch
 
-CHUNK = 1 << 24  # elements of one [rows, positions, V] block of logits: 64 MB in fp32
+from drafttrain.spec.sampling import CHUNK  # elements of one [rows, positions, V] block of logits: 64 MB in fp32
 
 
 def position_chunk(rows: int, width: int) -> int:

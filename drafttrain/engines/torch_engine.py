@@ -26,6 +26,7 @@ from drafttrain.engines.chooser import ChooserController
 from drafttrain.engines.schedule import SpecController
 from drafttrain.modeling import LeanLlama, keep_order, share_prompts
 from drafttrain.spec import SamplingParams, SpecStats, processed_probs, rejection_sample, sample
+from drafttrain.spec.sampling import CHUNK
 
 
 class TorchEngine:
@@ -220,15 +221,16 @@ class _Wave:
         self.dstate = self.drafter.new_state(B, L, tokens) if self.drafter is not None else None
         U = B - len(src)  # distinct prompts: the prefill runs on these rows only
         head = self.cache.head(U) if src else self.cache
-        logits, aux = eng.lean.forward(tokens[:U], torch.zeros(U, dtype=torch.long), head, self.aux_ids, self.final)
+        h, aux = eng.lean.forward(tokens[:U], torch.zeros(U, dtype=torch.long), head, self.aux_ids, self.final,
+                                  head=False)  # [U, P, hidden]: the head runs on the last positions alone
         rows = from_prefill = torch.arange(B)  # the prefill row each row reads
         if src:
             self.cache.fill_rows(head, torch.tensor(src))
             from_prefill = torch.cat([torch.arange(U), torch.tensor(src)])
             aux = None if aux is None else aux[from_prefill]
-        logits = logits[from_prefill, lens - 1].unsqueeze(1)  # [B, 1, V]
+        h = h[from_prefill, lens - 1].unsqueeze(1)  # [B, 1, hidden]: the last prompt position's
         empty = torch.zeros(B, 0, dtype=torch.long)
-        self.out, self.n, self.lp = sample_step(logits, None, empty, self.params, self.gen)
+        self.out, self.n, self.lp = sample_step(h, None, empty, self.params, self.gen, eng.lean)
         # drafter inputs: position t of the prompt pairs aux_t with token_{t+1}; the last one is the sampled token
         nxt = torch.cat([tokens[:, 1:], tokens.new_zeros(B, 1)], 1)
         nxt[rows, lens - 1] = self.out[:, 0]
@@ -319,8 +321,8 @@ class _Wave:
         """The policy's forward on [last token, drafts] and rejection sampling: what the next commit appends."""
         inp = torch.cat([self.last.view(Bn, 1), d], 1) if self.k > 0 else self.last.view(Bn, 1)  # [B, k+1]
         extra = (self.aux_ids, self.final) if self.k_max > 0 else ()
-        logits, aux_v = self.engine.lean.forward(inp, self.pos, self.cache, *extra)
-        out, n, self.lp = sample_step(logits, q, d, self.params, self.gen)
+        h, aux_v = self.engine.lean.forward(inp, self.pos, self.cache, *extra, head=False)
+        out, n, self.lp = sample_step(h, q, d, self.params, self.gen, self.engine.lean)
         if self.drafter is not None:  # AR steps (toggle off) accumulate; the next SD step catches up in one pass
             self.pend.append(out.clamp_min(0), aux_v, n + 1, self.pos)
         self.out, self.n = out, n
@@ -337,16 +339,29 @@ class _Wave:
                             self.versions, timeline)
 
 
-def sample_step(logits, q, d, params, gen):
-    """logits [B, k+1, V] -> (tokens [B, k+1], num_accepted [B], log-probs [B, k+1] of those tokens)."""
-    if not torch.isfinite(logits).all():
+def sample_step(h, q, d, params, gen, lean=None):
+    """The policy's normed hidden states h [B, k+1, hidden] and its LeanLlama (None: h are the logits [B, k+1, V])
+    -> (tokens [B, k+1], num_accepted [B], log-probs [B, k+1] of those tokens). Runs in chunks of rows whose
+    [rows, k+1, V] logits stay within CHUNK elements, each chunk's head, probs and sampling in turn: at a real
+    vocabulary a whole step's logits, probs and their temporaries took GBs at 128 rows."""
+    B, k1 = h.shape[:2]
+    rows = max(1, CHUNK // (k1 * (h.shape[-1] if lean is None else lean.vocab_size)))
+    parts = [sample_rows(h[i:i + rows] if lean is None else lean.logits(h[i:i + rows]),
+                         None if q is None else q[i:i + rows], d[i:i + rows], params, gen) for i in range(0, B, rows)]
+    return parts[0] if len(parts) == 1 else tuple(torch.cat(x) for x in zip(*parts))
+
+
+def sample_rows(logits, q, d, params, gen):
+    """sample_step on logits [b, k+1, V] of some rows."""
+    # the sum first (one reduction): isfinite().all() makes a float and three bool copies of [b, k+1, V]
+    if not torch.isfinite(logits.sum()) and not torch.isfinite(logits).all():
         raise FloatingPointError("generate: the policy produced NaN/inf logits (check the policy weights)")
-    p = processed_probs(logits, params)  # [B, k+1, V]
+    p = processed_probs(logits, params)  # [b, k+1, V]
     if d.shape[1] == 0:  # an AR step: plain sampling (what rejection_sample does at k = 0, with fewer ops)
         out = sample(p[:, 0], gen).unsqueeze(-1)
         return out, out.new_zeros(out.shape[0]), p[:, 0].gather(-1, out).log()
     out, n = rejection_sample(p, q, d, gen)
-    lp = p.gather(-1, out.clamp_min(0).unsqueeze(-1)).squeeze(-1).log()  # [B, k+1]
+    lp = p.gather(-1, out.clamp_min(0).unsqueeze(-1)).squeeze(-1).log()  # [b, k+1]
     return out, n, lp
 
 

@@ -44,6 +44,11 @@ class SamplingParams:
         return self.temperature == 0.0
 
 
+# elements of one vocabulary-wide block (rows x positions x V) that SD and the drafter targets handle at once: 64 MB
+# in fp32. At a real vocabulary a decode step's [B, k+1, V] tensors pass it from about 18 rows (V = 151,936, k = 5)
+CHUNK = 1 << 24
+
+
 def processed_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """logits[..., V] -> probs[..., V] (float32): temperature, then top-k, then top-p."""
     logits = logits.float()
@@ -103,14 +108,20 @@ def draft_chain(logits: torch.Tensor, step, k: int, params: SamplingParams, gree
                 generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """A drafter's k chained draws. logits [B, V] give draw 0; step(d [B], i) feeds draw i and returns the logits
     [B, V] of draw i + 1. Greedy: argmax drafts, no probs. Sampled: drafts from processed_probs with their probs,
-    the k draws' race noise taken in one call. Returns (drafts [B, k], probs [B, k, V] or None)."""
-    noise = None if greedy else race_noise((k, *logits.shape), generator)
-    toks, qs = [], []
+    the k draws' race noise taken in one call (each draw's own where the k of them would pass CHUNK elements: at a
+    real vocabulary and batch, k x [B, V] of noise is hundreds of MB). Returns (drafts [B, k], probs [B, k, V] or
+    None), the probs written in place (no stacked copy)."""
+    B, V = logits.shape
+    one_call = not greedy and k * B * V <= CHUNK
+    noise = race_noise((k, B, V), generator) if one_call else None
+    toks, qs = [], None if greedy else logits.new_empty((B, k, V), dtype=torch.float32)
     for i in range(k):
         q = processed_probs(logits, params)  # [B, V]
-        d = q.argmax(-1) if greedy else sample(q, noise=noise[i])
+        d = q.argmax(-1) if greedy else sample(q, generator, noise[i] if one_call else None)
         toks.append(d)
-        qs.append(q)
+        if qs is not None:
+            qs[:, i] = q
+        del q
         if i + 1 < k:
             logits = step(d, i)
-    return torch.stack(toks, 1), (None if greedy else torch.stack(qs, 1))
+    return torch.stack(toks, 1), qs
