@@ -5,6 +5,8 @@ Prints a table per part and writes bench/scale.json.
     python scripts/bench_scale.py parts=[capture,step]             # the minute-scale parts alone
     python scripts/bench_scale.py parts=[job] job_rows=[32]        # one of the main-job comparisons
 
+A run keeps, from an existing out file, the parts it does not run (`runs` gives each part's settings and start).
+
 Parts, each measurement in a process of its own (its peak memory is its own):
 - capture: one policy forward with autograd on (as the RL loss forward runs), with and without the tracker's capture
   (the hooks, build_features, the buffer's copies of every row), interleaved, medians: capture ms per token against
@@ -230,8 +232,14 @@ def job_pairs(cfg, root: Path) -> list[dict]:
 
 
 def main(cfg) -> dict:
+    """Runs cfg.parts; the parts it does not run are kept from an existing out file (each part's settings under
+    `runs`), so that one part can be measured again without the hour of the others."""
     torch.set_num_threads(cfg.threads)
-    res: dict = {"device": cfg.device, "threads": cfg.threads}
+    old = json.loads(Path(cfg.out).read_text()) if Path(cfg.out).is_file() else {}
+    res: dict = {"device": cfg.device, "runs": {p: r for p, r in old.get("runs", {}).items() if p not in cfg.parts}}
+    res.update({p: old[p] for p in res["runs"] if p in old})
+    for p in cfg.parts:
+        res["runs"][p] = {"threads": cfg.threads, "device": cfg.device, "started": time.strftime("%Y-%m-%d %H:%M")}
     if "capture" in cfg.parts:
         res["capture"] = [{"vocab": v, "hidden": h, **child("capture", dict(
             vocab=v, hidden=h, layers=cfg.layers, rows=cfg.capture_batch, length=cfg.capture_len,
