@@ -27,6 +27,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from drafttrain import drafter_config
 from drafttrain.drafter_config import DrafterConfig, drafter_checks
+from drafttrain.device import valid_spec
 from drafttrain.drafters.base import DRAFTERS
 from drafttrain.paths import PROJECT_ROOT, SHIPPED, resolve_path  # noqa: F401 (re-exported)
 from drafttrain.train_config import TrainConfig, train_checks
@@ -75,6 +76,8 @@ class OnlineConfig:
     track: bool = True  # false: the drafter is never updated (the frozen baseline)
     mode: str = "sync"  # sync: train between RL steps | async: train in the background during rollouts
     buffer_mb: float = 64.0  # feature buffer cap (reduced precision)
+    # cpu: host memory (pinned on a GPU run, copied to the device without blocking); device: run.device's memory
+    buffer_device: str = "cpu"  # cpu | device: where the feature buffer's records live
     # draws favour recent policies: a record v policy versions older than the newest weighs 0.5^(v / half_life)
     buffer_half_life: Optional[float] = 2.0  # in policy versions; null = uniform draws
     steps_per_update: int = 16  # at most this many drafter optimizer steps per RL step
@@ -152,6 +155,8 @@ class RewardConfig:
 class RunConfig:
     out_dir: str = "runs/${recipe}"  # where the run writes; a rerun into it resumes
     seed: int = 0  # torch seed (+ process index)
+    # auto: cuda (each process its local GPU) when torch sees one, else cpu; every model, buffer and cache lives there
+    device: str = "auto"  # auto | cpu | cuda | cuda:N
     resume: bool = True  # continue from out_dir's checkpoint when there is one
     tensorboard: bool = True  # also write TensorBoard events under out_dir/tb
     checkpoint_every: int = 1  # write a checkpoint every N RL steps (also after the last, and when stopped by a signal)
@@ -268,6 +273,8 @@ def _engine_online_checks(cfg: Config) -> list[tuple[bool, str, str]]:
         (cfg.online.measure_rows >= 1, "online.measure_rows", f"must be >= 1, got {cfg.online.measure_rows}"),
         (cfg.online.measure_every >= 1, "online.measure_every", f"must be >= 1, got {cfg.online.measure_every}"),
         (cfg.rl.mode in ("sync", "async"), "rl.mode", f"must be sync or async, got {cfg.rl.mode!r}"),
+        (cfg.online.buffer_device in ("cpu", "device"), "online.buffer_device",
+         f"must be cpu or device, got {cfg.online.buffer_device!r}"),
         (cfg.online.buffer_mb > 0, "online.buffer_mb", f"must be > 0, got {cfg.online.buffer_mb}"),
         (cfg.online.buffer_half_life is None or cfg.online.buffer_half_life > 0, "online.buffer_half_life",
          f"must be > 0 or null (uniform), got {cfg.online.buffer_half_life}"),
@@ -304,6 +311,7 @@ def _rl_train_checks(cfg: Config) -> list[tuple[bool, str, str]]:
         (cfg.rl.lr > 0, "rl.lr", f"must be > 0, got {cfg.rl.lr}"),
         (cfg.policy.path.strip() != "", "policy.path", "is empty: give the policy's checkpoint folder"),
         (cfg.run.out_dir.strip() != "", "run.out_dir", "is empty: give the folder the run writes to"),
+        (valid_spec(cfg.run.device), "run.device", f"must be auto, cpu, cuda or cuda:N, got {cfg.run.device!r}"),
         (cfg.run.checkpoint_every >= 1, "run.checkpoint_every", f"must be >= 1, got {cfg.run.checkpoint_every}"),
         (cfg.run.keep_checkpoints >= 1, "run.keep_checkpoints", f"must be >= 1, got {cfg.run.keep_checkpoints}"),
         (cfg.rl.clip_eps > 0, "rl.clip_eps", f"must be > 0, got {cfg.rl.clip_eps}"),
