@@ -48,9 +48,12 @@ def valid_spec(spec: str) -> bool:
     return s in ("auto", "cpu", "cuda") or (s.startswith("cuda:") and s[5:].isdigit())
 
 
-def synchronize(device: torch.device | str | None) -> None:
-    """Wait for the device's queued work (a no-op on the CPU)."""
-    if device is not None and torch.device(device).type == "cuda":
+def synchronize(device: torch.device | str | None = None) -> None:
+    """Wait for the device's queued work (a no-op on the CPU); None: the current CUDA device's, once CUDA is in use."""
+    if device is None:
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            torch.cuda.synchronize()
+    elif torch.device(device).type == "cuda":
         torch.cuda.synchronize(device)
 
 
@@ -73,3 +76,55 @@ class DeviceTimer:
 
     def __exit__(self, *exc) -> None:
         self.seconds = now(self.device) - self._t0
+
+
+def module_device(module) -> torch.device:
+    """The device of a module's first parameter or buffer (the CPU for one with neither)."""
+    for t in (*module.parameters(), *module.buffers()):
+        return t.device
+    return torch.device("cpu")
+
+
+def to_device(batch: dict, device: torch.device) -> dict:
+    """batch's tensors moved to device, in place (copies from pinned host memory do not block); returns batch."""
+    for k, v in batch.items():
+        if isinstance(v, torch.Tensor) and v.device != device:
+            batch[k] = v.to(device, non_blocking=True)
+    return batch
+
+
+def generator_state(gen: torch.Generator) -> dict:
+    """A generator's state with the kind of device it came from (load_generator_state checks it)."""
+    return {"device": gen.device.type, "state": gen.get_state()}
+
+
+def load_generator_state(gen: torch.Generator, saved, what: str) -> str | None:
+    """Restore saved (generator_state's dict, or an older bare state: a CPU generator's) into gen. A CPU and a CUDA
+    generator's states do not convert: gen then keeps its seed and the one line returned says so."""
+    kind, state = (saved["device"], saved["state"]) if isinstance(saved, dict) else ("cpu", saved)
+    if kind != gen.device.type:
+        return (f"{what}: the checkpoint's random state is a {kind} generator's and this run's is on "
+                f"{gen.device.type}: it cannot move between them, so these draws restart from the seed (weights, "
+                f"optimizer and buffer are restored exactly)")
+    gen.set_state(state)
+    return None
+
+
+def device_rng_state(device: torch.device) -> dict | None:
+    """The device's own random state (CUDA's; None on the CPU, whose state torch.get_rng_state holds)."""
+    device = torch.device(device)
+    return {"device": "cuda", "state": torch.cuda.get_rng_state(device)} if device.type == "cuda" else None
+
+
+def load_device_rng_state(saved: dict | None, device: torch.device, what: str = "run.device") -> str | None:
+    """device_rng_state's back on a device of the same kind; written on another kind: None is restored and the one
+    line returned says what that changes."""
+    device = torch.device(device)
+    have = saved["device"] if saved else "cpu"
+    if have != device.type:
+        return (f"{what}: the checkpoint was written on {have}, this run is on {device.type}: the {have} random "
+                f"state does not move to {device.type}, so sampling on it restarts from the seed (weights, optimizers, "
+                f"buffer, steps and the CPU random state resume exactly)")
+    if saved:
+        torch.cuda.set_rng_state(saved["state"], device)
+    return None

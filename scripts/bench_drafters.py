@@ -32,7 +32,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -40,6 +39,7 @@ import torch
 from omegaconf import OmegaConf
 
 from drafttrain.config import PROJECT_ROOT, load_recipe, resolve_path, script_config
+from drafttrain.device import now  # synchronized: a GPU's work, not its kernel launches
 from drafttrain.drafters import TargetHead, build_drafter
 from drafttrain.engines import build_engine
 from drafttrain.engines.schedule import measure_costs
@@ -93,9 +93,9 @@ def per_kind(cfg, rc, policy, kind: str, prompts, params, problems, tok) -> dict
         tps = {}
         for label, spec in (("sd", True), ("ar", False)):
             eng.generate(warm, replace(params, seed=cfg.seed + 2), speculative=spec)
-            t0 = time.perf_counter()
+            t0 = now()
             out = eng.generate(rows, replace(params, seed=cfg.seed + 3), speculative=spec)
-            tps[label] = out.num_tokens / (time.perf_counter() - t0)
+            tps[label] = out.num_tokens / (now() - t0)
         row[f"tokens_per_s_b{b}"], row[f"ar_tokens_per_s_b{b}"] = tps["sd"], tps["ar"]
     if kind in TRAINABLE:
         row["train_ms_per_rl_step"] = train_ms(rc, policy, d, prompts, params, eng)
@@ -112,10 +112,10 @@ def train_ms(rc, policy, d, prompts, params, eng) -> float:
     tr = DrafterTrainer(copy.deepcopy(d), rc.train, rc.drafter, buffer=buf, head=TargetHead.of(policy))
     tr.step(buf.sample(rc.train.batch_size))  # warm-up
     n = rc.online.steps_per_update
-    t0 = time.perf_counter()
+    t0 = now()
     for _ in range(n):
         tr.step(buf.sample(rc.train.batch_size))
-    return (time.perf_counter() - t0) * 1e3
+    return (now() - t0) * 1e3
 
 
 def long_tail(cfg, rc, policy, prompts, params) -> dict:

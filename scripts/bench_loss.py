@@ -39,6 +39,7 @@ import torch
 from omegaconf import ListConfig, OmegaConf
 
 from drafttrain.config import PROJECT_ROOT, load_recipe, max_draft_len, resolve_path, script_config
+from drafttrain.device import now  # synchronized: a GPU's work, not its kernel launches
 from drafttrain.report import format_table, read_jsonl, write_json
 
 DEFAULTS = dict(recipe="eagle3_track", seeds=[0, 1, 2], overrides=[],
@@ -180,10 +181,10 @@ def step_cost(cfg) -> dict[str, list[float]]:
     ms = {a: [] for a in trainers}
     for _ in range(cfg.step_repeats + 1):
         for a, tr in trainers.items():
-            t = time.perf_counter()
+            t = now()
             for bt_ in batches:
                 tr.step(bt_)
-            ms[a].append((time.perf_counter() - t) / len(batches) * 1e3)
+            ms[a].append((now() - t) / len(batches) * 1e3)
     return {a: x[1:] for a, x in ms.items()}  # the first round warms up
 
 

@@ -20,12 +20,12 @@ the same fresh prompts at batch mal_batch.
 from __future__ import annotations
 
 import sys
-import time
 
 import torch
 from omegaconf import OmegaConf
 
 from drafttrain.config import load_recipe, max_draft_len, resolve_path, script_config
+from drafttrain.device import now  # synchronized: a GPU's work, not its kernel launches
 from drafttrain.drafters import build_drafter
 from drafttrain.engines import build_engine
 from drafttrain.engines.schedule import measure_costs
@@ -79,12 +79,12 @@ def vllm_bench(cfg, rc, policy, drafter, prompts, params, torch_ar: dict) -> tup
         for B in cfg.vllm_batches:
             chunks = [prompts[i:i + B] for i in range(0, len(prompts), B)]
             for mode in ("ar", "sd"):
-                t0, ntok, stats = time.perf_counter(), 0, None
+                t0, ntok, stats = now(), 0, None
                 for ch in chunks:
                     b = engine.generate(ch, params, speculative=(mode == "sd"))
                     ntok += b.num_tokens
                     stats = b.stats if stats is None else stats.merge(b.stats)
-                dt = time.perf_counter() - t0
+                dt = now() - t0
                 rows.append({"engine": "vllm", "mode": mode, "batch": B, "tokens_per_s": ntok / dt, "tokens": ntok,
                              "wall_s": dt, "mean_accepted_length": stats.mean_accepted_length,
                              "acceptance_per_position": stats.acceptance_per_position if mode == "sd" else None,
@@ -126,7 +126,7 @@ def main(cfg) -> dict:
         dec_s, dec_tok = {c: 0.0 for c in cases}, {c: 0 for c in cases}  # decode steps only (embedded engine)
         for ch in chunks:  # the cases take turns on each chunk: a slow spell of the machine hits them all alike
             for case in cases:
-                t0 = time.perf_counter()
+                t0 = now()
                 if case[1] == "hf":
                     ntok[case] += hf_generate(policy, tok, ch, params)
                 else:
@@ -135,7 +135,7 @@ def main(cfg) -> dict:
                     stats[case] = b.stats if stats[case] is None else stats[case].merge(b.stats)
                     dec_s[case] += b.wall_s - b.timeline.prefill_s
                     dec_tok[case] += b.num_tokens - len(ch)  # each row's first token comes from the prefill
-                wall[case] += time.perf_counter() - t0
+                wall[case] += now() - t0
         for case in cases:
             st, dt = stats[case], wall[case]
             rows.append({"engine": case[0], "mode": case[1], "batch": B, "tokens_per_s": ntok[case] / dt,

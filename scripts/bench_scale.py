@@ -33,6 +33,7 @@ from pathlib import Path
 import torch
 
 from drafttrain.config import PROJECT_ROOT, script_config
+from drafttrain.device import now  # synchronized: a GPU's work, not its kernel launches
 from drafttrain.report import format_table, write_json
 
 DEFAULTS = dict(parts=["capture", "step", "job"], vocabs=[32000, 128256, 151936], hiddens=[256, 1024], layers=4,
@@ -98,10 +99,10 @@ def capture_point(spec: dict) -> dict:
     times = {"plain": [], "captured": []}
     for r in range(spec["repeats"] + 1):  # the first round warms up
         for mode in ("plain", "captured"):
-            cap = (PolicyCapture(policy, reads, 5, lambda f, t0: buf.add(f), time.perf_counter, response_start=T // 4)
+            cap = (PolicyCapture(policy, reads, 5, lambda f, t0: buf.add(f), now, response_start=T // 4)
                    if mode == "captured" else None)
             sync(dev)
-            t0 = time.perf_counter()
+            t0 = now()
             if cap is not None:
                 cap.start()
             try:
@@ -112,7 +113,7 @@ def capture_point(spec: dict) -> dict:
                     cap.stop()
             sync(dev)
             if r:
-                times[mode].append(time.perf_counter() - t0)
+                times[mode].append(now() - t0)
             del out
     plain, captured = statistics.median(times["plain"]), statistics.median(times["captured"])
     toks = sum(rec["ids"].numel() for rec in buf.records)
@@ -150,10 +151,10 @@ def step_point(spec: dict) -> dict:
     def one() -> float:
         batch = collate(recs, steps, cfg.train.max_len, g)
         sync(dev)
-        t0 = time.perf_counter()
+        t0 = now()
         tr.step(batch)
         sync(dev)
-        return time.perf_counter() - t0
+        return now() - t0
 
     del policy
     base = rss_kb("VmRSS")
@@ -201,7 +202,7 @@ def job(root: Path, mode: str, rows: int, steps: int, new_tokens: int, max_len: 
             f"sampling.max_new_tokens={new_tokens}", f"engine.max_len={max_len}", "run.tensorboard=false",
             f"run.out_dir={root / f'run-{mode}-{rows}'}", "run.resume=false"]
     env = {**os.environ, "PYTHONPATH": f"{root}:{os.environ.get('PYTHONPATH', '')}", "OMP_NUM_THREADS": str(threads)}
-    t0 = time.perf_counter()
+    t0 = now()
     proc = subprocess.Popen([sys.executable, "-m", "drafttrain.online", *keys], cwd=PROJECT_ROOT, env=env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     err = proc.stderr.read()
@@ -209,7 +210,7 @@ def job(root: Path, mode: str, rows: int, steps: int, new_tokens: int, max_len: 
     if status:
         raise RuntimeError(f"bench_scale: the {mode} job failed: {err.strip().splitlines()[-1:]}")
     recs = [json.loads(x) for x in (root / f"run-{mode}-{rows}" / "metrics.jsonl").read_text().splitlines()]
-    return {"mode": mode, "rows": rows, "peak_mb": usage.ru_maxrss / 1024, "wall_s": time.perf_counter() - t0,
+    return {"mode": mode, "rows": rows, "peak_mb": usage.ru_maxrss / 1024, "wall_s": now() - t0,
             "resp_len_mean": statistics.fmean(r["resp_len_mean"] for r in recs),
             "drafter_steps": sum(r.get("drafter_steps") or 0 for r in recs)}
 

@@ -20,12 +20,12 @@ from __future__ import annotations
 
 import copy
 import statistics
-import time
 
 import torch
 from omegaconf import OmegaConf
 
 from drafttrain.config import Config, resolve_path, script_config
+from drafttrain.device import now  # synchronized: a GPU's work, not its kernel launches
 from drafttrain.drafters.selfquant import SelfQuantDrafter
 from drafttrain.engines import build_engine
 from drafttrain.modeling import LeanLlama
@@ -61,9 +61,9 @@ def moved(policy, seed: int):
 
 
 def timed(fn) -> float:
-    t0 = time.perf_counter()
+    t0 = now()
     fn()
-    return (time.perf_counter() - t0) * 1e3
+    return (now() - t0) * 1e3
 
 
 def requantize_rows(policy, drafters, repeats):
@@ -128,11 +128,11 @@ def mal_rows(policy, tok, drafters, cfg):
     for name, d in [("fp32 AR", None), *drafters.items()]:
         eng = build_engine(ecfg, policy, d)
         eng.generate(chunks[0][:2], params)  # warm-up
-        stats, ntok, t0 = SpecStats(), 0, time.perf_counter()
+        stats, ntok, t0 = SpecStats(), 0, now()
         for ch in chunks:
             b = eng.generate(ch, params, speculative=d is not None)
             stats, ntok = stats.merge(b.stats), ntok + b.num_tokens
-        tps = ntok / (time.perf_counter() - t0)
+        tps = ntok / (now() - t0)
         rows.append({"variant": name, "mal": stats.mean_accepted_length, "tokens": ntok, "tok_per_s": tps,
                      "acceptance_per_position": stats.acceptance_per_position if d is not None else None})
     for r in rows:

@@ -40,6 +40,7 @@ from pathlib import Path
 import torch
 
 from drafttrain.config import load_recipe, max_draft_len, resolve_path, script_config
+from drafttrain.device import now  # synchronized: a GPU's work, not its kernel launches
 from drafttrain.drafters import TargetHead, build_drafter
 from drafttrain.engines import build_engine
 from drafttrain.policy import encode_prompt, load_policy, make_prompts
@@ -134,7 +135,7 @@ def swap_stall(engine, weights, tok, n_swaps=4) -> dict:
     time.sleep(0.3)
     for _ in range(n_swaps):
         engine.load_drafter(weights, engine.drafter_version + 1)
-        landed.append((time.perf_counter(), engine.last_swap_s, engine.last_swap_critical_s))
+        landed.append((now(), engine.last_swap_s, engine.last_swap_critical_s))
         time.sleep(0.2)
     t.join()
     ends = result["b"].timeline.ends

@@ -97,9 +97,10 @@ def check_checkpoint(path: str) -> None:
         raise FileNotFoundError(f"policy checkpoint {path} is incomplete: missing {', '.join(missing)}")
 
 
-def load_policy(path: str, engine: str = "torch") -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    """(model in fp32, eval mode; tokenizer) from an HF checkpoint folder (`save_policy`'s, or the user's own). A
-    file that does not parse (truncated, emptied, garbled) is a one-line `ConfigError` naming it; so is a model
+def load_policy(path: str, engine: str = "torch", device: torch.device | str = "cpu",
+                ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """(model in fp32, eval mode, on device; tokenizer) from an HF checkpoint folder (`save_policy`'s, or the user's
+    own). A file that does not parse (truncated, emptied, garbled) is a one-line `ConfigError` naming it; so is a model
     family the embedded engine (engine="torch") does not serve."""
     check_checkpoint(path)
     parsed = {}
@@ -120,7 +121,7 @@ def load_policy(path: str, engine: str = "torch") -> tuple[PreTrainedModel, PreT
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     except SafetensorError as e:
         raise _unreadable(os.path.join(path, "model.safetensors"), e) from None
-    model.eval()
+    model.to(device).eval()
     return model, load_tokenizer(path)
 
 

@@ -48,11 +48,11 @@ def sft_batches(tok, seed: int, tokens_per_batch: int, pool: int = 512,
         rng.shuffle(batches)
         for b in batches:
             T = max(len(ids) for ids, _ in b)
-            ids = torch.full((len(b), T), tok.pad_token_id, dtype=torch.long)  # [B, T]
-            labels = torch.full((len(b), T), IGNORE, dtype=torch.long)  # [B, T]
+            ids = torch.full((len(b), T), tok.pad_token_id, dtype=torch.long, device="cpu")  # [B, T], host batches
+            labels = torch.full((len(b), T), IGNORE, dtype=torch.long, device="cpu")  # [B, T]
             for i, (x, y) in enumerate(b):
-                ids[i, : len(x)] = torch.tensor(x)
-                labels[i, : len(y)] = torch.tensor(y)
+                ids[i, : len(x)] = torch.tensor(x, device="cpu")
+                labels[i, : len(y)] = torch.tensor(y, device="cpu")
             yield {"input_ids": ids, "labels": labels}
 
 
@@ -75,8 +75,9 @@ def sample_eval(
         chunk = [problems[i] for i in order[s : s + batch_size]]
         enc = [encode_prompt(tok, p.prompt) for p in chunk]
         T = max(map(len, enc))
-        ids = torch.tensor([[tok.pad_token_id] * (T - len(e)) + e for e in enc])  # [B, T] left-padded
-        mask = (torch.arange(T) >= torch.tensor([T - len(e) for e in enc])[:, None]).long()
+        dev = model.device
+        ids = torch.tensor([[tok.pad_token_id] * (T - len(e)) + e for e in enc], device=dev)  # [B, T] left-padded
+        mask = (torch.arange(T, device=dev) >= torch.tensor([T - len(e) for e in enc], device=dev)[:, None]).long()
         out = model.generate(input_ids=ids, attention_mask=mask, generation_config=gen)[:, T:]  # [B, <=new]
         for p, row in zip(chunk, out.tolist()):
             n = row.index(tok.eos_token_id) + 1 if tok.eos_token_id in row else len(row)

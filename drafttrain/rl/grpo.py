@@ -22,6 +22,7 @@ import torch
 
 from drafttrain.config import ConfigError, sampling_params
 from drafttrain.data import Prompts, stop_ids
+from drafttrain.device import now
 from drafttrain.rl.watch import check_finite, unfinished
 from drafttrain.spec import processed_logprobs
 
@@ -43,7 +44,7 @@ class GRPO:
         """rl, sampling, engine_cfg: the config's rl.*, sampling.* and engine.* sections (from_config: a Config)."""
         self.rl, self.sampling, self.engine_cfg = rl, sampling, engine_cfg
         self.policy, self.tok, self.engine, self.tracker = policy, tok, engine, tracker
-        self.rank = rank
+        self.rank, self.device = rank, next(policy.parameters()).device  # the run's device (run.device)
         self.prompts = prompts  # the task's, or data.path's (with reward.fn)
         self._check_room(policy)
         self.opt = torch.optim.AdamW(policy.parameters(), lr=rl.lr, weight_decay=0.0)
@@ -112,14 +113,29 @@ class GRPO:
             return
         params = [p for p in self.policy.parameters() if p.requires_grad]
         flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).flatten() for p in params])
-        flat = self.acc.reduce(flat.to(self.acc.device), "mean").cpu()
+        flat = self.acc.reduce(flat.to(self.acc.device), "mean").to(params[0].device)
         for p, g in zip(params, flat.split([p.numel() for p in params])):
             p.grad = g.view_as(p).clone()
 
     def advantages(self, rewards: list[float]) -> torch.Tensor:
         G = self.rl.group_size
-        r = torch.tensor(rewards).view(-1, G)  # [P, G]
+        r = torch.tensor(rewards, device=self.device).view(-1, G)  # [P, G]
         return ((r - r.mean(1, keepdim=True)) / (r.std(1, keepdim=True) + 1e-4)).view(-1)  # [P*G]
+
+    def _micro_batch(self, ro: Rollouts, idx: list[int], L: int) -> tuple[torch.Tensor, ...]:
+        """Rows idx right-padded to L, filled on the host and moved to the policy's device in one copy each: ids,
+        mask [b, L], resp [b, L] (positions whose *next* token is a response token), old logprobs [b, L], starts [b]."""
+        b = len(idx)
+        ids, mask = (torch.zeros(b, L, dtype=torch.long, device="cpu") for _ in range(2))
+        resp, old = torch.zeros(b, L, dtype=torch.bool, device="cpu"), torch.zeros(b, L, device="cpu")
+        for j, i in enumerate(idx):
+            p, r = len(ro.prompts[i]), len(ro.responses[i])
+            ids[j, : p + r] = torch.tensor(ro.prompts[i] + ro.responses[i], device="cpu")
+            mask[j, : p + r] = 1
+            resp[j, p - 1: p + r - 1] = True
+            old[j, p - 1: p + r - 1] = torch.tensor(ro.logprobs[i], device="cpu")
+        starts = torch.tensor([len(ro.prompts[i]) for i in idx], device="cpu")
+        return tuple(t.to(self.device, non_blocking=True) for t in (ids, mask, resp, old, starts))
 
     def train_step(self, ro: Rollouts, last: bool = False) -> dict:
         """One clipped policy-gradient update on a rollout batch (micro-batched, token-mean loss).
@@ -141,19 +157,7 @@ class GRPO:
             grad = bool(adv[idx].any())
             if not grad and not ungraded:
                 break  # the rest have advantage 0 too (they sort last)
-            seqs = [ro.prompts[i] + ro.responses[i] for i in idx]
-            L = max(map(len, seqs))
-            ids = torch.zeros(len(seqs), L, dtype=torch.long)
-            mask = torch.zeros(len(seqs), L, dtype=torch.long)
-            resp = torch.zeros(len(seqs), L, dtype=torch.bool)  # positions whose *next* token is a response token
-            old = torch.zeros(len(seqs), L)
-            for j, i in enumerate(idx):
-                p, r = len(ro.prompts[i]), len(ro.responses[i])
-                ids[j, : p + r] = torch.tensor(seqs[j])
-                mask[j, : p + r] = 1
-                resp[j, p - 1: p + r - 1] = True
-                old[j, p - 1: p + r - 1] = torch.tensor(ro.logprobs[i])
-            starts = torch.tensor([len(ro.prompts[i]) for i in idx])
+            ids, mask, resp, old, starts = self._micro_batch(ro, idx, L=max(lens[i] for i in idx))
             # a micro-batch with no advantage runs only for the tracker (its forward is the tracker's time), which
             # reads hidden states alone: no loss to take, and the LM head runs for one position, not the vocabulary
             ctx = (self.tracker.capture(self.policy, response_start=starts, extra=not grad) if reads
@@ -185,7 +189,7 @@ class GRPO:
     def run_step(self, step: int, ro: Rollouts, last: bool = False) -> tuple[dict, Rollouts | None]:
         """Train on `ro` (this step's rollouts), update the engine's policy and the drafter; return the metrics
         and the next step's rollouts (None after the last step)."""
-        t0 = time.perf_counter()
+        t0 = now(self.device)
         nxt = self._pool.submit(self.rollout, step + 1) if self._pool and not last else None  # step-t policy
         rec = rollout_metrics(ro)
         rec.update(self.train_step(ro, last))  # its loss forward feeds the tracker's capture
@@ -200,7 +204,7 @@ class GRPO:
             ro_next = self.rollout(step + 1)
         if ro_next is not None:
             rec.update(ro_next.canary)  # sync: the verdict on the drafter this step published
-        rec["rl_step_s"] = time.perf_counter() - t0
+        rec["rl_step_s"] = now(self.device) - t0
         return rec, ro_next
 
 

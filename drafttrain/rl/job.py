@@ -26,6 +26,7 @@ from tqdm import tqdm
 from drafttrain.checkpoint import CheckpointError, load_checkpoint, shared_sets
 from drafttrain.config import ConfigError, resolve_path, sampling_params, save_config
 from drafttrain.data import Prompts, stop_ids
+from drafttrain.device import load_device_rng_state, now, resolve_device
 from drafttrain.drafters import build_drafter
 from drafttrain.engines import build_engine
 from drafttrain.policy import load_policy
@@ -43,13 +44,17 @@ from drafttrain.tracking.vocab import vocab_from_rollouts
 
 def main(cfg) -> list[dict]:
     transformers.utils.logging.disable_progress_bar()
-    acc = make_accelerator()  # one process, N with DDP, or N with the drafter under DeepSpeed: as launched
+    try:
+        device = resolve_device(cfg.run.device)  # auto: this process's GPU (LOCAL_RANK) when there is one
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    acc = make_accelerator(device)  # one process, N with DDP, or N with the drafter under DeepSpeed: as launched
     torch.manual_seed(cfg.run.seed + acc.process_index)
     out = Path(cfg.run.out_dir)
     lock = lock_run_folder(out, acc)  # one job per run folder, before anything in it is read
     try:
         with Stopper(acc, out) as stopper, contextlib.ExitStack() as closing:
-            return _run(cfg, acc, out, stopper, closing)
+            return _run(cfg, acc, device, out, stopper, closing)
     finally:
         if lock is not None:
             lock.release()
@@ -73,11 +78,12 @@ def _resume_state(cfg, last: Path, out: Path, ckpt: Checkpointer) -> dict:
     return state
 
 
-def _run(cfg, acc, out: Path, stopper: Stopper, closing: contextlib.ExitStack) -> list[dict]:
+def _run(cfg, acc, device, out: Path, stopper: Stopper, closing: contextlib.ExitStack) -> list[dict]:
     ckpt = Checkpointer(out, acc, cfg.run)
     last = ckpt.latest() if cfg.run.resume else None
     state = _resume_state(cfg, last, out, ckpt) if last else None
-    policy, tok = load_policy(str(last / "policy") if last else str(resolve_path(cfg.policy.path)), cfg.engine.kind)
+    policy, tok = load_policy(str(last / "policy") if last else str(resolve_path(cfg.policy.path)), cfg.engine.kind,
+                              device)
     say = (lambda m: tqdm.write(m)) if acc.is_main_process else (lambda m: None)
     # bad data.* or reward.fn: one line, before any heavy set-up
     prompts = Prompts(cfg.data, cfg.reward, tok, stop_ids(policy, tok))
@@ -97,7 +103,7 @@ def _run(cfg, acc, out: Path, stopper: Stopper, closing: contextlib.ExitStack) -
     grpo = GRPO.from_config(cfg, policy, tok, engine, tracker, acc, rank=acc.process_index, prompts=prompts)
     start = 0
     if state is not None:
-        start = _restore(state, last, tracker, grpo, ckpt)
+        start = _restore(state, last, tracker, grpo, ckpt, say)
         if start >= cfg.rl.steps and ckpt.finished():  # its report and eval are written: rewrite nothing
             say(f"[drafttrain] {out} holds a finished run ({start} of {cfg.rl.steps} steps): nothing to do (raise "
                 f"rl.steps to continue it)")
@@ -109,10 +115,10 @@ def _run(cfg, acc, out: Path, stopper: Stopper, closing: contextlib.ExitStack) -
     before = state.get("eval_before") if state else None  # the step-0 policy's, carried through resumes
     if logger and cfg.rl.eval_prompts and state is None:
         before = grpo.evaluate()
-    t_ro = time.perf_counter()
+    t_ro = now(device)
     engine.new_step(start)
     ro = grpo.rollout(start) if start < cfg.rl.steps else None
-    first_rollout_s = time.perf_counter() - t_ro  # each later rollout is timed inside the step before it
+    first_rollout_s = now(device) - t_ro  # each later rollout is timed inside the step before it
     bar = tqdm(range(start, cfg.rl.steps), desc=f"{cfg.recipe}", disable=not acc.is_main_process,
                initial=start, total=cfg.rl.steps)
     stopper.in_loop = True  # from here a SIGTERM/SIGINT waits for the step's checkpoint
@@ -170,8 +176,9 @@ def _choose_draft_vocab(cfg, acc, policy, drafter, engine, prompts: Prompts, say
     say(f"{note}; the engine serves it as drafter v{engine.drafter_version}")
 
 
-def _restore(state: dict, last: Path, tracker, grpo, ckpt: Checkpointer) -> int:
-    """The tracker's, the optimizer's and the RNG's state from the checkpoint at `last`; the step it resumes at."""
+def _restore(state: dict, last: Path, tracker, grpo, ckpt: Checkpointer, say) -> int:
+    """The tracker's, the optimizer's and the RNG's state from the checkpoint at `last` (written on any device); the
+    step it resumes at."""
     try:
         tracker.load_state_dict(state["tracker"], last, shared_sets(last, grpo.policy))
     except CheckpointError as e:
@@ -180,6 +187,9 @@ def _restore(state: dict, last: Path, tracker, grpo, ckpt: Checkpointer) -> int:
         raise ConfigError(f"run.resume: {e}") from None
     grpo.opt.load_state_dict(state["opt"])
     torch.set_rng_state(state["rng"])
+    note = load_device_rng_state(state.get("device_rng"), grpo.device)
+    if note:
+        say(f"[drafttrain] {note}")
     ckpt.resumed(last)
     return state["step"]
 

@@ -20,6 +20,7 @@ import torch
 from omegaconf import OmegaConf
 
 from drafttrain.checkpoint import SHARED
+from drafttrain.device import device_rng_state
 from drafttrain.config import ConfigError, key_docs
 
 
@@ -148,7 +149,7 @@ class Stopper:
         """At a step boundary: did a signal arrive (on any process: they all stop at the same step)?"""
         flag = float(self.signum is not None)
         if self.acc.num_processes > 1:
-            flag = float(self.acc.reduce(torch.tensor([flag]), "sum").item())
+            flag = float(self.acc.reduce(torch.tensor([flag], device=self.acc.device), "sum").item())
         return flag > 0
 
     def stop(self, step: int, steps: int) -> None:
@@ -311,7 +312,8 @@ class Checkpointer:
             save_policy(grpo.policy, grpo.tok, str(tmp / "policy"))
             frozen = self._frozen(tracker, tmp)
             torch.save({"step": step, "recipe": cfg.recipe, "config": OmegaConf.to_container(cfg, resolve=True),
-                        "opt": grpo.opt.state_dict(), "rng": torch.get_rng_state(), "eval_before": eval_before,
+                        "opt": grpo.opt.state_dict(), "rng": torch.get_rng_state(),
+                        "device_rng": device_rng_state(grpo.device), "eval_before": eval_before,
                         "tracker": tracker.state_dict({"run_frozen": frozen, "policy": grpo.policy.state_dict()})},
                        tmp / "state.pt")
             if (tmp / self.frozen_file).is_file():  # the run's first checkpoint: its frozen drafter, beside it

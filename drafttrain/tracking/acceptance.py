@@ -26,6 +26,7 @@ import math
 
 import torch
 
+from drafttrain.device import module_device, to_device
 from drafttrain.drafters.targets import TargetHead, Targets, position_chunk, row_lse
 from drafttrain.spec import SpecStats, expected_row_stats
 
@@ -106,7 +107,7 @@ def length_chunks(batch: dict[str, torch.Tensor], k: int, max_pad: float = 1.25)
         chunks.append(cur)
     out = []
     for c in chunks:
-        idx = torch.tensor(sorted(c))
+        idx = torch.tensor(sorted(c), device=valid.device)
         Tc = int(last[idx].max())
         out.append(({"aux": batch["aux"][idx, :Tc], "next_ids": batch["next_ids"][idx, :Tc + k - 1],
                      "hidden": batch["hidden"][idx, :Tc + k], "valid": valid[idx, :Tc + k],
@@ -128,6 +129,7 @@ def teacher_forced_acceptance(drafter, batch: dict[str, torch.Tensor], k: int, h
     Rows are scored in length_chunks, from their first response position on: the same pooled counts as the whole
     padded batch at every position, at a fraction of its cost (bench/NOTES.md, Tracking)."""
     _check_steps(batch, k)  # before length_chunks, whose cuts would hide too few steps
+    to_device(batch, module_device(drafter))  # rows collated on the buffer's device (the host, say)
     if "lse" not in batch:  # the policy's normalizers: once per batch, kept for the next drafter scored on it
         batch["lse"] = row_lse(batch["hidden"], batch["lengths"], head)
     st = SpecStats()

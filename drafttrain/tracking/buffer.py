@@ -1,7 +1,7 @@
 """FeatureBuffer: the tracker's one store of captured rollouts, bounded in bytes: the rows it trains on, the rows it
 holds out (the estimate's, the publish gate's and the canary's reference) and the rows measure() scores.
 
-    buf = FeatureBuffer(max_bytes=64 << 20, dtype=torch.bfloat16, seed=0)
+    buf = FeatureBuffer(max_bytes=64 << 20, dtype=torch.bfloat16, seed=0, device="cpu", pin=False)
     buf.add(build_features(...), version=policy_step, heldout=held)   # per-row records; evicts the oldest
     batch = buf.sample(16)                # padded float32 batch of training records (held-out ones never drawn)
     groups = buf.sample_groups(16, 8)     # 8 groups of 16 similar-length records (less padding) ...
@@ -18,6 +18,9 @@ draws: uniform, or with half_life h (in policy versions) a record v versions old
 weight 0.5^(v/h). Online, the policy moves every step; uniform draws over a buffer that spans many steps train the
 drafter mostly on policies that are gone (bench_tracking: a drafter trained on the current policy's rollouts alone
 caught up in ~25 steps, the uniformly-fed online one had not after as many).
+Records live on `device` (online.buffer_device: the host, or the run's device); with pin (a GPU run, records on the
+host) a collated batch is built in pinned memory, so the trainer's copy to the GPU does not block. Draws use a host
+generator, so they are the same on any device and resume anywhere.
 """
 from __future__ import annotations
 
@@ -37,7 +40,7 @@ def record_bytes(rec: dict) -> int:
 
 class FeatureBuffer:
     def __init__(self, max_bytes: int, dtype: torch.dtype = torch.bfloat16, seed: int = 0,
-                 name: str = "online.buffer_mb", half_life: float | None = None):
+                 name: str = "online.buffer_mb", half_life: float | None = None, device="cpu", pin: bool = False):
         if max_bytes <= 0:
             raise ValueError(f"{name}: the feature buffer size must be > 0, got {max_bytes}")
         if half_life is not None and not half_life > 0:
@@ -53,7 +56,16 @@ class FeatureBuffer:
         self.too_big, self.too_big_bytes = 0, 0  # records larger than the whole cap (never stored); the largest
         self._mark, self._said = (0, 0), set()  # notes(): (records, bytes) added before the step; kinds said
         self.steps: int | None = None  # TTT unroll the stored records are collated for
-        self.gen = torch.Generator().manual_seed(seed)
+        self.gen = torch.Generator(device="cpu").manual_seed(seed)
+        self.device = torch.device(device)  # pinned host memory needs a GPU runtime
+        self.pin = bool(pin) and self.device.type == "cpu" and torch.cuda.is_available()
+
+    @classmethod
+    def of(cls, online, seed: int, device: torch.device) -> "FeatureBuffer":
+        """The online.* section's buffer for a run on `device` (online.buffer_device: the host, pinned for a GPU)."""
+        host = online.buffer_device == "cpu"
+        return cls(int(online.buffer_mb * 2 ** 20), seed=seed, name="online.buffer_mb",
+                   half_life=online.buffer_half_life, device="cpu" if host else device, pin=host and torch.device(device).type == "cuda")
 
     def __len__(self) -> int:
         return len(self.records)
@@ -72,8 +84,9 @@ class FeatureBuffer:
         keep = batch["valid"].any(1).tolist()
         held = [False] * len(L) if heldout is None else heldout.bool().tolist()
         # converted once per batch, not per row (the rows are then cut and copied out of it)
-        aux, hid = batch["aux"].to(self.dtype), batch["hidden"].to(self.dtype)
-        ids = torch.cat([batch["first_ids"].view(-1, 1), batch["next_ids"]], 1).to(torch.int32)  # [B, T'+s]
+        aux, hid = (batch[k].to(self.device, self.dtype) for k in ("aux", "hidden"))
+        ids = torch.cat([batch["first_ids"].view(-1, 1), batch["next_ids"]], 1)  # [B, T'+s]
+        ids = ids.to(self.device, torch.int32)
         start = batch["start"].tolist()
         n = 0
         for b, n_b in enumerate(L):
@@ -128,7 +141,7 @@ class FeatureBuffer:
     def sample(self, n: int, max_len: int | None = None) -> dict[str, torch.Tensor]:
         """min(n, trainable) training records without replacement, collated (float32 aux and hidden)."""
         pool = self._pool("sample")
-        return collate([pool[i] for i in self._draw(pool, n)], self.steps, max_len, self.gen)
+        return collate([pool[i] for i in self._draw(pool, n)], self.steps, max_len, self.gen, self.pin)
 
     def sample_groups(self, n: int, count: int, max_len: int | None = None) -> list[list[dict]]:
         """Up to `count` groups of n training records: min(n*count, trainable) records drawn as in sample(), grouped
@@ -141,7 +154,7 @@ class FeatureBuffer:
         cap = max_len or float("inf")
         idx.sort(key=lambda i: min(pool[i]["aux"].shape[0], cap))
         groups = [idx[j:j + n] for j in range(0, len(idx), n)]
-        order = torch.randperm(len(groups), generator=self.gen).tolist()
+        order = torch.randperm(len(groups), generator=self.gen, device="cpu").tolist()
         return [[pool[i] for i in groups[g]] for g in order]
 
     def _pool(self, what: str) -> list[dict]:
@@ -154,8 +167,8 @@ class FeatureBuffer:
         """min(n, len(pool)) distinct indices into pool: uniform, or weighted by recency (half_life)."""
         size = len(pool)
         if self.half_life is None:
-            return torch.randperm(size, generator=self.gen)[:n].tolist()
-        v = torch.tensor([r["version"] for r in pool], dtype=torch.float64)
+            return torch.randperm(size, generator=self.gen, device="cpu")[:n].tolist()
+        v = torch.tensor([r["version"] for r in pool], dtype=torch.float64, device="cpu")
         w = torch.pow(0.5, (v.max() - v) / self.half_life)
         return torch.multinomial(w, min(n, size), replacement=False, generator=self.gen).tolist()
 
@@ -174,7 +187,7 @@ class FeatureBuffer:
                     f"distributions, which this version no longer stores: it starts empty, and the drafter trains "
                     f"on the rollouts captured from here on (its weights and optimizer are restored)")
             records = []
-        self.records = deque(records)
+        self.records = deque({**r, **{k: r[k].to(self.device) for k in _KEYS}} for r in records)
         self.nbytes = sum(record_bytes(r) for r in self.records)
         self.added, self.evicted, self.steps = state["added"], state["evicted"], state["steps"]
         self.added_bytes = state.get("added_bytes", 0)
@@ -183,26 +196,28 @@ class FeatureBuffer:
         return note
 
 
-def collate(records: list[dict], steps: int, max_len: int | None = None,
-            gen: torch.Generator | None = None) -> dict[str, torch.Tensor]:
+def collate(records: list[dict], steps: int, max_len: int | None = None, gen: torch.Generator | None = None,
+            pin: bool = False) -> dict[str, torch.Tensor]:
     """Per-sequence records -> padded batch: aux [B, T, X] and hidden [B, T, H] (float32), next_ids [B, T+s-1],
     valid [B, T+s], lengths [B], start [B], first_ids [B]. max_len: a record longer than that contributes a window of
-    max_len positions (drawn with gen among those that start in its response), as a row of that length."""
+    max_len positions (drawn with gen among those that start in its response), as a row of that length. On the
+    records' device; pin: in pinned host memory (records on the host, a GPU trainer)."""
     recs = [_window(r, max_len, gen) for r in records]
     B, s = len(recs), steps
-    lengths = torch.tensor([r["aux"].shape[0] for r in recs])
+    dev = recs[0]["aux"].device
+    pin = pin and dev.type == "cpu"
+    lengths = torch.tensor([r["aux"].shape[0] for r in recs], device=dev)
     T = int(lengths.max())
     X, H = recs[0]["aux"].shape[1], recs[0]["hidden"].shape[1]
-    dev = recs[0]["aux"].device
-    aux = torch.zeros(B, T, X, device=dev)
-    hidden = torch.zeros(B, T, H, device=dev)
-    next_ids = torch.zeros(B, T + s - 1, dtype=torch.long, device=dev)
+    aux = torch.zeros(B, T, X, device=dev, pin_memory=pin)
+    hidden = torch.zeros(B, T, H, device=dev, pin_memory=pin)
+    next_ids = torch.zeros(B, T + s - 1, dtype=torch.long, device=dev, pin_memory=pin)
     for b, r in enumerate(recs):
         L = r["aux"].shape[0]
         aux[b, :L] = r["aux"]
         hidden[b, :L] = r["hidden"]
         next_ids[b, :L - 1] = r["ids"][1:]
-    start = torch.tensor([r["start"] for r in recs])
+    start = torch.tensor([r["start"] for r in recs], device=dev)
     first = torch.stack([r["ids"][0] for r in recs]).long()
     return {"aux": aux, "hidden": hidden, "next_ids": next_ids, "valid": valid_mask(start, lengths, T + s),
             "lengths": lengths, "start": start, "first_ids": first}
@@ -216,6 +231,6 @@ def _window(rec: dict, max_len: int | None, gen: torch.Generator | None) -> dict
         return rec
     hi = L - max_len
     lo = min(max(rec["start"] - 1, 0), hi)
-    w = lo + int(torch.randint(hi - lo + 1, (1,), generator=gen)) if hi > lo else hi
+    w = lo + int(torch.randint(hi - lo + 1, (1,), generator=gen, device="cpu")) if hi > lo else hi
     return {"aux": rec["aux"][w:w + max_len], "hidden": rec["hidden"][w:w + max_len],
             "ids": rec["ids"][w:w + max_len], "start": max(rec["start"] - w, 0)}

@@ -89,7 +89,7 @@ def build_features(ids: torch.Tensor, mask: torch.Tensor, aux: torch.Tensor, hid
         m = mask.bool()
         lengths = m.sum(1)
         offset = m.long().argmax(1)  # first real column
-    rs = torch.as_tensor(response_start, dtype=torch.long).to(dev).expand(B) - offset  # response start, shifted
+    rs = torch.as_tensor(response_start, dtype=torch.long, device=dev).expand(B) - offset  # response start, shifted
     Tp = int(lengths.max())
     col = torch.arange(Tp, device=dev).view(1, Tp)
     src = (col + offset.view(B, 1)).clamp_max(T - 1)  # [B, T'] gather index into the given layout
@@ -127,9 +127,10 @@ def teacher_forced_features(policy, prompts: list[list[int]], responses: list[li
     dev = policy.get_input_embeddings().weight.device
     seqs = [p + r for p, r in zip(prompts, responses)]
     lengths = torch.tensor([len(s) for s in seqs], device=dev)
-    ids = torch.zeros(len(seqs), int(lengths.max()), dtype=torch.long, device=dev)  # [B, T]
+    ids = torch.zeros(len(seqs), int(lengths.max()), dtype=torch.long, device="cpu")  # [B, T], filled on the host
     for i, s in enumerate(seqs):
-        ids[i, :len(s)] = torch.tensor(s, device=dev)
+        ids[i, :len(s)] = torch.tensor(s, device="cpu")
+    ids = ids.to(dev)
     mask = (torch.arange(ids.shape[1], device=dev).view(1, -1) < lengths.view(-1, 1)).long()
     with contextlib.ExitStack() as stack:
         cap = stack.enter_context(HiddenCapture(policy, reads.aux_layers)) if reads.aux_layers else None
@@ -186,7 +187,7 @@ class PolicyCapture:
         mask = kwargs.get("attention_mask")
         mask = torch.ones_like(ids) if mask is None else mask.detach()
         B, T = ids.shape
-        rs = response_columns(self.response_start, kwargs.get("labels"), B, T).to(ids.device)
+        rs = response_columns(self.response_start, kwargs.get("labels"), B, T, ids.device)
         idx = self.rows(B) if self.rows is not None else None
         h = self._final["h"]  # [B, T, H]
         if idx is not None:  # only these rows: build_features' work is per row
@@ -213,18 +214,20 @@ def choose_rows(B: int, holdout_frac: float, capture_frac: float, held_gen, capt
     """The rows of a captured forward of B to keep: (their indices, None for all; which of them are held out of
     training). Held-out rows (the estimate, the publish gate's and the canary's reference: rollouts the update did
     not train on) are drawn at holdout_frac and always kept; of the rest, capture_frac are kept for training."""
-    held = torch.rand(B, generator=held_gen) < holdout_frac
+    # host draws (the tracker's resumable CPU generators): the indices move to the rows' device where used
+    held = torch.rand(B, generator=held_gen, device="cpu") < holdout_frac
     if capture_frac >= 1:
         return None, held
-    keep = held | (torch.rand(B, generator=capture_gen) < capture_frac)
+    keep = held | (torch.rand(B, generator=capture_gen, device="cpu") < capture_frac)
     return keep.nonzero().flatten(), held[keep]
 
 
-def response_columns(given, labels, B: int, T: int) -> torch.Tensor:
-    """[B] first response column: as given, else the first column whose label is not -100 (T if none), else 0."""
+def response_columns(given, labels, B: int, T: int, device) -> torch.Tensor:
+    """[B] on device: first response column: as given, else the first column whose label is not -100 (T if none),
+    else 0."""
     if given is not None:
-        return torch.as_tensor(given, dtype=torch.long).flatten()[:B].expand(B)
+        return torch.as_tensor(given, dtype=torch.long, device=device).flatten()[:B].expand(B)
     if labels is None:
-        return torch.zeros(B, dtype=torch.long)
+        return torch.zeros(B, dtype=torch.long, device=device)
     scored = labels != -100  # [B, T]
     return torch.where(scored.any(1), scored.long().argmax(1), torch.full((B,), T, device=labels.device)).long()

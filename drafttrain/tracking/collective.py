@@ -41,7 +41,7 @@ class Collective:
         """Each process's drafter version and a float64 sum of its weights, gathered: DDP keeps the processes' drafters
         equal, so a difference means one trained or published alone. {"versions", "sums", "agree"}."""
         mine = torch.tensor([[float(version), float(sum(p.detach().double().sum() for p in module.parameters()))]],
-                            dtype=torch.float64)
+                            dtype=torch.float64, device="cpu")
         rows = self.acc.gather(mine.to(self.acc.device)).cpu() if self.n > 1 else mine  # [n, 2]
         versions, sums = [int(v) for v in rows[:, 0].tolist()], rows[:, 1].tolist()
         return {"versions": versions, "sums": sums, "agree": len(set(versions)) == 1 and len(set(sums)) == 1}

@@ -41,6 +41,7 @@ import time
 
 import torch
 
+from drafttrain.device import now
 from drafttrain.spec import expected_tokens  # 1 + sum over i < k of P(drafts 0..i accepted)
 from drafttrain.tracking.gate import ALL, merged
 
@@ -117,9 +118,9 @@ class Publisher:
         """Swap into every engine; returns the slowest engine's swap time (s)."""
         worst = 0.0
         for e in self.engines:
-            t0 = time.perf_counter()
+            t0 = now()
             e.load_drafter(weights, version)
-            worst = max(worst, time.perf_counter() - t0)
+            worst = max(worst, now() - t0)  # the copies into the engine done, not only queued
         self.version = version
         return worst
 

@@ -81,8 +81,8 @@ class Scorer:
             out = tfa(self.serving_form(), collate(todo, self.steps), self.k)
             for r, m, n in zip(todo, out["row_mal"].tolist(), out["row_steps"].tolist()):
                 r["served"] = (key, m, n)
-        mal = torch.tensor([r["served"][1] for r in recs], dtype=torch.float64)  # [n]
-        steps = torch.tensor([r["served"][2] for r in recs], dtype=torch.float64)
+        mal = torch.tensor([r["served"][1] for r in recs], dtype=torch.float64, device="cpu")  # [n]
+        steps = torch.tensor([r["served"][2] for r in recs], dtype=torch.float64, device="cpu")
         ok = steps > 0
         st = SpecStats(verify_rows=float(steps[ok].sum()), emitted=float((mal[ok] * steps[ok]).sum()))
         return {"mal": st.mean_accepted_length if st.verify_rows else 1.0, "stats": st, "row_mal": mal}
@@ -142,4 +142,4 @@ def sample(recs: list, n: int, gen: torch.Generator) -> list:
     """n of recs drawn at random, in their order (all if there are no more than n)."""
     if len(recs) <= n:
         return recs
-    return [recs[i] for i in sorted(torch.randperm(len(recs), generator=gen)[:n].tolist())]
+    return [recs[i] for i in sorted(torch.randperm(len(recs), generator=gen, device="cpu")[:n].tolist())]

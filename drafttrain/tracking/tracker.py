@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 
 from drafttrain.config import load_recipe, max_draft_len, sampling_params
+from drafttrain.device import module_device, synchronize
 from drafttrain.drafters import build_drafter
 from drafttrain.drafters.targets import TargetHead
 from drafttrain.tracking.bank import TimeBank, buy_steps
@@ -40,20 +41,19 @@ from drafttrain.tracking.weightsets import stored, whole
 class DraftTracker:
     def __init__(self, cfg, policy, engines, drafter=None, accelerator=None, log=print):
         self.cfg, self.engines, self.log = cfg, list(engines), log
-        self.drafter = drafter if drafter is not None else build_drafter(cfg.drafter, policy)
+        self.device = module_device(policy)  # the run's device: the drafter, its trainer and scoring live there
+        self.drafter = (drafter if drafter is not None else build_drafter(cfg.drafter, policy)).to(self.device)
         n_layers, aux = policy.config.num_hidden_layers, self.drafter.reads.aux_layers
         # only a drafter that trains needs features; a self-drafter (selfquant) is rebuilt from the policy
         self.self_drafter, self.learns = bool(self.drafter.follows_policy), bool(self.drafter.trains)
-        # AR rollouts (engine.speculative=false) and a drafter never trained: nothing drafts, nothing to capture or
-        # score (the AR baseline pays no drafter work)
+        # AR rollouts and a drafter never trained: nothing drafts, nothing to capture or score (AR pays no drafter work)
         self.unused = not cfg.engine.speculative and not cfg.online.track
         if not self.self_drafter and aux and max(aux) >= n_layers:
             raise ValueError(f"drafter.eagle3.aux_layer_ids: {list(aux)} are not among the policy's {n_layers} layers")
         # features serve both training and k-step measurement
         self.steps = max(cfg.drafter.ttt_steps, max_draft_len(cfg.engine))
         self.max_len = cfg.train.max_len  # a drafter step trains on windows of at most this many positions
-        self.buffer = FeatureBuffer(int(cfg.online.buffer_mb * 2 ** 20), seed=cfg.run.seed, name="online.buffer_mb",
-                                    half_life=cfg.online.buffer_half_life)
+        self.buffer = FeatureBuffer.of(cfg.online, cfg.run.seed, self.device)
         self.trainer = None if not self.learns else DrafterTrainer(self.drafter, cfg.train, cfg.drafter,
                                                                      accelerator, buffer=self.buffer)
         self.collective = Collective(self.trainer.acc if self.trainer is not None else None)
@@ -66,7 +66,7 @@ class DraftTracker:
         pool = self.collective.sum if self.collective.n > 1 else None
         self.publisher = Publisher(self.engines, self.drafter.state_dict(), cfg.online, log, tag=0, pool=pool)
         self.bank = TimeBank(cfg.online.budget_frac, cfg.online.time_budget_s, self.max_len)
-        self._gen = {name: torch.Generator().manual_seed(cfg.run.seed + 11 + i)  # the row draws, resumable
+        self._gen = {name: torch.Generator(device="cpu").manual_seed(cfg.run.seed + 11 + i)  # row draws, resumable
                      for i, name in enumerate(("estimate", "measure", "holdout", "capture"))}
         self.scorer = Scorer(cfg.online, cfg.engine, self.drafter, self.publisher, self.steps, self._gen)
         self.probe_prompts, self.probe_stop = [], ()  # set_probe: recent prompts, the rollouts' stop tokens
@@ -103,8 +103,8 @@ class DraftTracker:
         t = self.publisher.tags.get(self.version)
         return None if t is None else self.policy_version - t
 
-    @staticmethod
-    def _now() -> float:
+    def _now(self) -> float:  # the bank's and the records' clock: after the device's queued work
+        synchronize(self.device)
         return time.perf_counter()
 
     # ---- capture ------------------------------------------------------------------------------------------
@@ -150,8 +150,8 @@ class DraftTracker:
         self._capture_s += self._now() - started
 
     def stop_capture(self) -> None:  # remove the hooks start_capture installed (a no-op when none are)
-        if self._capture is not None:
-            cap, self._capture = self._capture, None
+        cap, self._capture = self._capture, None
+        if cap is not None:
             cap.stop()
 
     def set_probe(self, prompts: list[list[int]], stop_token_ids) -> None:  # the probe canary's recent prompts
@@ -392,8 +392,8 @@ class DraftTracker:
         state = whole(state, shared)
         if folder is not None and self.trainer is not None:
             self.trainer.load(Path(folder) / "trainer.pt", weights=state["trained"])
-            for note in filter(None, [self.trainer.buffer_note]):  # what it could not keep of the saved buffer
-                self.log(f"[drafttrain] {note}")
+            if self.trainer.buffer_note:  # what it could not keep of the saved buffer and random state
+                self.log(f"[drafttrain] {self.trainer.buffer_note}")
         self.scorer.load_state_dict(state)
         self.policy_version = state["policy_version"]
         self.bank.load_state_dict(state)

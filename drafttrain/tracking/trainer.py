@@ -30,17 +30,22 @@ from accelerate.utils import DistributedType
 
 from drafttrain.checkpoint import load_checkpoint
 from drafttrain.config import ConfigError
+from drafttrain.device import generator_state, load_generator_state, module_device, to_device
 from drafttrain.drafters import ttt
 from drafttrain.drafters.targets import Targets
 from drafttrain.train_config import check_train
 
 
-def make_accelerator() -> Accelerator:
-    """The job's Accelerator, as the launcher's accelerate config says: one process; N processes with DDP; or N
-    processes with DeepSpeed, whose engine then trains the drafter (the policy is not given to it)."""
+def make_accelerator(device: torch.device | str = "cpu") -> Accelerator:
+    """The job's Accelerator on the run's device (run.device), as the launcher's accelerate config says: one
+    process; N processes with DDP; or N processes with DeepSpeed, whose engine then trains the drafter (the policy
+    is not given to it). Mixed precision is the launcher's (--mixed_precision bf16: the drafter's forward)."""
     deepspeed = os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
+    device = torch.device(device)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)  # accelerate places on the current CUDA device
     # accelerate turns DeepSpeed off under cpu=True; without a GPU its engine runs on the CPU anyway
-    return Accelerator(cpu=not deepspeed, kwargs_handlers=process_group_kwargs())
+    return Accelerator(cpu=not deepspeed and device.type == "cpu", kwargs_handlers=process_group_kwargs())
 
 
 def process_group_kwargs(cuda: bool | None = None) -> list:
@@ -76,7 +81,7 @@ class _TTTLoss(nn.Module):
         super().__init__()
         self.drafter, self.steps, self.decay, self.query_frac = drafter, steps, decay, query_frac
         self.objective = objective
-        self.gen = torch.Generator().manual_seed(seed)
+        self.gen = torch.Generator(device=module_device(drafter)).manual_seed(seed)  # on the draws' device
         self.head = None  # the targets' TargetHead, set per step (a plain attribute: DDP sees only the tensors)
 
     def forward(self, aux, next_ids, hidden, valid, first_ids=None):
@@ -88,9 +93,10 @@ class _TTTLoss(nn.Module):
 class DrafterTrainer:
     def __init__(self, drafter, cfg_train, drafter_cfg, accelerator: Accelerator | None = None, buffer=None,
                  head=None):
-        self.acc = accelerator or Accelerator(cpu=True)
+        # hooks users: the drafter's device (build_drafter puts it on the policy's)
+        self.acc = accelerator or make_accelerator(module_device(drafter))
         self.head = head  # the policy's LM head (TargetHead): the default for step()
-        self.buffer_note: str | None = None  # what load() could not keep of a saved buffer, for the caller to say
+        self.buffer_note: str | None = None  # what load() could not keep (buffer, random state), for the caller to say
         self.deepspeed = self.acc.distributed_type == DistributedType.DEEPSPEED
         if self.deepspeed:
             _configure_deepspeed(self.acc, cfg_train)
@@ -124,14 +130,14 @@ class DrafterTrainer:
         self.ttt.head = head if head is not None else self.head
         if self.ttt.head is None:
             raise ValueError("DrafterTrainer.step: no LM head for the targets (give head= to the trainer or the step)")
-        loss, accs = self.model(batch["aux"].to(dev, torch.float32), batch["next_ids"].to(dev),
-                                batch["hidden"].to(dev), batch["valid"].to(dev),
-                                first_ids=batch["first_ids"].to(dev) if "first_ids" in batch else None)
+        batch = to_device(dict(batch), dev)  # from pinned host memory: not blocking
+        loss, accs = self.model(batch["aux"].float(), batch["next_ids"], batch["hidden"], batch["valid"],
+                                first_ids=batch.get("first_ids"))
         if self.deepspeed:
             return self._deepspeed_step(loss, accs)
         self.acc.backward(loss)
         gn = self.acc.clip_grad_norm_(self.params, self.cfg.max_grad_norm)  # synced grads: same on every process
-        gn = torch.as_tensor(gn, dtype=torch.float32)
+        gn = torch.as_tensor(gn, dtype=torch.float32, device=dev)
         bad = torch.tensor([float(not torch.isfinite(loss.detach())) + float(not torch.isfinite(gn))], device=dev)
         bad = bool(self.acc.reduce(bad, "sum").item() > 0)  # every process takes the same branch
         if not bad:
@@ -193,7 +199,7 @@ class DrafterTrainer:
         whose engine state holds the weights either way."""
         path = Path(path)
         state: dict = {"step": self.step_count, "world": self.acc.num_processes, "extra": extra or {},
-                       "ttt_gen": self.ttt.gen.get_state()}
+                       "ttt_gen": generator_state(self.ttt.gen)}
         if self.buffer is not None:
             state["buffer"] = self.buffer.state_dict()
         if self.deepspeed:
@@ -279,5 +285,6 @@ class DrafterTrainer:
 
     def _load_own(self, own: dict) -> dict:
         if "ttt_gen" in own:  # absent from states written before it was saved: the generator stays as it is
-            self.ttt.gen.set_state(own["ttt_gen"])
+            note = load_generator_state(self.ttt.gen, own["ttt_gen"], "train.query_frac's position draws")
+            self.buffer_note = "; ".join(filter(None, [self.buffer_note, note])) or None
         return own["extra"]

@@ -132,3 +132,26 @@ def test_an_earlier_kept_checkpoint_resumes_exactly_in_a_copied_folder(policy_di
     recs = _run(policy_dir, out, "run.checkpoint_every=1", "run.keep_checkpoints=1")
     _same_run(out, recs, *reference)
     assert sorted(p.name for p in (out / "ckpt").glob("step-*")) == ["step-5"]
+
+
+def test_a_checkpoint_written_on_a_gpu_resumes_on_the_cpu_saying_so_in_one_line(policy_dir, tmp_path, reference,
+                                                                                capsys):
+    """The checkpoint of step 4 as a CUDA run writes it (its device random state a CUDA generator's), resumed on
+    this CPU: one line says that state does not move to the CPU, and the run ends as it did (everything it draws
+    on the CPU resumes exactly)."""
+    out = tmp_path / "copy"
+    shutil.copytree(reference[0], out)
+    shutil.rmtree(out / "ckpt" / "step-5")
+    (out / "ckpt" / "finished").unlink()
+    (out / "ckpt" / "latest").write_text("step-4")
+    path = out / "ckpt" / "step-4" / "state.pt"
+    state = load_checkpoint(path)
+    assert state["device_rng"] is None  # written on the CPU: its random state is torch.get_rng_state()'s
+    state["device_rng"] = {"device": "cuda", "state": torch.zeros(16, dtype=torch.uint8)}
+    torch.save(state, path)
+    capsys.readouterr()
+    recs = _run(policy_dir, out)
+    cap = capsys.readouterr()
+    said = [ln for ln in (cap.out + cap.err).splitlines() if "run.device:" in ln]
+    assert len(said) == 1 and "written on cuda, this run is on cpu" in said[0], said
+    _same_run(out, recs, *reference)
