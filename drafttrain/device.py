@@ -20,14 +20,19 @@ KEY = "run.device"
 
 def resolve_device(spec: str = "auto", key: str = KEY) -> torch.device:
     """auto | cpu | cuda | cuda:N -> torch.device. auto and cuda take the process's local GPU (LOCAL_RANK under a
-    launcher) when torch sees one; auto falls back to the CPU."""
+    launcher) when torch sees one; auto falls back to the CPU, also under an accelerate config with use_cpu (its
+    processes are CPU processes: recipes/accelerate/ddp2.yaml), which cuda is refused under."""
     spec = str(spec).strip().lower()
     n = torch.cuda.device_count() if torch.cuda.is_available() else 0
     local = int(os.environ.get("LOCAL_RANK", "0"))
-    if spec == "cpu":
+    cpu_launch = os.environ.get("ACCELERATE_USE_CPU", "").strip().lower() in ("1", "true", "yes")
+    if spec == "cpu" or (spec == "auto" and cpu_launch):
         return torch.device("cpu")
     if spec == "auto":
         return torch.device("cuda", local % n) if n else torch.device("cpu")
+    if cpu_launch and (spec == "cuda" or spec.startswith("cuda:")):
+        raise ValueError(f"{key}: {spec} asked for, but the accelerate config launched CPU processes (use_cpu): "
+                         f"launch with a GPU config (accelerate launch --multi_gpu --num_processes N ...) or use cpu")
     if spec == "cuda" or spec.startswith("cuda:"):
         if not n:
             raise ValueError(f"{key}: {spec} asked for, but torch sees no CUDA GPU here "

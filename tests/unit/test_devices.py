@@ -113,6 +113,10 @@ def test_run_device_resolves_and_says_in_one_line_what_the_machine_has(monkeypat
     monkeypatch.setenv("LOCAL_RANK", "1")  # a second process of a launcher on a machine with one GPU
     with pytest.raises(ValueError, match=r"run\.device: cuda \(local rank 1\) asked for, but this machine has 1"):
         resolve_device("cuda")
+    monkeypatch.setenv("ACCELERATE_USE_CPU", "True")  # an accelerate config with use_cpu (ddp2.yaml): CPU processes
+    assert resolve_device("auto") == torch.device("cpu")
+    with pytest.raises(ValueError, match=r"^run\.device: cuda:0 asked for, but the accelerate config launched CPU"):
+        resolve_device("cuda:0")
 
 
 def test_the_main_job_refuses_a_cuda_device_it_does_not_have_in_one_line(tmp_path):
