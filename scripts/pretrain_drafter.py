@@ -47,6 +47,7 @@ from tqdm import tqdm
 
 from drafttrain.config import ConfigError, load_recipe, resolve_path, sampling_params
 from drafttrain.data import Prompts, stop_ids
+from drafttrain.device import resolve_device
 from drafttrain.drafters import TargetHead, build_drafter
 from drafttrain.drafters.base import save_drafter
 from drafttrain.engines import build_engine
@@ -90,9 +91,13 @@ def main(pc: PretrainConfig) -> dict:
     if pc.threads:
         torch.set_num_threads(pc.threads)
     cfg = load_recipe(pc.recipe, [*RECIPE_DEFAULTS, *pc.overrides, "drafter.path=null"])
-    acc = make_accelerator()  # as launched: one process, DDP, or DeepSpeed ZeRO (accelerate config)
+    try:
+        device = resolve_device(cfg.run.device, "overrides: run.device")  # the recipe's run.device (auto: a GPU)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    acc = make_accelerator(device)  # as launched: one process, DDP, or DeepSpeed ZeRO (accelerate config)
     rank, world, main_proc = acc.process_index, acc.num_processes, acc.is_main_process
-    policy, tok = load_policy(str(resolve_path(cfg.policy.path)), cfg.engine.kind)
+    policy, tok = load_policy(str(resolve_path(cfg.policy.path)), cfg.engine.kind, device)
     prompts = Prompts(cfg.data, cfg.reward, tok, stop_ids(policy, tok))  # the task's, or data.path's
     torch.manual_seed(pc.seed)
     drafter = build_drafter(cfg.drafter, policy)
