@@ -106,9 +106,9 @@ def generator_state(gen: torch.Generator) -> dict:
 def load_generator_state(gen: torch.Generator, saved, what: str) -> str | None:
     """Restore saved (generator_state's dict, or an older bare state: a CPU generator's) into gen. A CPU and a CUDA
     generator's states do not convert: gen then keeps its seed and the one line returned says so."""
-    kind, state = (saved["device"], saved["state"]) if isinstance(saved, dict) else ("cpu", saved)
-    if kind != gen.device.type:
-        return (f"{what}: the checkpoint's random state is a {kind} generator's and this run's is on "
+    saved_on, state = (saved["device"], saved["state"]) if isinstance(saved, dict) else ("cpu", saved)
+    if saved_on != gen.device.type:
+        return (f"{what}: the checkpoint's random state is a {saved_on} generator's and this run's is on "
                 f"{gen.device.type}: it cannot move between them, so these draws restart from the seed (weights, "
                 f"optimizer and buffer are restored exactly)")
     gen.set_state(state)
