@@ -9,6 +9,7 @@
 #   contract, bench_rollout   the vLLM engine's contract tests and bench_rollout's vLLM rows, where vllm imports
 #   bash scripts/gpu_check.sh [OUT.json]          # default gpu_check.json
 #   bash scripts/gpu_check.sh --cpu OUT.json      # the same stages on the CPU at smoke size (CI; vLLM stages skipped)
+# E2E_STEPS=N: bench_e2e's RL steps per arm on the GPU (default 6, a guess at what fits its 225 s; not timed on a GPU)
 # An offline machine without omegaconf takes it from the wheels scripts/gpu_wheels.sh downloaded where the package
 # index is (GPU_WHEELS, default gpu_wheels/), unpacked into a folder put on PYTHONPATH: nothing is installed.
 set -uo pipefail
@@ -27,14 +28,16 @@ if [ "$MODE" = gpu ]; then
 else
     DEV=cpu
     echo "cpu (--cpu: smoke sizes)" > "$TMP/gpu.txt"
-    E2E="rl.steps=2,rl.prompts_per_step=2,rl.group_size=2,sampling.max_new_tokens=16,rl.eval_prompts=4,online.canary_max_new_tokens=8"
+    E2E="rl.steps=2,rl.prompts_per_step=2,rl.group_size=2,sampling.max_new_tokens=16,rl.eval_prompts=4"
+    E2E="$E2E,online.canary_max_new_tokens=8"
     DECODE="model=tiny gpu=H100 batches=[1] ctx=16 new_tokens=2 repeats=1"
 fi
 SITE=""
 if ! python -c "import omegaconf" 2>/dev/null; then  # the offline GPU machine: the pure-Python wheels it lacks
     WHEELS=${GPU_WHEELS:-gpu_wheels}
     ls "$WHEELS"/*.whl > /dev/null 2>&1 \
-        || { echo "error: omegaconf is missing and $WHEELS/ holds no wheels: run bash scripts/gpu_wheels.sh $WHEELS where the package index is"; exit 2; }
+        || { echo "error: omegaconf is missing and $WHEELS/ holds no wheels (bash scripts/gpu_wheels.sh $WHEELS" \
+                  "where the package index is)"; exit 2; }
     SITE="$TMP/site"
     for w in "$WHEELS"/*.whl; do python -m zipfile -e "$w" "$SITE" || exit 2; done
 fi
@@ -48,7 +51,9 @@ elif ! python -c "import vllm" > "$TMP/vllm.txt" 2>&1; then
     SKIP[bench_rollout]=${SKIP[contract]}
 fi
 # the main job at a small size: 2 prompts x 2 samples, short responses, a tiny held-out evaluation
-SMOKE="rl.prompts_per_step=2 rl.group_size=2 rl.micro_batch=4 engine.max_batch=4 sampling.max_new_tokens=32 rl.eval_prompts=4 online.steps_per_update=2 online.measure_rows=4 online.canary_prompts=2 online.canary_max_new_tokens=8 train.batch_size=4 run.tensorboard=false"
+SMOKE="rl.prompts_per_step=2 rl.group_size=2 rl.micro_batch=4 engine.max_batch=4 sampling.max_new_tokens=32"
+SMOKE="$SMOKE rl.eval_prompts=4 online.steps_per_update=2 online.measure_rows=4 online.canary_prompts=2"
+SMOKE="$SMOKE online.canary_max_new_tokens=8 train.batch_size=4 run.tensorboard=false"
 
 report() {  # gpu_check.json from the stages so far (TMP/stages.txt) and their outputs
 python - "$TMP" "$OUT" "$MODE" <<'PY'
@@ -89,7 +94,7 @@ step() {  # step NAME TIMEOUT_S CMD...: run one stage (or record its skip), keep
         echo "$name - 0 $limit ${SKIP[$name]}" >> "$TMP/stages.txt"
         echo "[gpu_check] $name: skipped (${SKIP[$name]})"
     else
-        timeout "$limit" "$@" > "$TMP/$name.log" 2>&1
+        timeout -k 5 "$limit" "$@" > "$TMP/$name.log" 2>&1  # the stage's process group: its children too
         rc=$?
         if [ "$name" = cuda_tests ] && [ $rc = 5 ]; then  # pytest: no test carries the cuda marker
             echo "$name - $((SECONDS - t0)) $limit no test is marked cuda" >> "$TMP/stages.txt"
@@ -107,4 +112,10 @@ step bench_e2e 225 python scripts/bench_e2e.py seeds=[0] arms=[ar,tracking] "ove
 step decode_8b 60 python scripts/gpu_check.py $DECODE backend=torch device=$DEV "out=$TMP/decode_8b.json"
 step contract 70 python -m pytest -q -x -m vllm tests/test_contract.py -p no:cacheprovider
 step bench_rollout 50 python scripts/bench_rollout.py vllm=true batches=[1,16] n_prompts=32 max_new_tokens=128 vllm_batches=[1,16] "out=$TMP/rollout.json"
-python -c "import json, sys; r = json.load(open(sys.argv[1])); bad = [k for k, s in r['stages'].items() if not (s['rc'] == 0 or s['skipped'])]; print('all stages passed' if not bad else 'FAILED: ' + ', '.join(bad), '->', sys.argv[1]); sys.exit(1 if bad else 0)" "$OUT"
+python - "$OUT" <<'PY'
+import json, sys
+stages = json.load(open(sys.argv[1]))["stages"]
+bad = [k for k, s in stages.items() if not (s["rc"] == 0 or s["skipped"])]
+print("all stages passed" if not bad else "FAILED: " + ", ".join(bad), "->", sys.argv[1])
+sys.exit(1 if bad else 0)
+PY
