@@ -408,9 +408,12 @@ NOT_RUN: list[NotRun] = [
            "tests/unit/test_bench_e2e.py runs it on run folders it builds"),
     NotRun("python scripts/gpu_check.py", "needs a CUDA GPU (vLLM on the 8B shape); CI has none"),
     NotRun("python scripts/gpu_check.py backend=torch batches=[1,16] out=/tmp/gpu_check.json", "needs a CUDA GPU"),
-    NotRun("bash scripts/gpu_check.sh", "needs a CUDA GPU and installs the CUDA vLLM; tests/unit/test_gpu_check.py "
-           "checks its syntax and its refusal without a GPU"),
-    NotRun("PIP_FIND_LINKS=/path/to/wheels PIP_NO_INDEX=1 bash scripts/gpu_check.sh", "needs a CUDA GPU"),
+    NotRun("bash scripts/gpu_check.sh", "needs a CUDA GPU; tests/unit/test_gpu_check.py checks its stages, their "
+           "timeouts and its refusal without a GPU, tests/integration/test_gpu_check_cpu.py runs its --cpu mode"),
+    NotRun("bash scripts/gpu_check.sh --cpu out.json", "run by tests/integration/test_gpu_check_cpu.py (every stage at "
+           "smoke size, pip and python shimmed to refuse installing torch or vllm)"),
+    NotRun("bash scripts/gpu_wheels.sh gpu_wheels", "downloads from the package index; tests/unit/test_gpu_check.py "
+           "checks what it asks pip for"),
     # the README's "Your own model": both need the user's checkpoint and prompts
     NotRun("python scripts/pretrain_drafter.py policy.path=/models/my-qwen3 data.path=/data/prompts.jsonl "
            "reward.fn=my_rewards:score out=/models/my-qwen3-eagle3 cache=/data/features",

@@ -1,4 +1,5 @@
-"""scripts/gpu_check.py (decode step measured vs the simulator's roofline) and scripts/gpu_check.sh, where no GPU is."""
+"""scripts/gpu_check.py (decode step measured vs the simulator's roofline) and scripts/gpu_check.sh, where no GPU is
+(its --cpu run: tests/integration/test_gpu_check_cpu.py)."""
 from __future__ import annotations
 
 import json
@@ -68,3 +69,37 @@ def test_every_path_the_shell_script_runs_exists():
     assert any(a.startswith("tests/") for a in paths)
     missing = [a for a in paths if not (ROOT / a).exists()]
     assert not missing, missing
+
+
+STAGES = ["smoke", "cuda_tests", "bench_e2e", "decode_8b", "contract", "bench_rollout"]
+
+
+def step_lines() -> list[list[str]]:
+    import shlex
+
+    text = (ROOT / "scripts" / "gpu_check.sh").read_text()
+    return [shlex.split(line)[1:] for line in text.splitlines() if line.startswith("step ")]
+
+
+def test_stages_fit_one_device_command():
+    """The stages, in order, whose timeouts add to at most 540 s (one device command may run 600 s)."""
+    steps = step_lines()
+    assert [s[0] for s in steps] == STAGES
+    assert sum(int(s[1]) for s in steps) <= 540
+
+
+def test_nothing_is_installed_on_the_gpu_machine():
+    """The machine's CUDA torch stays: the script never runs pip install (nor pip at all: wheels are unpacked), and
+    runs drafttrain from the repository (no pip install -e); gpu_wheels.sh downloads pure-Python wheels only."""
+    import re
+
+    text = (ROOT / "scripts" / "gpu_check.sh").read_text()
+    code = "\n".join(line.split("#")[0] for line in text.splitlines())
+    assert not re.search(r"\bpip\b", code), "gpu_check.sh calls pip"
+    assert "run.device=$DEV" in code and 'PYTHONPATH="$PWD' in code
+    wheels = (ROOT / "scripts" / "gpu_wheels.sh").read_text()
+    assert subprocess.run(["bash", "-n", str(ROOT / "scripts" / "gpu_wheels.sh")]).returncode == 0
+    assert "pip download" in wheels and "pip install" not in wheels
+    for flag in ("--no-deps", "--only-binary=:all:", "--python-version 3.12", "--platform any"):
+        assert flag in wheels, flag
+    assert "pin omegaconf" in wheels and "omegaconf==" in (ROOT / "constraints.txt").read_text()
