@@ -68,6 +68,15 @@ def fold_norm(weight: torch.Tensor, norm_w: torch.Tensor) -> torch.Tensor:
     return weight * (norm_w * norm_w.shape[-1] ** 0.5)
 
 
+def device_of(module) -> torch.device:
+    """The device a module's tensors live on (its first parameter's or buffer's; the CPU for a module with none)."""
+    for t in module.parameters():
+        return t.device
+    for t in module.buffers():
+        return t.device
+    return torch.device("cpu")
+
+
 class Rope:
     """cos/sin tables [max_len, D] from an inv_freq vector (HF's, so any rope scaling it applied carries over)."""
 

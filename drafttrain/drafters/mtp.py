@@ -41,7 +41,7 @@ from drafttrain.drafters.eagle3 import rope_theta_of
 from drafttrain.drafters.speculators import read_speculators_config, read_weights
 from drafttrain.drafters.weights import check_tensors
 from drafttrain.modeling import PackedLinear, Rope, fold_norm, linear, rms_norm, rms_unit
-from drafttrain.quant import AoInt8
+from drafttrain.quant import quant_linear
 
 KIND = "mtp"
 
@@ -141,7 +141,7 @@ class MtpDrafter(ChainDrafter):
             ws = [w.detach().float().clone() for w in ws]
             if norm is not None:
                 ws = [fold_norm(w, norm.detach().float()) for w in ws]
-            return AoInt8(ws, None, 0) if int8 else PackedLinear.wrap(torch.cat(ws).contiguous())
+            return quant_linear("int8", "ao", ws, None, 0) if int8 else PackedLinear.wrap(torch.cat(ws).contiguous())
 
         self._fused = {"c": torch.tensor((self.config.hidden_size * self.config.rms_norm_eps) ** 0.5),  # rms_unit's
                        "emb": self.embed_tokens.weight.detach().float().clone(), "fc": make(self.fc.weight),

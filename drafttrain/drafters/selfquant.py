@@ -20,6 +20,7 @@ cache extension pads rows to the longest (stale padding entries are masked, then
 from __future__ import annotations
 
 import copy
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -28,7 +29,7 @@ import torch.nn as nn
 from drafttrain.drafters.contract import Drafter, Reads
 from drafttrain.drafters.weights import check_finite, check_tensors
 from drafttrain.modeling import KVCache, LeanLlama, Rope, lean_parts, rms_norm
-from drafttrain.quant import LINEARS, QuantLinear, check_backend
+from drafttrain.quant import QuantLinear, check_backend, quant_linear
 from drafttrain.spec import draft_chain
 
 
@@ -74,9 +75,9 @@ class SelfQuantDrafter(nn.Module, Drafter):
         # names/shapes a policy state_dict must have (meta tensors: no memory, no reference to the policy)
         self._policy_keys = {k: torch.empty(v.shape, dtype=v.dtype, device="meta") for k, v in sd.items()}
         sizes = {k: (sum(w.shape[0] for w in v), v[0].shape[1]) for k, v in t.items() if _is_linear(k)}
-        check_backend(quant, backend, group_size, sizes)
+        check_backend(quant, backend, group_size, sizes, t["embed"].device)
         self.quant, self.backend, self.group_size = quant, backend, group_size
-        make = LINEARS[(quant, backend)]
+        make = functools.partial(quant_linear, quant, backend)  # the form that runs on the policy's device
         fp32 = lambda x: x.detach().float().clone()  # noqa: E731
         weights = {"embed": fp32(t["embed"]), "norm": fp32(t["norm"]),
                    "lm_head": make(t["lm_head"], None, group_size)}
