@@ -178,7 +178,7 @@ class Eagle3Drafter(ChainDrafter):
                     w[:, cols] = fold_norm(w[:, cols], norm.detach().float())
             return quant_linear("int8", "ao", ws, None, 0) if int8 else PackedLinear.wrap(torch.cat(ws).contiguous())
 
-        self._fused = {"c": torch.tensor((H * c.rms_norm_eps) ** 0.5),  # rms_unit's constant
+        self._fused = {"c": torch.tensor((H * c.rms_norm_eps) ** 0.5, device=self.fc.weight.device),  # rms_unit's c
                        "emb": rms_norm(self.embed_tokens.weight.float(), L.input_layernorm, c.rms_norm_eps),
                        "qkv": make(a.q_proj.weight, a.k_proj.weight, a.v_proj.weight, norm=L.hidden_norm,
                                    cols=slice(H, 2 * H)),

@@ -51,6 +51,11 @@ class TorchEngine:
 
     # ---- drafter hot-swap ---------------------------------------------------------------------------------
     @property
+    def device(self) -> torch.device:
+        """The policy's device: the engine's caches, indices, generator and drafters live there."""
+        return self.lean.device
+
+    @property
     def drafter_version(self) -> int:
         return self._active[1] if self._active else -1
 
@@ -60,7 +65,7 @@ class TorchEngine:
 
     def _runtime(self, drafter, owned: bool = False):
         """The inference copy of `drafter` (runtime_copy), with its in-use lock."""
-        rt = runtime_copy(drafter, self.cfg.drafter_int8, owned)
+        rt = runtime_copy(drafter, self.cfg.drafter_int8, owned, self.device)
         rt.bind_policy(self.policy)  # a drafter reading the policy's own weights (an MTP head's LM head) reads ours
         self._in_use[id(rt)] = threading.Lock()
         return rt
@@ -161,7 +166,7 @@ class TorchEngine:
         self._check_prompts(prompts)
         if params.seed is None:
             self._seed += 1
-        gen = torch.Generator().manual_seed(params.seed if params.seed is not None else self._seed)
+        gen = torch.Generator(device=self.device).manual_seed(params.seed if params.seed is not None else self._seed)
         m = self.cfg.max_batch
         waves = [self._wave(prompts[i:i + m], params, speculative, gen) for i in range(0, len(prompts), m)]
         return waves[0] if len(waves) == 1 else join_waves(waves)
@@ -210,32 +215,32 @@ class _Wave:
         # rows in the order of share_prompts: each distinct prompt's first copy, then the repeats (a GRPO batch
         # holds G copies of each prompt), which take the prefill's cache and outputs instead of recomputing them
         self.order, src = share_prompts(prompts)
-        lens = torch.tensor([len(prompts[b]) for b in self.order])
-        P = int(lens.max())
+        dev = self.dev = eng.device
         self.t_start = time.perf_counter()  # after any (re)calibration of the schedule
+        lens_l = [len(prompts[b]) for b in self.order]
+        lens, P = torch.tensor(lens_l, device=dev), max(lens_l)
         self.L = L = min(eng.lean.max_len, P + self.params.max_new_tokens + self.k_max + 1)
-        tokens = torch.zeros(B, P, dtype=torch.long)
-        for i, b in enumerate(self.order):
-            tokens[i, : len(prompts[b])] = torch.tensor(prompts[b])
+        tokens = torch.tensor([list(prompts[b]) + [0] * (P - n) for b, n in zip(self.order, lens_l)], device=dev)
         self.cache = eng.lean.new_cache(B, L)
         self.dstate = self.drafter.new_state(B, L, tokens) if self.drafter is not None else None
         U = B - len(src)  # distinct prompts: the prefill runs on these rows only
         head = self.cache.head(U) if src else self.cache
-        h, aux = eng.lean.forward(tokens[:U], torch.zeros(U, dtype=torch.long), head, self.aux_ids, self.final,
-                                  head=False)  # [U, P, hidden]: the head runs on the last positions alone
-        rows = from_prefill = torch.arange(B)  # the prefill row each row reads
+        h, aux = eng.lean.forward(tokens[:U], torch.zeros(U, dtype=torch.long, device=dev), head, self.aux_ids,
+                                  self.final, head=False)  # [U, P, hidden]: the head runs on the last positions alone
+        rows = from_prefill = torch.arange(B, device=dev)  # the prefill row each row reads
         if src:
-            self.cache.fill_rows(head, torch.tensor(src))
-            from_prefill = torch.cat([torch.arange(U), torch.tensor(src)])
+            src_t = torch.tensor(src, device=dev)
+            self.cache.fill_rows(head, src_t)
+            from_prefill = torch.cat([torch.arange(U, device=dev), src_t])
             aux = None if aux is None else aux[from_prefill]
         h = h[from_prefill, lens - 1].unsqueeze(1)  # [B, 1, hidden]: the last prompt position's
-        empty = torch.zeros(B, 0, dtype=torch.long)
+        empty = torch.zeros(B, 0, dtype=torch.long, device=dev)
         self.out, self.n, self.lp = sample_step(h, None, empty, self.params, self.gen, eng.lean)
         # drafter inputs: position t of the prompt pairs aux_t with token_{t+1}; the last one is the sampled token
         nxt = torch.cat([tokens[:, 1:], tokens.new_zeros(B, 1)], 1)
         nxt[rows, lens - 1] = self.out[:, 0]
         # the drafter's pending input: positions committed since it last ran (ragged: n_new[b] of them per row)
-        self.pend = Pending(nxt, aux, lens.clone(), torch.zeros(B, dtype=torch.long))
+        self.pend = Pending(nxt, aux, lens.clone(), torch.zeros(B, dtype=torch.long, device=dev))
         self.pos = lens.clone()  # position of the last committed token, fed next
         self.row_ids = self.order  # original index of each active row
         self.last = self.out[:, 0]
@@ -271,7 +276,7 @@ class _Wave:
                 self.ctl.observe(n_l, self.k, emitted)
         self.dropped = bool(done)
         if done:
-            keep = keep_order(len(self.row_ids), done)  # moves the fewest rows of every cache
+            keep = keep_order(len(self.row_ids), done, self.dev)  # moves the fewest rows of every cache
             self.row_ids = [self.row_ids[j] for j in keep.tolist()]
             if not self.row_ids:
                 return False
@@ -310,7 +315,7 @@ class _Wave:
         """(drafts [Bn, k], their probabilities or None): the drafter takes the positions committed since it last
         ran, then chains k drafts; none at k = 0."""
         if self.k == 0:
-            return torch.zeros(Bn, 0, dtype=torch.long), None
+            return torch.zeros(Bn, 0, dtype=torch.long, device=self.dev), None
         with self.engine._in_use[id(self.drafter)]:
             d, q = self.drafter.propose(self.dstate, *self.pend.view(), self.k, self.params, self.greedy_drafts,
                                         self.gen)
