@@ -35,12 +35,12 @@ before any). Ratios, not ms: a ratio learnt at batch 64 transfers to batch 1 abo
 from __future__ import annotations
 
 import bisect
-import time
 from collections import deque
 from dataclasses import dataclass, field
 
 import torch
 
+from drafttrain.device import now
 from drafttrain.spec import SamplingParams, expected_tokens
 from drafttrain.spec.stats import drafts_kept
 
@@ -345,9 +345,9 @@ def measure_costs(engine, batch: int, tokens_per_row: list[int], k: int, context
         best = dict.fromkeys(pieces, float("inf"))
         for _ in range(repeats):
             for key, fn in pieces.items():
-                t0 = time.perf_counter()
+                t0 = now(dev)
                 fn()
-                best[key] = min(best[key], (time.perf_counter() - t0) * 1e3)
+                best[key] = min(best[key], (now(dev) - t0) * 1e3)  # synchronized: the device's time, not launches
         return best
 
     cache = lean.new_cache(batch, L)

@@ -14,10 +14,10 @@ from __future__ import annotations
 
 import copy
 import threading
-import time
 
 import torch
 
+from drafttrain.device import now
 from drafttrain.drafters.base import check_compatible, runtime_copy
 from drafttrain.drafters.pending import Pending
 from drafttrain.drafters.weights import check_finite
@@ -93,18 +93,18 @@ class TorchEngine:
         if version <= self.drafter_version:
             raise StaleVersionError(f"load_drafter: version {version} is not newer than the served version "
                                     f"{self.drafter_version}")
-        t0 = time.perf_counter()
+        t0 = now(self.device)
         with self._stage_lock:
             rt = self._stage(weights)
-            t1 = time.perf_counter()
+            t1 = now(self.device)
             with self._swap_lock:
                 if version <= self.drafter_version:
                     raise StaleVersionError(f"load_drafter: version {version} lost a race to {self.drafter_version}")
                 old, self._active = self._active[0], (rt, version)
             if rt is self._standby:
                 self._standby = old
-        self.last_swap_s = time.perf_counter() - t0  # staging (copy, validate, quantize) + the swap itself
-        self.last_swap_critical_s = time.perf_counter() - t1  # the part a decode step could wait on
+        self.last_swap_s = now(self.device) - t0  # staging (copy, validate, quantize) + the swap itself
+        self.last_swap_critical_s = now(self.device) - t1  # the part a decode step could wait on
         self._draft_cost_stale = True  # recalibrated (drafter part only) before the next generation
 
     def controller(self):
@@ -216,7 +216,7 @@ class _Wave:
         # holds G copies of each prompt), which take the prefill's cache and outputs instead of recomputing them
         self.order, src = share_prompts(prompts)
         dev = self.dev = eng.device
-        self.t_start = time.perf_counter()  # after any (re)calibration of the schedule
+        self.t_start = now(dev)  # after any (re)calibration of the schedule
         lens_l = [len(prompts[b]) for b in self.order]
         lens, P = torch.tensor(lens_l, device=dev), max(lens_l)
         self.L = L = min(eng.lean.max_len, P + self.params.max_new_tokens + self.k_max + 1)
@@ -244,7 +244,7 @@ class _Wave:
         self.pos = lens.clone()  # position of the last committed token, fed next
         self.row_ids = self.order  # original index of each active row
         self.last = self.out[:, 0]
-        self.t_prev = time.perf_counter()
+        self.t_prev = now(dev)
         self.prefill_s = self.t_prev - self.t_start
 
     def _full(self, b: int) -> bool:
@@ -303,7 +303,7 @@ class _Wave:
         self.step_k.append(self.k)
         catch_up = self.pend.width() if self.k > 0 else 0  # pending positions the drafter extends its cache by
         self._verify(Bn, *self._draft(Bn))
-        self.ends.append(time.perf_counter())
+        self.ends.append(now(self.dev))
         # typical: not a one-off catch-up (prompt, or after AR steps), nor a step that also dropped finished rows
         # from every cache (a cost of the batch shrinking that AR and SD pay alike, in bursts)
         if ctl is not None:
@@ -340,7 +340,7 @@ class _Wave:
             self.drafter.complete(self.dstate, [list(self.prompts[b]) + self.resp[b] for b in self.order])
         timeline = Timeline(self.ends, self.schedule, self.step_batch, self.step_tokens, self.prefill_s, self.step_k)
         first = self.engine.drafter_version if not self.versions else self.versions[0]
-        return RolloutBatch(self.resp, self.lps, self.stats, first, self.reasons, time.perf_counter() - self.t_start,
+        return RolloutBatch(self.resp, self.lps, self.stats, first, self.reasons, now(self.dev) - self.t_start,
                             self.versions, timeline)
 
 
