@@ -68,23 +68,37 @@ def fold_norm(weight: torch.Tensor, norm_w: torch.Tensor) -> torch.Tensor:
     return weight * (norm_w * norm_w.shape[-1] ** 0.5)
 
 
-class Rope:
-    """cos/sin tables [max_len, D] from an inv_freq vector (HF's, so any rope scaling it applied carries over)."""
+def device_of(module) -> torch.device:
+    """The device a module's tensors live on (its first parameter's or buffer's; the CPU for a module with none)."""
+    for t in module.parameters():
+        return t.device
+    for t in module.buffers():
+        return t.device
+    return torch.device("cpu")
+
+
+class Rope(torch.nn.Module):
+    """cos/sin tables [max_len, D] from an inv_freq vector (HF's, so any rope scaling it applied carries over), on
+    inv_freq's device. Non-persistent buffers: `.to()` on a module holding it moves them; no state_dict entry."""
 
     def __init__(self, inv_freq: torch.Tensor, max_len: int, scaling: float = 1.0):
-        t = torch.arange(max_len, dtype=torch.float32)
+        super().__init__()
+        t = torch.arange(max_len, dtype=torch.float32, device=inv_freq.device)
         freqs = torch.outer(t, inv_freq.float())  # [L, D/2]
         emb = torch.cat((freqs, freqs), dim=-1)  # [L, D]
-        self.cos, self.sin = emb.cos() * scaling, emb.sin() * scaling
+        self.register_buffer("cos", emb.cos() * scaling, persistent=False)
+        self.register_buffer("sin", emb.sin() * scaling, persistent=False)
         self.max_len = max_len
         half = emb.shape[-1] // 2
         # rotate_half(x) * sin == x.roll(D/2) * sin with the sign folded into the table's first half; cos and the
         # signed sin stacked [L, 2, D]: one gather per step reads both
-        self._cs = torch.stack([self.cos, torch.cat([-self.sin[:, :half], self.sin[:, half:]], -1)], 1)
+        self.register_buffer("_cs", torch.stack([self.cos, torch.cat([-self.sin[:, :half], self.sin[:, half:]], -1)],
+                                                1), persistent=False)
 
     @staticmethod
-    def from_theta(head_dim: int, theta: float, max_len: int) -> "Rope":
-        inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+    def from_theta(head_dim: int, theta: float, max_len: int, device: torch.device | str = "cpu") -> "Rope":
+        """device: where the tables are made (a module built on the CPU and moved later takes them along)."""
+        inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=device) / head_dim))
         return Rope(inv, max_len)
 
     def tables(self, pos: torch.Tensor, top: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -104,12 +118,13 @@ class Rope:
 class KVCache:
     """Static per-layer K/V buffers [B, Hkv, L, D]; rows can be dropped (finished rows cost nothing after)."""
 
-    def __init__(self, n_layers: int, batch: int, n_kv: int, max_len: int, head_dim: int, dtype=torch.float32):
+    def __init__(self, n_layers: int, batch: int, n_kv: int, max_len: int, head_dim: int, dtype=torch.float32,
+                 device: torch.device | str = "cpu"):
         shape = (batch, n_kv, max_len, head_dim)
         # uninitialized: zeroing B x L x layers up front cost more than a batch-64 prefill here; the forwards zero
         # what they expose (expose) before any read, so masked reads never see NaN garbage (0 * NaN = NaN)
-        self.k = [torch.empty(shape, dtype=dtype) for _ in range(n_layers)]
-        self.v = [torch.empty(shape, dtype=dtype) for _ in range(n_layers)]
+        self.k = [torch.empty(shape, dtype=dtype, device=device) for _ in range(n_layers)]
+        self.v = [torch.empty(shape, dtype=dtype, device=device) for _ in range(n_layers)]
         self.max_len = max_len
         self.used = 0  # positions [0, used) are finite (zeroed or written): the high-water mark of expose
 
@@ -131,8 +146,8 @@ class KVCache:
             self.v[layer][:, :, start:start + m].copy_(v)
             return
         if valid is None:
-            bi = torch.arange(B).view(B, 1, 1)
-            hi = torch.arange(H).view(1, H, 1)
+            bi = torch.arange(B, device=k.device).view(B, 1, 1)
+            hi = torch.arange(H, device=k.device).view(1, H, 1)
             self.k[layer].index_put_((bi, hi, pos.view(B, 1, m)), k)
             self.v[layer].index_put_((bi, hi, pos.view(B, 1, m)), v)
             return
@@ -161,7 +176,7 @@ class KVCache:
         (idx[j] != j; keep_order's order moves as few as there are holes), and only the positions written so far
         (`used`): a finished row costs a copy of a few rows' live prefix, not of every row, nor a new buffer."""
         n = self.used
-        dst = (idx != torch.arange(len(idx))).nonzero().squeeze(1)
+        dst = (idx != torch.arange(len(idx), device=idx.device)).nonzero().squeeze(1)
         src = idx[dst]
 
         def take(t):  # compacted into the first rows of the same buffer: no allocation (entries past `used` stay
@@ -189,13 +204,13 @@ def share_prompts(prompts: list[list[int]]) -> tuple[list[int], list[int]]:
     return order + rest, src
 
 
-def keep_order(n: int, done: list[int]) -> torch.Tensor:
+def keep_order(n: int, done: list[int], device: torch.device | str = "cpu") -> torch.Tensor:
     """The rows to keep when rows `done` of n finish, in the order that moves fewest (KVCache.select_rows): a kept
     row stays where it is unless it sits past the new end, and those fill the finished rows' places, in order."""
     gone = set(done)
     m = n - len(gone)
     tail = iter(j for j in range(m, n) if j not in gone)
-    return torch.tensor([next(tail) if j in gone else j for j in range(m)], dtype=torch.long)
+    return torch.tensor([next(tail) if j in gone else j for j in range(m)], dtype=torch.long, device=device)
 
 
 def step_mask(pos0: torch.Tensor, m: int, length: int, pos0_int: int | None = None) -> torch.Tensor | None:
@@ -204,9 +219,10 @@ def step_mask(pos0: torch.Tensor, m: int, length: int, pos0_int: int | None = No
     an int, where the caller has it (one row)."""
     if pos0.shape[0] == 1 and m == 1 and length == (int(pos0[0]) if pos0_int is None else pos0_int) + 1:
         return None
-    q = pos0.view(-1, 1, 1) + torch.arange(m).view(1, m, 1)  # [B, m, 1]
-    see = (torch.arange(length).view(1, 1, length) <= q).unsqueeze(1)
-    return torch.zeros(see.shape).masked_fill_(~see, float("-inf"))
+    dev = pos0.device
+    q = pos0.view(-1, 1, 1) + torch.arange(m, device=dev).view(1, m, 1)  # [B, m, 1]
+    see = (torch.arange(length, device=dev).view(1, 1, length) <= q).unsqueeze(1)
+    return torch.zeros(see.shape, device=dev).masked_fill_(~see, float("-inf"))
 
 
 def attend(q: torch.Tensor, cache: KVCache, layer: int, mask: torch.Tensor | None, length: int) -> torch.Tensor:
@@ -283,7 +299,8 @@ class LeanLlama:
         self.hidden = cfg.hidden_size
         self.vocab_size = cfg.vocab_size
         self.eps = cfg.rms_norm_eps
-        self._unit_c = torch.tensor((cfg.hidden_size * cfg.rms_norm_eps) ** 0.5)  # rms_unit's constant
+        self.device = device_of(model)  # the policy's: the caches, indices and tables it makes live there too
+        self._unit_c = torch.tensor((cfg.hidden_size * cfg.rms_norm_eps) ** 0.5, device=self.device)  # rms_unit's c
         max_pos = getattr(cfg, "max_position_embeddings", max_len)
         self.max_len = min(max_len, max_pos)
         rot = model.model.rotary_emb
@@ -329,7 +346,7 @@ class LeanLlama:
         return rms_unit(x, self._unit_c)
 
     def new_cache(self, batch: int, length: int) -> KVCache:
-        return KVCache(self.n_layers, batch, self.n_kv, length, self.head_dim)
+        return KVCache(self.n_layers, batch, self.n_kv, length, self.head_dim, device=self.device)
 
     @torch.no_grad()
     def logits(self, h: torch.Tensor) -> torch.Tensor:
@@ -344,7 +361,7 @@ class LeanLlama:
         prefill's [B, P, V] and a verify's [B, k+1, V] are GBs)."""
         B, m = tokens.shape
         H, Hkv, D = self.n_heads, self.n_kv, self.head_dim
-        pos = pos0.view(B, 1) + torch.arange(m).view(1, m) if m > 1 else pos0.view(B, 1)  # [B, m]
+        pos = pos0.view(B, 1) + torch.arange(m, device=pos0.device) if m > 1 else pos0.view(B, 1)  # [B, m]
         length = int(pos0.max()) + m
         mask = step_mask(pos0, m, length, length - m if B == 1 else None)  # [B, 1, m, length] or None
         start = length - m if B == 1 else None  # one row: its cache writes are a slice

@@ -14,11 +14,13 @@ The ao and bnb int8 kernels also quantize activations per call (dynamic W8A8); r
     bnb  Linear8bitLt (int8, row-wise absmax of the fp16 weight) / Linear4bit nf4 (blocksize = group_size): the
          GPU path. On CPU with AVX512-BF16, Linear4bit repacks its weight for its CPU kernel; we do so once at
          build and requantize into that layout.
-    ref  dequantize-then-matmul in fp32 (weight-only). A faithful acceptance study, not a fast path.
-quantize_module_int8(module): torch.ao dynamic int8 linears for a whole module (the embedded engine's drafter).
+    ref  weight-only (int8/int4 in memory, dequantized into the activation dtype in the matmul): portable; on CPU
+         an acceptance study, not a fast path. The ao kernels are CPU-only: elsewhere ao runs ref (backend_on).
+quantize_module_int8(module): torch.ao dynamic int8 linears for a whole module (CPU; elsewhere full precision).
 """
 from __future__ import annotations
 
+import functools
 import logging
 import warnings
 
@@ -26,8 +28,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from drafttrain.modeling import PackedLinear, linear
+from drafttrain.modeling import PackedLinear, device_of, linear
 
+_once = functools.lru_cache(maxsize=None)(logging.getLogger(__name__).warning)  # each message once per process
 QUANTS = ("int8", "int4", "fp32")  # fp32: not quantized (ref only)
 BACKENDS = ("ao", "bnb", "ref")
 _AO_INT4_GROUPS = (32, 64, 128, 256)
@@ -68,7 +71,6 @@ def unpack_int4(p: torch.Tensor) -> torch.Tensor:
 # storage, a block of rows (about _CHUNK_ELEMS weights) at a time: no concatenated fp32 copy, only small temporaries (a
 # large fresh allocation costs more in page faults than the quantization itself here), and few blocks for small
 # weights (each block is a dozen tensor ops: per-op overhead dominated 128-row blocks of a 256-wide drafter).
-
 _CHUNK_ELEMS = 1 << 18
 
 
@@ -110,9 +112,9 @@ class RefInt8(QuantLinear):
     """Weight-only int8, dequantized in the matmul: y = (x @ q^T) * scale + b."""
 
     def __init__(self, parts, b, group):
-        N, K = sum(w.shape[0] for w in parts), parts[0].shape[1]
-        self.q, self.scale = torch.empty(N, K, dtype=torch.int8), torch.empty(N)
-        self.bias = None if b is None else torch.empty(N)
+        N, K, dev = sum(w.shape[0] for w in parts), parts[0].shape[1], parts[0].device
+        self.q, self.scale = torch.empty(N, K, dtype=torch.int8, device=dev), torch.empty(N, device=dev)
+        self.bias = None if b is None else torch.empty(N, device=dev)
         self.requantize_(parts, b)
 
     def _rows_(self, w, r0, r1):
@@ -124,7 +126,7 @@ class RefInt8(QuantLinear):
         return self._with_bias({"q": self.q, "scale": self.scale})
 
     def __call__(self, x):
-        y = F.linear(x, self.q.float()) * self.scale
+        y = F.linear(x, self.q.to(x.dtype)) * self.scale.to(x.dtype)
         return y if self.bias is None else y + self.bias
 
 
@@ -132,11 +134,11 @@ class RefInt4(QuantLinear):
     """Weight-only int4 group-wise, dequantized per call: packed nibbles + bf16 group scales."""
 
     def __init__(self, parts, b, group):
-        N, K = sum(w.shape[0] for w in parts), parts[0].shape[1]
+        N, K, dev = sum(w.shape[0] for w in parts), parts[0].shape[1], parts[0].device
         self.group = group
-        self.packed = torch.empty(N, K // 2, dtype=torch.uint8)
-        self.scale = torch.empty(N, K // group, dtype=torch.bfloat16)
-        self.bias = None if b is None else torch.empty(N)
+        self.packed = torch.empty(N, K // 2, dtype=torch.uint8, device=dev)
+        self.scale = torch.empty(N, K // group, dtype=torch.bfloat16, device=dev)
+        self.bias = None if b is None else torch.empty(N, device=dev)
         self.requantize_(parts, b)
 
     def _rows_(self, w, r0, r1):
@@ -153,7 +155,7 @@ class RefInt4(QuantLinear):
         return (q * self.scale.float()[..., None]).view(N, -1)
 
     def __call__(self, x):
-        return F.linear(x, self.dequantize(), self.bias)
+        return F.linear(x, self.dequantize().to(x.dtype), self.bias)
 
 
 _LINEAR_DYNAMIC = torch.ops.quantized.linear_dynamic.default  # the overload: skips the packet's per-call checks
@@ -165,8 +167,8 @@ class AoInt8(RefInt8):
     def _repack(self):
         with warnings.catch_warnings():  # quantized tensor creation is deprecated upstream; fbgemm still needs it
             warnings.simplefilter("ignore")
-            wq = torch._make_per_channel_quantized_tensor(
-                self.q, self.scale.double(), torch.zeros(len(self.scale), dtype=torch.long), 0)
+            wq = torch._make_per_channel_quantized_tensor(  # fbgemm: CPU only (backend_on picks this class there)
+                self.q, self.scale.double(), torch.zeros(len(self.scale), dtype=torch.long, device="cpu"), 0)
             self.packed = torch.ops.quantized.linear_prepack(wq, self.bias)
 
     def __call__(self, x):
@@ -181,9 +183,10 @@ class AoInt4(QuantLinear):
     def __init__(self, parts, b, group):
         N, K = sum(w.shape[0] for w in parts), parts[0].shape[1]
         self.group, self.N = group, N
-        self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(torch.zeros(N, K, dtype=torch.int32), 1)
-        self.sz = torch.zeros(K // group, N, 2, dtype=torch.bfloat16)
-        self.bias = None if b is None else torch.empty(N)
+        self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(  # CPU kernels: backend_on picks them there
+            torch.zeros(N, K, dtype=torch.int32, device="cpu"), 1)
+        self.sz = torch.zeros(K // group, N, 2, dtype=torch.bfloat16, device="cpu")
+        self.bias = None if b is None else torch.empty(N, device="cpu")
         self.requantize_(parts, b)
 
     def requantize_(self, parts, b=None):
@@ -296,8 +299,8 @@ class Fp32Linear(QuantLinear):
     """Not quantized: the fp32 weight, prepacked for oneDNN (a trained draft model's runtime form without int8)."""
 
     def __init__(self, parts, b, group):
-        N, K = sum(w.shape[0] for w in parts), parts[0].shape[1]
-        self.w, self.bias = torch.empty(N, K), None if b is None else torch.empty(N)
+        N, K, dev = sum(w.shape[0] for w in parts), parts[0].shape[1], parts[0].device
+        self.w, self.bias = torch.empty(N, K, device=dev), None if b is None else torch.empty(N, device=dev)
         self.requantize_(parts, b)
 
     def _rows_(self, w, r0, r1):
@@ -318,6 +321,22 @@ LINEARS = {("fp32", "ref"): Fp32Linear,
            ("int8", "bnb"): BnbInt8, ("int4", "bnb"): BnbNf4}
 
 
+def backend_on(quant: str, backend: str, device) -> str:
+    """The backend that runs (quant, backend) on `device` (its type decides; the one place): the ao kernels are
+    CPU-only, so elsewhere ao runs ref's weight-only forms (the matmul in the activation dtype), logged once."""
+    where = torch.device(device).type
+    if backend != "ao" or where == "cpu":
+        return backend
+    _once(f"drafttrain.quant: {quant} ao kernels are CPU-only; on {where} the {quant} linears run weight-only (ref)")
+    return "ref"
+
+
+def quant_linear(quant: str, backend: str, parts: list, b, group: int, device=None) -> QuantLinear:
+    """The linear of the weight's row blocks `parts` (bias b) for (quant, backend), in the form that runs on `device`
+    (default: the weight's)."""
+    return LINEARS[(quant, backend_on(quant, backend, parts[0].device if device is None else device))](parts, b, group)
+
+
 def _import_bnb():
     try:
         import bitsandbytes as bnb
@@ -328,12 +347,14 @@ def _import_bnb():
     return bnb
 
 
-def check_backend(quant: str, backend: str, group: int, sizes: dict[str, tuple[int, int]]) -> None:
-    """One-line ValueError naming the drafter.* field. sizes: linear name -> (out, in) features."""
+def check_backend(quant: str, backend: str, group: int, sizes: dict[str, tuple[int, int]], device="cpu") -> None:
+    """One-line ValueError naming the drafter.* field. sizes: linear name -> (out, in) features; device: where the
+    linears will run (the backend that runs there is checked: backend_on)."""
     if quant not in QUANTS:
         raise ValueError(f"drafter.selfquant.quant: unknown quantization {quant!r} (known: {', '.join(QUANTS)})")
     if backend not in BACKENDS:
         raise ValueError(f"drafter.selfquant.backend: unknown backend {backend!r} (known: {', '.join(BACKENDS)})")
+    backend = backend_on(quant, backend, device) if quant != "fp32" else backend
     if quant == "fp32" and backend != "ref":
         raise ValueError(f"drafter.selfquant.backend: fp32 (not quantized) runs on backend ref, got {backend!r}")
     if backend == "bnb":
@@ -364,9 +385,14 @@ def check_backend(quant: str, backend: str, group: int, sizes: dict[str, tuple[i
                          f"{group}")
 
 
-def quantize_module_int8(module: torch.nn.Module) -> torch.nn.Module:
-    """torch.ao dynamic int8 linears (x86/fbgemm): several times cheaper than fp32 on CPU."""
+def quantize_module_int8(module: torch.nn.Module, device=None) -> torch.nn.Module:
+    """torch.ao dynamic int8 linears (x86/fbgemm): several times cheaper than fp32 on CPU. Off the CPU (device: the
+    module's by default) there is no such kernel: the module stays full precision, logged once."""
     from torch.ao.quantization import quantize_dynamic
+
+    if (where := torch.device(device if device is not None else device_of(module)).type) != "cpu":
+        _once(f"drafttrain.quant: torch.ao dynamic int8 is CPU-only; on {where} the drafter runs full precision")
+        return module
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

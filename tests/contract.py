@@ -48,16 +48,16 @@ def tiny_vocab_policy(vocab: int = 5, seed: int = 3):
 @torch.no_grad()
 def hf_greedy(policy, prompt: list[int], n: int) -> list[int]:
     # eos_token_id=None as a keyword (a GenerationConfig object would be merged with the model's eos)
-    out = policy.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=n, eos_token_id=None,
-                          pad_token_id=0)
+    out = policy.generate(torch.tensor([prompt], device=policy.device), do_sample=False, max_new_tokens=n,
+                          eos_token_id=None, pad_token_id=0)
     return out[0, len(prompt):].tolist()
 
 
 @torch.no_grad()
 def teacher_forced_logprobs(policy, prompt: list[int], response: list[int], params: SamplingParams) -> torch.Tensor:
     """log processed_probs of each response token from one full HF forward over prompt + response."""
-    ids = torch.tensor([prompt + response])
-    logits = policy(ids).logits[0, len(prompt) - 1: len(prompt) - 1 + len(response)]  # [n, V]
+    ids = torch.tensor([prompt + response], device=policy.device)
+    logits = policy(ids).logits[0, len(prompt) - 1: len(prompt) - 1 + len(response)].cpu()  # [n, V]
     return processed_probs(logits, params).gather(-1, torch.tensor(response).view(-1, 1)).squeeze(-1).log()
 
 
@@ -68,7 +68,7 @@ def exact_sequence_probs(policy, prompt: list[int], n: int, params: SamplingPara
     V = policy.config.vocab_size
     seqs = torch.tensor(list(itertools.product(range(V), repeat=n)))  # [V**n, n]
     ids = torch.cat([torch.tensor(prompt).expand(len(seqs), -1), seqs], 1)
-    logits = policy(ids).logits[:, len(prompt) - 1: len(prompt) - 1 + n]  # [V**n, n, V]
+    logits = policy(ids.to(policy.device)).logits[:, len(prompt) - 1: len(prompt) - 1 + n].cpu()  # [V**n, n, V]
     pr = processed_probs(logits, params).gather(-1, seqs.unsqueeze(-1)).squeeze(-1)  # [V**n, n]
     return pr.double().prod(-1)
 

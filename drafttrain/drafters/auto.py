@@ -42,17 +42,18 @@ def union_reads(members) -> tuple[Reads, dict[str, torch.Tensor | None]]:
     cols = {}
     for kind, m in members.items():
         blocks = [layers.index(i) for i in m.reads.aux_layers] + ([len(layers)] if m.reads.final_hidden else [])
-        cols[kind] = torch.tensor(blocks) if blocks else None  # block indices: times H at first use
+        cols[kind] = torch.tensor(blocks, device="cpu") if blocks else None  # block indices (host): times H at use
     return Reads(aux_layers=tuple(layers), final_hidden=final), cols
 
 
-def member_columns(blocks: torch.Tensor, per: int, H: int) -> slice | torch.Tensor | None:
+def member_columns(blocks: torch.Tensor, per: int, H: int, device=None) -> slice | torch.Tensor | None:
     """A member's columns of a union's features [..., per * H], from its block indices in the union (union_reads):
-    None where it reads them all, a slice where its blocks are adjacent (a view), else an index."""
+    None where it reads them all, a slice where its blocks are adjacent (a view), else an index on `device` (the
+    features')."""
     b = blocks.tolist()
     if b == list(range(b[0], b[0] + len(b))):
         return None if len(b) == per else slice(b[0] * H, (b[-1] + 1) * H)
-    return (blocks.view(-1, 1) * H + torch.arange(H).view(1, -1)).flatten()
+    return (blocks.view(-1, 1) * H + torch.arange(H, device="cpu").view(1, -1)).flatten().to(device)
 
 
 class AutoDrafter(nn.Module, TrainableDrafter):
@@ -132,7 +133,7 @@ class AutoDrafter(nn.Module, TrainableDrafter):
         if b is None:
             return aux[..., :0]
         per = len(self._reads.aux_layers) + self._reads.final_hidden
-        cols = member_columns(b, per, aux.shape[-1] // per)
+        cols = member_columns(b, per, aux.shape[-1] // per, aux.device)
         return aux if cols is None else aux[..., cols]
 
     def ttt_loss(self, aux, next_ids, targets, valid, steps: int, decay: float, query_frac: float = 1.0,
@@ -231,7 +232,7 @@ class AutoState:
         if b is None or aux is None:
             return None
         if kind not in self._cols:  # once per member and generation: propose runs at every decode step
-            self._cols[kind] = member_columns(b, self._per, aux.shape[-1] // self._per)
+            self._cols[kind] = member_columns(b, self._per, aux.shape[-1] // self._per, aux.device)
         cols = self._cols[kind]
         return aux if cols is None else aux[..., cols]
 

@@ -12,6 +12,7 @@ import torch
 
 from drafttrain.drafters import auto, draft_model, eagle3, mtp, selfquant, speculators, suffix
 from drafttrain.drafters.contract import check_compatible
+from drafttrain.modeling import device_of
 
 
 @dataclass(frozen=True)
@@ -32,7 +33,7 @@ class DrafterKind:
 def _fresh_eagle3(cfg, policy):
     e = cfg.eagle3
     d = eagle3.Eagle3Drafter(eagle3.config_from_policy(
-        policy.config, e.aux_layer_ids, e.draft_vocab_size, e.intermediate_size))
+        policy.config, e.aux_layer_ids, e.draft_vocab_size, e.intermediate_size)).to(device_of(policy))
     with torch.no_grad():
         d.embed_tokens.weight.copy_(policy.get_input_embeddings().weight)
     return d
@@ -103,7 +104,8 @@ def save_drafter(kind: str, drafter, path, **kw):
 
 
 def build_drafter(cfg, policy):
-    """cfg: DrafterConfig. A fresh drafter sized from the policy; the kind loads cfg.path when it is set."""
+    """cfg: DrafterConfig. A fresh drafter sized from the policy; the kind loads cfg.path when it is set. Either way
+    on the policy's device."""
     if cfg.kind not in DRAFTERS:
         raise ValueError(f"drafter.kind: unknown drafter {cfg.kind!r} (known: {', '.join(sorted(DRAFTERS))})")
     kind = DRAFTERS[cfg.kind]
@@ -111,8 +113,16 @@ def build_drafter(cfg, policy):
         raise ValueError(f"drafter.path: must be null for drafter.kind={cfg.kind} (it loads no checkpoint)")
     if cfg.path:
         _check_kind(cfg)
-        return kind.load(cfg, policy)
-    return kind.build(cfg, policy)
+        return on_device(kind.load(cfg, policy), device_of(policy))
+    return on_device(kind.build(cfg, policy), device_of(policy))
+
+
+def on_device(drafter, device):
+    """The drafter with its tensors on `device` (the policy's), moved in place. A kind that holds no module tensors
+    is there already: the self-drafter is made from the policy's own weights, the suffix drafter holds host text."""
+    if isinstance(drafter, torch.nn.Module):
+        drafter.to(device)
+    return drafter
 
 
 def _check_kind(cfg) -> None:
@@ -127,9 +137,12 @@ def _check_kind(cfg) -> None:
                          f"drafter.kind={saved}, or point drafter.path at a {cfg.kind} checkpoint)")
 
 
-def runtime_copy(drafter, int8: bool, owned: bool = False):
-    """The copy of `drafter` the embedded engine drafts with (owned: a fresh copy already, used as is): fused for
-    inference, or, for a drafter with no fused form, its linears int8-quantized (int8; not a self-drafter's:
-    quantized already). Also what teacher-forced scoring of the engine's drafter scores."""
+def runtime_copy(drafter, int8: bool, owned: bool = False, device=None):
+    """The copy of `drafter` the embedded engine drafts with (owned: a fresh copy already, used as is), on `device`
+    (the engine's; None: where it is): fused for inference, or, for a drafter with no fused form, its linears
+    int8-quantized (int8; not a self-drafter's: quantized already). Also what teacher-forced scoring of the engine's
+    drafter scores."""
     rt = (drafter if owned else copy.deepcopy(drafter)).eval().requires_grad_(False)
+    if device is not None:
+        on_device(rt, device)  # before fusing: the fused forms are not module tensors that .to() moves
     return rt.fuse_for_inference(int8=int8)

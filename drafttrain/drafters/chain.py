@@ -20,7 +20,7 @@ import torch.nn as nn
 from drafttrain.drafters import ttt
 from drafttrain.drafters.contract import TrainableDrafter
 from drafttrain.drafters.ttt_attention import ttt_attention
-from drafttrain.modeling import KVCache, Rope, attend, linear, step_mask
+from drafttrain.modeling import KVCache, Rope, attend, device_of, linear, step_mask
 from drafttrain.spec import draft_chain
 
 
@@ -115,7 +115,7 @@ class ChainDrafter(nn.Module, TrainableDrafter):
     # ---- inference: chain drafting over a KV cache --------------------------------------------------------
     def new_state(self, batch: int, max_len: int, prompts: torch.Tensor | None = None) -> "ChainState":
         c = self.config
-        return ChainState(KVCache(1, batch, c.num_key_value_heads, max_len, c.head_dim))
+        return ChainState(KVCache(1, batch, c.num_key_value_heads, max_len, c.head_dim, device=device_of(self)))
 
     def _cached_step(self, st, emb, hidden, pos0, n_valid=None):
         """m positions per row at pos0[B].. (the first n_valid[b] real, default all) enter the cache; returns (draft
@@ -123,18 +123,19 @@ class ChainDrafter(nn.Module, TrainableDrafter):
         keys and values depend on their inputs alone (the policy's aux states), so no earlier position's output is
         needed: attention, MLP and head run for one query per row (a prompt catch-up: one instead of P)."""
         B, m, _ = emb.shape
-        pos = pos0.view(B, 1) + torch.arange(m).view(1, m) if m > 1 else pos0.view(B, 1)
+        dev = pos0.device
+        pos = pos0.view(B, 1) + torch.arange(m, device=dev).view(1, m) if m > 1 else pos0.view(B, 1)
         top = int(pos0.max())
         q, k, v, res = self._qkv(emb, hidden, pos, top + m - 1)
         if n_valid is not None and int(n_valid.min()) == m:
             n_valid = None  # no padding (one row, or rows all extending by m)
-        valid = None if n_valid is None else torch.arange(m).view(1, m) < n_valid.view(B, 1)
+        valid = None if n_valid is None else torch.arange(m, device=dev).view(1, m) < n_valid.view(B, 1)
         length = min(top + m, st.cache.max_len)
         st.cache.expose(length)  # before the write: it zeroes what it newly exposes
         st.cache.write(0, k, v, pos, valid, start=top if B == 1 else None)  # one row: a slice write
         if m > 1:  # the last real query of each row
-            last = (n_valid - 1) if n_valid is not None else torch.full((B,), m - 1)
-            rows = torch.arange(B)
+            last = (n_valid - 1) if n_valid is not None else torch.full((B,), m - 1, device=dev)
+            rows = torch.arange(B, device=dev)
             q = q[rows, :, last].unsqueeze(2)  # [B, Hq, 1, D]
             res = res[rows, last].unsqueeze(1)  # [B, 1, H]
             pos0 = pos0 + last

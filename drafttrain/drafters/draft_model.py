@@ -29,6 +29,7 @@ from drafttrain.drafters import ttt
 from drafttrain.drafters.contract import Reads, TrainableDrafter
 from drafttrain.drafters.selfquant import SelfQuantDrafter
 from drafttrain.drafters.weights import check_tensors
+from drafttrain.modeling import device_of
 
 KIND = "draft_model"
 
@@ -71,7 +72,7 @@ class DraftModelDrafter(nn.Module, TrainableDrafter):
         return self.model.config.vocab_size
 
     def draft_ids(self) -> torch.Tensor:
-        return torch.arange(self.vocab_size)
+        return torch.arange(self.vocab_size, device=self.model.device)
 
     # ---- training -----------------------------------------------------------------------------------------------
     def ttt_logits(self, aux, next_ids, steps: int, queries=None, first_ids=None) -> list[torch.Tensor]:
@@ -110,7 +111,8 @@ class DraftModelRuntime(SelfQuantDrafter):
         B, T = aux.shape[:2]
         ids = _inputs(next_ids, T, steps, first_ids)
         self.body.ensure_rope(ids.shape[1])
-        logits, _ = self.body.forward(ids, torch.zeros(B, dtype=torch.long), self.body.new_cache(B, ids.shape[1]))
+        pos0 = torch.zeros(B, dtype=torch.long, device=ids.device)
+        logits, _ = self.body.forward(ids, pos0, self.body.new_cache(B, ids.shape[1]))
         return _steps(logits, T, steps, queries)
 
     def ttt_hidden(self, aux, next_ids, steps: int, queries=None, first_ids=None) -> list[torch.Tensor]:
@@ -122,7 +124,7 @@ class DraftModelRuntime(SelfQuantDrafter):
         return x
 
     def draft_ids(self) -> torch.Tensor:
-        return torch.arange(self.config.vocab_size)
+        return torch.arange(self.config.vocab_size, device=self.body.device)
 
 
 # ---- registry entries: fresh, load, save ---------------------------------------------------------------------------
@@ -136,7 +138,7 @@ def fresh(cfg, policy) -> DraftModelDrafter:
     c.num_hidden_layers = n
     if getattr(c, "layer_types", None):
         c.layer_types = list(c.layer_types)[:n]
-    model = type(policy)(c)
+    model = type(policy)(c).to(device_of(policy))
     own = model.state_dict()
     with torch.no_grad():
         model.load_state_dict({k: v.detach().clone() for k, v in policy.state_dict().items() if k in own})

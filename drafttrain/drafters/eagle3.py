@@ -27,7 +27,7 @@ from drafttrain.drafters.contract import Reads
 from drafttrain.drafters.vocab import default_draft_vocab_size, draft_vocab
 from drafttrain.drafters.weights import check_tensors
 from drafttrain.modeling import PackedLinear, Rope, fold_norm, linear, rms_norm, rms_unit
-from drafttrain.quant import AoInt8
+from drafttrain.quant import quant_linear
 
 
 @dataclass
@@ -176,9 +176,9 @@ class Eagle3Drafter(ChainDrafter):
             if norm is not None:
                 for w in ws:
                     w[:, cols] = fold_norm(w[:, cols], norm.detach().float())
-            return AoInt8(ws, None, 0) if int8 else PackedLinear.wrap(torch.cat(ws).contiguous())
+            return quant_linear("int8", "ao", ws, None, 0) if int8 else PackedLinear.wrap(torch.cat(ws).contiguous())
 
-        self._fused = {"c": torch.tensor((H * c.rms_norm_eps) ** 0.5),  # rms_unit's constant
+        self._fused = {"c": torch.tensor((H * c.rms_norm_eps) ** 0.5, device=self.fc.weight.device),  # rms_unit's c
                        "emb": rms_norm(self.embed_tokens.weight.float(), L.input_layernorm, c.rms_norm_eps),
                        "qkv": make(a.q_proj.weight, a.k_proj.weight, a.v_proj.weight, norm=L.hidden_norm,
                                    cols=slice(H, 2 * H)),

@@ -40,8 +40,8 @@ from drafttrain.drafters.contract import Reads
 from drafttrain.drafters.eagle3 import rope_theta_of
 from drafttrain.drafters.speculators import read_speculators_config, read_weights
 from drafttrain.drafters.weights import check_tensors
-from drafttrain.modeling import PackedLinear, Rope, fold_norm, linear, rms_norm, rms_unit
-from drafttrain.quant import AoInt8
+from drafttrain.modeling import PackedLinear, Rope, device_of, fold_norm, linear, rms_norm, rms_unit
+from drafttrain.quant import quant_linear
 
 KIND = "mtp"
 
@@ -128,7 +128,7 @@ class MtpDrafter(ChainDrafter):
         return super().load_state_dict(state_dict, strict=strict, assign=assign)
 
     def draft_ids(self) -> torch.Tensor:
-        return torch.arange(self.config.vocab_size)
+        return torch.arange(self.config.vocab_size, device=self.fc.weight.device)
 
     @torch.no_grad()
     def fuse_for_inference(self, int8: bool) -> "MtpDrafter":
@@ -141,9 +141,10 @@ class MtpDrafter(ChainDrafter):
             ws = [w.detach().float().clone() for w in ws]
             if norm is not None:
                 ws = [fold_norm(w, norm.detach().float()) for w in ws]
-            return AoInt8(ws, None, 0) if int8 else PackedLinear.wrap(torch.cat(ws).contiguous())
+            return quant_linear("int8", "ao", ws, None, 0) if int8 else PackedLinear.wrap(torch.cat(ws).contiguous())
 
-        self._fused = {"c": torch.tensor((self.config.hidden_size * self.config.rms_norm_eps) ** 0.5),  # rms_unit's
+        c = (self.config.hidden_size * self.config.rms_norm_eps) ** 0.5
+        self._fused = {"c": torch.tensor(c, device=self.fc.weight.device),  # rms_unit's constant
                        "emb": self.embed_tokens.weight.detach().float().clone(), "fc": make(self.fc.weight),
                        "qkv": make(a.q_proj.weight, a.k_proj.weight, a.v_proj.weight), "o": make(a.o_proj.weight),
                        "gate_up": make(mlp.gate_proj.weight, mlp.up_proj.weight,
@@ -199,11 +200,11 @@ def config_from_policy(pc, intermediate_size=None) -> MtpConfig:
 @torch.no_grad()
 def fresh(cfg, policy) -> MtpDrafter:
     c = config_from_policy(policy.config, cfg.mtp.intermediate_size)
-    d = MtpDrafter(c, policy)
+    d = MtpDrafter(c, policy).to(device_of(policy))
     H = c.hidden_size
     d.embed_tokens.weight.copy_(rms_norm(policy.get_input_embeddings().weight.float(), None, c.rms_norm_eps))
     d.fc.weight.zero_()
-    d.fc.weight[:, H:].copy_(torch.eye(H))  # x = h_t
+    d.fc.weight[:, H:].copy_(torch.eye(H, device=d.fc.weight.device))  # x = h_t
     d.layers[0].self_attn.o_proj.weight.zero_()  # the block starts as the identity
     d.layers[0].mlp.down_proj.weight.zero_()
     return d

@@ -42,12 +42,15 @@ class Pending:
         need = self._max + m if m == 1 else int((self.n + n).max())
         if need > self.ids.shape[1]:
             self._grow(max(need, 2 * self.ids.shape[1]))
+        dev = ids.device
         if m == 1:  # an AR step: one entry per row, at each row's count
-            rows, cols, src_ids, src_aux = torch.arange(B), self.n, ids[:, 0], None if aux is None else aux[:, 0]
+            rows, cols, src_ids = torch.arange(B, device=dev), self.n, ids[:, 0]
+            src_aux = None if aux is None else aux[:, 0]
         else:
-            cols = self.n.view(B, 1) + torch.arange(m).view(1, m)  # [B, m] destination columns
-            ok = torch.arange(m).view(1, m) < n.view(B, 1)
-            rows, cols = torch.arange(B).view(B, 1).expand(B, m)[ok], cols[ok]
+            j = torch.arange(m, device=dev).view(1, m)
+            cols = self.n.view(B, 1) + j  # [B, m] destination columns
+            ok = j < n.view(B, 1)
+            rows, cols = torch.arange(B, device=dev).view(B, 1).expand(B, m)[ok], cols[ok]
             src_ids, src_aux = ids[ok], None if aux is None else aux[ok]
         self.ids[rows, cols] = src_ids
         if self.aux is not None:

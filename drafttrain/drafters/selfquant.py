@@ -15,11 +15,12 @@ in, exact) or a policy state_dict (HF names; requantized). Either way the write 
 not be updated while it drafts: the engine loads into a standby copy and swaps (in_place_update = True).
 
 Simplifies on purpose: the forward is LeanLlama's (modeling.py; every matmul goes through modeling.linear), ragged
-cache extension pads rows to the longest (stale padding entries are masked, then overwritten), CPU tensors.
+cache extension pads rows to the longest (stale padding entries are masked, then overwritten), on the policy's device.
 """
 from __future__ import annotations
 
 import copy
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -28,7 +29,7 @@ import torch.nn as nn
 from drafttrain.drafters.contract import Drafter, Reads
 from drafttrain.drafters.weights import check_finite, check_tensors
 from drafttrain.modeling import KVCache, LeanLlama, Rope, lean_parts, rms_norm
-from drafttrain.quant import LINEARS, QuantLinear, check_backend
+from drafttrain.quant import QuantLinear, check_backend, quant_linear
 from drafttrain.spec import draft_chain
 
 
@@ -49,6 +50,7 @@ class _QuantLlama(LeanLlama):
         self.rope = Rope(inv_freq, self.max_len, rope_scaling)
         self.weights, self.packed = weights, packed
         self.head = weights["lm_head"]
+        self.device = weights["embed"].device  # the policy's: its caches and indices are made there
 
     def _norm(self, x, w, name):
         return rms_norm(x, w[name], self.eps)  # quantized linears: the norm weights stay separate (requantize)
@@ -74,9 +76,9 @@ class SelfQuantDrafter(nn.Module, Drafter):
         # names/shapes a policy state_dict must have (meta tensors: no memory, no reference to the policy)
         self._policy_keys = {k: torch.empty(v.shape, dtype=v.dtype, device="meta") for k, v in sd.items()}
         sizes = {k: (sum(w.shape[0] for w in v), v[0].shape[1]) for k, v in t.items() if _is_linear(k)}
-        check_backend(quant, backend, group_size, sizes)
+        check_backend(quant, backend, group_size, sizes, t["embed"].device)
         self.quant, self.backend, self.group_size = quant, backend, group_size
-        make = LINEARS[(quant, backend)]
+        make = functools.partial(quant_linear, quant, backend)  # the form that runs on the policy's device
         fp32 = lambda x: x.detach().float().clone()  # noqa: E731
         weights = {"embed": fp32(t["embed"]), "norm": fp32(t["norm"]),
                    "lm_head": make(t["lm_head"], None, group_size)}
@@ -142,7 +144,8 @@ class SelfQuantDrafter(nn.Module, Drafter):
     # ---- inference: chain drafting over the drafter's own cache -------------------------------------------------
     def new_state(self, batch: int, max_len: int, prompts: torch.Tensor | None = None) -> "SelfQuantState":
         """prompts [B, P] right-padded: the drafter reads position 0 there (None: token 0, for timing only)."""
-        first = prompts[:, 0].clone() if prompts is not None else torch.zeros(batch, dtype=torch.long)
+        first = (prompts[:, 0].clone() if prompts is not None
+                 else torch.zeros(batch, dtype=torch.long, device=self.body.device))
         return SelfQuantState(self.body.new_cache(batch, max_len), first)
 
     @torch.no_grad()
@@ -154,14 +157,15 @@ class SelfQuantDrafter(nn.Module, Drafter):
         step then costs the drafter 1 token (2 when all k drafts were accepted) instead of n_new.
         Returns (draft tokens [B, k], draft probs [B, k, V] or None for one-hot greedy drafts)."""
         B = new_ids.shape[0]
-        rows = torch.arange(B)
+        rows = torch.arange(B, device=new_ids.device)
         if st.first is not None:
             ids, pos0, last = torch.cat([st.first.view(B, 1), new_ids], 1), start, n_new  # [B, 1+m]
             st.first = None
         else:
             skip = st.cached_prefix(new_ids, n_new, start)  # [B]
             last = n_new - skip - 1
-            cols = (skip.view(B, 1) + torch.arange(int(last.max()) + 1)).clamp_max(new_ids.shape[1] - 1)
+            cols = skip.view(B, 1) + torch.arange(int(last.max()) + 1, device=rows.device)
+            cols = cols.clamp_max(new_ids.shape[1] - 1)
             ids, pos0 = new_ids.gather(1, cols), start + 1 + skip
         ids = ids[:, : int(last.max()) + 1]  # drop columns that are padding in every row
         m = ids.shape[1]
@@ -191,7 +195,7 @@ class SelfQuantState:
         if self.fed is None or self.fed.shape[1] == 0:
             return torch.zeros_like(n_new)
         w = min(self.fed.shape[1], new_ids.shape[1])
-        j = torch.arange(w).view(1, w)
+        j = torch.arange(w, device=new_ids.device).view(1, w)
         same = (new_ids[:, :w] == self.fed[:, :w]) & (j < (n_new - 1).view(-1, 1)) & (
             start + 1 == self.fed_pos).view(-1, 1)
         return same.long().cumprod(1).sum(1)

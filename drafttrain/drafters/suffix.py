@@ -191,7 +191,7 @@ class SuffixDrafter(nn.Module, Drafter):
         measure_costs): the state indexes into a scratch drafter, so that synthetic text never enters the index."""
         if prompts is None:
             scratch = SuffixDrafter(self.vocab_size, self.max_ngram, self.min_ngram, self.history, 0)
-            return scratch.new_state(batch, max_len, torch.zeros(batch, 1, dtype=torch.long))
+            return scratch.new_state(batch, max_len, torch.zeros(batch, 1, dtype=torch.long, device="cpu"))  # text
         rows = [[t] for t in prompts[:, 0].tolist()]
         self.start_generation(rows)
         if self.prompt_cache:
@@ -260,18 +260,19 @@ class SuffixDrafter(nn.Module, Drafter):
                 else:
                     ix.extend(text, [0] * (at - len(text)))
             ix.extend(text, ids[j][:n[j]])
-        u = None if greedy_drafts else torch.rand(B, k, generator=generator).tolist()
+        dev = new_ids.device  # the engine's: its generator draws there, its drafts and probs are read there
+        u = None if greedy_drafts else torch.rand(B, k, generator=generator, device=dev).tolist()
         drafts, entries = [], []  # entries: (row, step, token, q) of the draft distributions
         for j, text in enumerate(st.rows):
             row, qs = ix.draft(text, k, None if u is None else u[j])
             drafts.append(row)
             entries.extend((j, i, t, p) for i, q in enumerate(qs) for t, p in q.items())
-        d = torch.tensor(drafts, dtype=torch.long).view(B, k)
+        d = torch.tensor(drafts, dtype=torch.long, device=dev).view(B, k)
         if greedy_drafts:
             return d, None
-        q = torch.zeros(B, k, self.vocab_size)
+        q = torch.zeros(B, k, self.vocab_size, device=dev)
         r, i, t, p = zip(*entries)
-        q[list(r), list(i), list(t)] = torch.tensor(p)
+        q[torch.tensor([r, i, t], device=dev).unbind()] = torch.tensor(p, device=dev)
         return d, q
 
 

@@ -16,7 +16,7 @@ from drafttrain.spec import SamplingParams, SpecStats
 @dataclass
 class Timeline:
     """What a batch's decode steps did, for benchmarks (an engine fills what it knows; empty where unknown)."""
-    ends: list[float] = field(default_factory=list)  # time.perf_counter() at the end of each decode step
+    ends: list[float] = field(default_factory=list)  # drafttrain.device.now() at the end of each decode step
     schedule: list[dict] = field(default_factory=list)  # SD schedule per decode step: batch, on, k, predicted speed-up
     batch: list[int] = field(default_factory=list)  # active rows in each decode step (embedded engine)
     tokens: list[int] = field(default_factory=list)  # response tokens each decode step emitted (embedded engine)

@@ -43,7 +43,7 @@ class Chooser:
         self.assigned: dict[int, str] = {}  # bucket -> its arm in this generation (plan)
         self.stats: dict[tuple[int, str], list[float]] = {}  # (bucket, arm) -> [n_eff, mean, var]
         self.tries: dict[str, int] = dict.fromkeys(self.arms, 0)  # steps each arm was rewarded for, any bucket
-        self.gen = torch.Generator().manual_seed(seed)
+        self.gen = torch.Generator(device="cpu").manual_seed(seed)  # host: it draws scalars for host decisions
 
     def _posterior(self, b: int, arm: str) -> list[float]:
         """(n_eff, mean, var) at bucket b; a bucket the arm has not run in yet borrows the nearest such bucket's mean
@@ -56,7 +56,8 @@ class Chooser:
 
     def _draw(self, b: int, arm: str) -> float:
         n, mean, var = self._posterior(b, arm)
-        return mean + math.sqrt(max(var, self.floor ** 2) / n) * float(torch.randn((), generator=self.gen))
+        z = float(torch.randn((), generator=self.gen, device="cpu"))
+        return mean + math.sqrt(max(var, self.floor ** 2) / n) * z
 
     def pick(self, batch: int, arms: list[str] | None = None) -> str:
         """One arm for a step at `batch`, among `arms` (default: all): every arm min_tries times first, then the plan's

@@ -35,12 +35,12 @@ before any). Ratios, not ms: a ratio learnt at batch 64 transfers to batch 1 abo
 from __future__ import annotations
 
 import bisect
-import time
 from collections import deque
 from dataclasses import dataclass, field
 
 import torch
 
+from drafttrain.device import now
 from drafttrain.spec import SamplingParams, expected_tokens
 from drafttrain.spec.stats import drafts_kept
 
@@ -332,10 +332,10 @@ def measure_costs(engine, batch: int, tokens_per_row: list[int], k: int, context
     Each figure is the fastest of `repeats` runs (the workload is deterministic: slower runs are noise). The target
     forwards take turns, one run of each m per round, so a slow spell of the machine slows one round of every m
     rather than every run of one m; the drafter's propose runs back to back, as in a chain of draft steps."""
-    lean = engine.lean
-    gen = torch.Generator().manual_seed(0)
+    lean, dev = engine.lean, engine.device
+    gen = torch.Generator(device=dev).manual_seed(0)
     L = context + max([1, *tokens_per_row]) + k + 2
-    pos = torch.full((batch,), context)
+    pos = torch.full((batch,), context, device=dev)
 
     def fastest(pieces: dict) -> dict:
         """ms of each piece's fastest run after a warm-up; the pieces take turns, one run of each per round (a
@@ -345,13 +345,13 @@ def measure_costs(engine, batch: int, tokens_per_row: list[int], k: int, context
         best = dict.fromkeys(pieces, float("inf"))
         for _ in range(repeats):
             for key, fn in pieces.items():
-                t0 = time.perf_counter()
+                t0 = now(dev)
                 fn()
-                best[key] = min(best[key], (time.perf_counter() - t0) * 1e3)
+                best[key] = min(best[key], (now(dev) - t0) * 1e3)  # synchronized: the device's time, not launches
         return best
 
     cache = lean.new_cache(batch, L)
-    fwd = {m: torch.randint(0, lean.vocab_size, (batch, m), generator=gen) for m in tokens_per_row}
+    fwd = {m: torch.randint(0, lean.vocab_size, (batch, m), generator=gen, device=dev) for m in tokens_per_row}
     out = {"batch": batch,
            "target_ms": fastest({m: (lambda t=toks: lean.forward(t, pos, cache, ())) for m, toks in fwd.items()})}
     d = engine.drafter
@@ -359,10 +359,10 @@ def measure_costs(engine, batch: int, tokens_per_row: list[int], k: int, context
         st = d.new_state(batch, L)
         reads = d.generation_reads()  # what new_state expects (auto: the planned members')
         X = (len(reads.aux_layers) + reads.final_hidden) * lean.hidden
-        ids = torch.randint(0, lean.vocab_size, (batch, k + 1), generator=gen)
-        aux = torch.randn(batch, k + 1, X, generator=gen)
+        ids = torch.randint(0, lean.vocab_size, (batch, k + 1), generator=gen, device=dev)
+        aux = torch.randn(batch, k + 1, X, generator=gen, device=dev)
         params = SamplingParams(temperature=1.0)
-        n_new = torch.full((batch,), k + 1)
+        n_new = torch.full((batch,), k + 1, device=dev)
 
         def propose():
             d.propose(st, ids, aux, n_new, pos - k - 1, k, params, False, gen)

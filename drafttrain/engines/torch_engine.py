@@ -14,10 +14,10 @@ from __future__ import annotations
 
 import copy
 import threading
-import time
 
 import torch
 
+from drafttrain.device import now
 from drafttrain.drafters.base import check_compatible, runtime_copy
 from drafttrain.drafters.pending import Pending
 from drafttrain.drafters.weights import check_finite
@@ -51,6 +51,11 @@ class TorchEngine:
 
     # ---- drafter hot-swap ---------------------------------------------------------------------------------
     @property
+    def device(self) -> torch.device:
+        """The policy's device: the engine's caches, indices, generator and drafters live there."""
+        return self.lean.device
+
+    @property
     def drafter_version(self) -> int:
         return self._active[1] if self._active else -1
 
@@ -60,7 +65,7 @@ class TorchEngine:
 
     def _runtime(self, drafter, owned: bool = False):
         """The inference copy of `drafter` (runtime_copy), with its in-use lock."""
-        rt = runtime_copy(drafter, self.cfg.drafter_int8, owned)
+        rt = runtime_copy(drafter, self.cfg.drafter_int8, owned, self.device)
         rt.bind_policy(self.policy)  # a drafter reading the policy's own weights (an MTP head's LM head) reads ours
         self._in_use[id(rt)] = threading.Lock()
         return rt
@@ -88,18 +93,18 @@ class TorchEngine:
         if version <= self.drafter_version:
             raise StaleVersionError(f"load_drafter: version {version} is not newer than the served version "
                                     f"{self.drafter_version}")
-        t0 = time.perf_counter()
+        t0 = now(self.device)
         with self._stage_lock:
             rt = self._stage(weights)
-            t1 = time.perf_counter()
+            t1 = now(self.device)
             with self._swap_lock:
                 if version <= self.drafter_version:
                     raise StaleVersionError(f"load_drafter: version {version} lost a race to {self.drafter_version}")
                 old, self._active = self._active[0], (rt, version)
             if rt is self._standby:
                 self._standby = old
-        self.last_swap_s = time.perf_counter() - t0  # staging (copy, validate, quantize) + the swap itself
-        self.last_swap_critical_s = time.perf_counter() - t1  # the part a decode step could wait on
+        self.last_swap_s = now(self.device) - t0  # staging (copy, validate, quantize) + the swap itself
+        self.last_swap_critical_s = now(self.device) - t1  # the part a decode step could wait on
         self._draft_cost_stale = True  # recalibrated (drafter part only) before the next generation
 
     def controller(self):
@@ -161,7 +166,7 @@ class TorchEngine:
         self._check_prompts(prompts)
         if params.seed is None:
             self._seed += 1
-        gen = torch.Generator().manual_seed(params.seed if params.seed is not None else self._seed)
+        gen = torch.Generator(device=self.device).manual_seed(params.seed if params.seed is not None else self._seed)
         m = self.cfg.max_batch
         waves = [self._wave(prompts[i:i + m], params, speculative, gen) for i in range(0, len(prompts), m)]
         return waves[0] if len(waves) == 1 else join_waves(waves)
@@ -210,36 +215,36 @@ class _Wave:
         # rows in the order of share_prompts: each distinct prompt's first copy, then the repeats (a GRPO batch
         # holds G copies of each prompt), which take the prefill's cache and outputs instead of recomputing them
         self.order, src = share_prompts(prompts)
-        lens = torch.tensor([len(prompts[b]) for b in self.order])
-        P = int(lens.max())
-        self.t_start = time.perf_counter()  # after any (re)calibration of the schedule
+        dev = self.dev = eng.device
+        self.t_start = now(dev)  # after any (re)calibration of the schedule
+        lens_l = [len(prompts[b]) for b in self.order]
+        lens, P = torch.tensor(lens_l, device=dev), max(lens_l)
         self.L = L = min(eng.lean.max_len, P + self.params.max_new_tokens + self.k_max + 1)
-        tokens = torch.zeros(B, P, dtype=torch.long)
-        for i, b in enumerate(self.order):
-            tokens[i, : len(prompts[b])] = torch.tensor(prompts[b])
+        tokens = torch.tensor([list(prompts[b]) + [0] * (P - n) for b, n in zip(self.order, lens_l)], device=dev)
         self.cache = eng.lean.new_cache(B, L)
         self.dstate = self.drafter.new_state(B, L, tokens) if self.drafter is not None else None
         U = B - len(src)  # distinct prompts: the prefill runs on these rows only
         head = self.cache.head(U) if src else self.cache
-        h, aux = eng.lean.forward(tokens[:U], torch.zeros(U, dtype=torch.long), head, self.aux_ids, self.final,
-                                  head=False)  # [U, P, hidden]: the head runs on the last positions alone
-        rows = from_prefill = torch.arange(B)  # the prefill row each row reads
+        h, aux = eng.lean.forward(tokens[:U], torch.zeros(U, dtype=torch.long, device=dev), head, self.aux_ids,
+                                  self.final, head=False)  # [U, P, hidden]: the head runs on the last positions alone
+        rows = from_prefill = torch.arange(B, device=dev)  # the prefill row each row reads
         if src:
-            self.cache.fill_rows(head, torch.tensor(src))
-            from_prefill = torch.cat([torch.arange(U), torch.tensor(src)])
+            src_t = torch.tensor(src, device=dev)
+            self.cache.fill_rows(head, src_t)
+            from_prefill = torch.cat([torch.arange(U, device=dev), src_t])
             aux = None if aux is None else aux[from_prefill]
         h = h[from_prefill, lens - 1].unsqueeze(1)  # [B, 1, hidden]: the last prompt position's
-        empty = torch.zeros(B, 0, dtype=torch.long)
+        empty = torch.zeros(B, 0, dtype=torch.long, device=dev)
         self.out, self.n, self.lp = sample_step(h, None, empty, self.params, self.gen, eng.lean)
         # drafter inputs: position t of the prompt pairs aux_t with token_{t+1}; the last one is the sampled token
         nxt = torch.cat([tokens[:, 1:], tokens.new_zeros(B, 1)], 1)
         nxt[rows, lens - 1] = self.out[:, 0]
         # the drafter's pending input: positions committed since it last ran (ragged: n_new[b] of them per row)
-        self.pend = Pending(nxt, aux, lens.clone(), torch.zeros(B, dtype=torch.long))
+        self.pend = Pending(nxt, aux, lens.clone(), torch.zeros(B, dtype=torch.long, device=dev))
         self.pos = lens.clone()  # position of the last committed token, fed next
         self.row_ids = self.order  # original index of each active row
         self.last = self.out[:, 0]
-        self.t_prev = time.perf_counter()
+        self.t_prev = now(dev)
         self.prefill_s = self.t_prev - self.t_start
 
     def _full(self, b: int) -> bool:
@@ -271,7 +276,7 @@ class _Wave:
                 self.ctl.observe(n_l, self.k, emitted)
         self.dropped = bool(done)
         if done:
-            keep = keep_order(len(self.row_ids), done)  # moves the fewest rows of every cache
+            keep = keep_order(len(self.row_ids), done, self.dev)  # moves the fewest rows of every cache
             self.row_ids = [self.row_ids[j] for j in keep.tolist()]
             if not self.row_ids:
                 return False
@@ -298,7 +303,7 @@ class _Wave:
         self.step_k.append(self.k)
         catch_up = self.pend.width() if self.k > 0 else 0  # pending positions the drafter extends its cache by
         self._verify(Bn, *self._draft(Bn))
-        self.ends.append(time.perf_counter())
+        self.ends.append(now(self.dev))
         # typical: not a one-off catch-up (prompt, or after AR steps), nor a step that also dropped finished rows
         # from every cache (a cost of the batch shrinking that AR and SD pay alike, in bursts)
         if ctl is not None:
@@ -310,7 +315,7 @@ class _Wave:
         """(drafts [Bn, k], their probabilities or None): the drafter takes the positions committed since it last
         ran, then chains k drafts; none at k = 0."""
         if self.k == 0:
-            return torch.zeros(Bn, 0, dtype=torch.long), None
+            return torch.zeros(Bn, 0, dtype=torch.long, device=self.dev), None
         with self.engine._in_use[id(self.drafter)]:
             d, q = self.drafter.propose(self.dstate, *self.pend.view(), self.k, self.params, self.greedy_drafts,
                                         self.gen)
@@ -335,7 +340,7 @@ class _Wave:
             self.drafter.complete(self.dstate, [list(self.prompts[b]) + self.resp[b] for b in self.order])
         timeline = Timeline(self.ends, self.schedule, self.step_batch, self.step_tokens, self.prefill_s, self.step_k)
         first = self.engine.drafter_version if not self.versions else self.versions[0]
-        return RolloutBatch(self.resp, self.lps, self.stats, first, self.reasons, time.perf_counter() - self.t_start,
+        return RolloutBatch(self.resp, self.lps, self.stats, first, self.reasons, now(self.dev) - self.t_start,
                             self.versions, timeline)
 
 

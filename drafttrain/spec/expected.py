@@ -45,22 +45,23 @@ def expected_row_stats(r: torch.Tensor, valid: torch.Tensor, k: int
     first = v.argmax(1)  # drafter position of the prefill's token: its step drafts response token 1
     S = int(R.max()) if B else 0
     n = max(S - 1, 0)  # step starts s = 0 .. S-2
-    s_idx = torch.arange(n)
+    dev = r.device
+    s_idx = torch.arange(n, device=dev)
     t_idx = (first.view(B, 1) + s_idx.view(1, -1)).clamp_max(T - 1)  # [B, n] drafter position of step start s
     rr = r.gather(1, t_idx.unsqueeze(-1).expand(B, n, k)).transpose(0, 1)  # [n, B, k]
     left = R.view(1, B) - 1 - s_idx.view(n, 1)  # [n, B] tokens still to emit
-    inside = left.unsqueeze(-1) > torch.arange(k)  # [n, B, k] draft j targets a response token
+    inside = left.unsqueeze(-1) > torch.arange(k, device=dev)  # [n, B, k] draft j targets a response token
     factor = torch.where(inside, rr, torch.ones_like(rr))
-    surv = torch.cat([torch.ones(n, B, 1), factor.cumprod(-1)], -1)  # [n, B, k+1] P(drafts < j accepted) / w
+    surv = torch.cat([torch.ones(n, B, 1, device=dev), factor.cumprod(-1)], -1)  # [n, B, k+1] P(drafts < j accepted) / w
     ok = surv[..., :k] * rr * inside  # P(draft j accepted) / w
     out = (surv[..., :k] - ok) * inside  # P(rejected at j: j + 1 tokens emitted) / w
     alive = (left > 0).float()  # [n, B]
     full = surv[..., k] * alive  # all drafts inside the response accepted: k + 1 tokens, or a cut at the end
-    end = s_idx.view(n, 1) + torch.minimum(left.clamp_min(0), torch.tensor(k + 1))  # [n, B]
-    rows = torch.arange(B)
-    pi = torch.zeros(B, S + k + 1)  # P(a verify step starts after response token s)
+    end = s_idx.view(n, 1) + left.clamp_min(0).clamp_max(k + 1)  # [n, B]
+    rows = torch.arange(B, device=dev)
+    pi = torch.zeros(B, S + k + 1, device=dev)  # P(a verify step starts after response token s)
     pi[:, 0] = 1.0
-    W = torch.zeros(n, B)
+    W = torch.zeros(n, B, device=dev)
     for s in range(n):
         w = pi[:, s] * alive[s]
         W[s] = w

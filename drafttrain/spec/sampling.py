@@ -88,10 +88,14 @@ def processed_logprobs(logits: torch.Tensor, params: SamplingParams) -> torch.Te
     return x.log_softmax(-1)
 
 
-def race_noise(shape, generator: torch.Generator | None = None) -> torch.Tensor:
-    """Exp(1) draws for `sample`, clamped away from 0: an Exp(1) draw of exactly 0 (probability ~2^-24) would
-    otherwise turn a zero weight into 0/0 = NaN. A chain of k draws takes its noise in one call."""
-    return torch.empty(shape).exponential_(generator=generator).clamp_min_(1e-30)
+def race_noise(shape, generator: torch.Generator | None = None, device: torch.device | str | None = None
+               ) -> torch.Tensor:
+    """Exp(1) draws for `sample` on `device` (default: the generator's; the CPU without one), clamped away from 0:
+    an Exp(1) draw of exactly 0 (probability ~2^-24) would otherwise turn a zero weight into 0/0 = NaN. A chain of
+    k draws takes its noise in one call."""
+    if device is None:
+        device = generator.device if generator is not None else "cpu"
+    return torch.empty(shape, device=device).exponential_(generator=generator).clamp_min_(1e-30)
 
 
 def sample(weights: torch.Tensor, generator: torch.Generator | None = None,
@@ -100,7 +104,7 @@ def sample(weights: torch.Tensor, generator: torch.Generator | None = None,
     the exponential race argmax(w_v / E_v), E_v ~ Exp(1) iid, which is exact and costs 3 small ops (torch.multinomial
     costs more per call on this CPU, and it is called k+1 times per decode step). `noise`: E drawn beforehand
     (race_noise, weights' shape), fresh for this draw."""
-    e = race_noise(weights.shape, generator) if noise is None else noise
+    e = race_noise(weights.shape, generator, weights.device) if noise is None else noise
     return (weights / e).argmax(-1)
 
 
@@ -113,7 +117,7 @@ def draft_chain(logits: torch.Tensor, step, k: int, params: SamplingParams, gree
     None), the probs written in place (no stacked copy)."""
     B, V = logits.shape
     one_call = not greedy and k * B * V <= CHUNK
-    noise = race_noise((k, B, V), generator) if one_call else None
+    noise = race_noise((k, B, V), generator, logits.device) if one_call else None
     toks, qs = [], None if greedy else logits.new_empty((B, k, V), dtype=torch.float32)
     for i in range(k):
         q = processed_probs(logits, params)  # [B, V]

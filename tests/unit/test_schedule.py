@@ -449,8 +449,8 @@ def test_a_slow_spell_of_the_machine_does_not_set_one_pieces_cost(monkeypatch):
         clock[0] += 0.020 if 7 <= calls[0] <= 12 else 0.002
 
     lean = types.SimpleNamespace(forward=forward, new_cache=lambda b, L: None, vocab_size=8, hidden=4)
-    engine = types.SimpleNamespace(lean=lean, drafter=None)
-    monkeypatch.setattr(schedule.time, "perf_counter", lambda: clock[0])
+    engine = types.SimpleNamespace(lean=lean, drafter=None, device=torch.device("cpu"))
+    monkeypatch.setattr(schedule, "now", lambda device=None: clock[0])  # the synchronized clock calibration reads
     c = schedule.measure_costs(engine, 1, [1, 2, 3], 0, repeats=5)
     assert c["target_ms"] == pytest.approx({1: 2.0, 2: 2.0, 3: 2.0})
 
