@@ -73,7 +73,8 @@ def query_positions(valid: torch.Tensor, T: int, query_frac: float, generator) -
     if not len(cand):
         cand = torch.arange(T, device=valid.device)
     n = max(1, math.ceil(query_frac * len(cand)))
-    pick = torch.randperm(len(cand), generator=generator)[:n].to(cand.device)
+    on = generator.device if generator is not None else cand.device  # the draws on the generator's device
+    pick = torch.randperm(len(cand), generator=generator, device=on)[:n].to(cand.device)
     return cand[pick].sort().values
 
 
