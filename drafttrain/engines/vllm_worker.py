@@ -6,7 +6,8 @@ import registers the weight transport). Nothing here is called directly by the t
                                 dt_drafter_call
     InlineWeightTransferEngine  backend "drafttrain_inline" for vLLM's native start/update/finish weight update
     probe(t, scale)             the read-back probe, computed the same way on both sides
-Importing it also installs the vLLM-CPU workaround that must precede model load (vllm_cpu.guard_cpu_int8_kernel).
+Importing it also installs the vLLM-CPU workaround that must precede model load (vllm_cpu.install_cpu_guards: on the
+CPU platform only).
 """
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from drafttrain.engines.vllm_cpu import fix_cpu_expand_kernel, guard_cpu_int8_kernel, guard_cpu_top_k
+from drafttrain.engines.vllm_cpu import install_cpu_guards
 
 TRANSFER_BACKEND = "drafttrain_inline"
 EXTENSION = "drafttrain.engines.vllm_worker.DrafttrainWorkerExtension"
@@ -98,11 +99,10 @@ class DrafttrainWorkerExtension:
         """Once after start-up: the owner watchdog, the vLLM-CPU sampler fixes, what the drafter shares with the
         target, and whether W8A8 layers multiply in fp32 (int8_fp32_gemm: oneDNN's int8 saturates on this CPU)."""
         _watch_owner(owner_pid, owner_tmp)
-        info = {"fixed_cpu_expand_kernel": fix_cpu_expand_kernel()}
+        info = {"fixed_cpu_expand_kernel": install_cpu_guards(setup=True)}  # CPU platform only
         # a partial update (the drafter without the embedding it shares, rotary caches) leaves some layers
         # unloaded; vLLM restores them and logs "Failed to load weights" each time. The read-back checks instead.
         logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").setLevel(logging.ERROR)
-        guard_cpu_top_k()
         proposer = getattr(self.model_runner, "drafter", None)
         if hasattr(proposer, "bind_runner"):  # drafttrain's custom_class proposer (vllm_suffix.py) reads the batch
             proposer.bind_runner(self.model_runner)
@@ -314,4 +314,4 @@ def _register_transfer_engine() -> None:
 
 
 _register_transfer_engine()
-guard_cpu_int8_kernel()  # before vLLM loads the model: this module is imported when the worker is built
+install_cpu_guards()  # before vLLM loads the model: this module is imported when the worker is built
