@@ -61,12 +61,22 @@ def checkpoint_shapes(path: Path) -> dict[str, tuple[int, ...]]:
 
 # ---- read-back: what the worker's kernels hold, compared with what was sent ------------------------------------
 
-_TOL = 3e-5  # fp32 kernels differ by ~1e-6 of the scale; an optimizer step moves a probe by far more
+# of a probe's scale: fp32 kernels differ by ~1e-6 of it (an optimizer step moves a probe by far more); a 16-bit
+# kernel rounds its output to the dtype (unit roundoff 2^-8 bf16, 2^-11 fp16) and accumulates in another order
+_TOL = {torch.float32: 3e-5, torch.bfloat16: 8e-3, torch.float16: 1e-3}
+
+
+def tolerance(dtype: torch.dtype) -> float:
+    """The read-back tolerance, relative to a probe's scale, for a model served in `dtype`."""
+    return _TOL.get(dtype, _TOL[torch.bfloat16])
 
 
 def read_back(engine, weights: dict, draft: bool, what: str) -> None:
     """Probe every sent tensor in the worker (through the layer's own kernel where weights are repacked, as on
-    CPU) and compare with the same probe of the sent tensor; ValueError naming the first tensor that differs."""
+    CPU) and compare with the same probe of the sent tensor as the worker's dtype holds it, within that dtype's
+    tolerance; ValueError naming the first tensor that differs."""
+    dtype = getattr(torch, engine.worker_info.get("dtype", "float32"))
+    tol = tolerance(dtype)
     groups: dict[str, list[tuple[int, str]]] = {}
     eagle = draft and engine.form.eagle_names  # a draft_model uses the policy's own names
     asym = draft and engine.form.asym_int4(engine.template)
@@ -81,14 +91,14 @@ def read_back(engine, weights: dict, draft: bool, what: str) -> None:
         if theirs not in got:
             raise ValueError(f"{what}: read-back found no tensor {members[0][1]!r} in the worker's model")
         members = [n for _, n in sorted(members)]
-        wants, scales = zip(*(probe(weights[n], weights.get(n + "_scale"), asym) for n in members))
-        want, scale = torch.cat(wants), torch.cat(scales)
+        wants, scales = zip(*(probe(weights[n], weights.get(n + "_scale"), asym, dtype) for n in members))
+        want, scale = torch.cat(wants).cpu(), torch.cat(scales).cpu()
         y = got[theirs].float()
         if theirs.endswith(("embed_tokens.weight", "lm_head.weight")) and len(y) > len(want):
             y = y[: len(want)]  # vLLM pads vocabulary rows to a multiple of 64
         if y.shape != want.shape:
             raise ValueError(f"{what}: read-back of {members[0]} has {len(y)} values, sent {len(want)}")
-        ok = ((y - want).abs() <= _TOL * scale + 1e-6) | (y.isnan() & want.isnan())  # NaN sent, NaN held
+        ok = ((y - want).abs() <= tol * scale + 1e-6) | (y.isnan() & want.isnan())  # NaN sent, NaN held
         if not bool(ok.all()):
             first = int((~ok).nonzero()[0])
             name = members[int((torch.tensor([len(w) for w in wants]).cumsum(0) <= first).sum())]

