@@ -18,7 +18,10 @@ import torch
 
 def on_cpu_platform() -> bool:
     """Whether vLLM runs on its CPU platform in this process (vllm.platforms.current_platform)."""
-    from vllm import platforms
+    try:
+        from vllm import platforms
+    except ImportError:  # no vLLM: nothing to guard
+        return False
 
     return bool(platforms.current_platform.is_cpu())
 
