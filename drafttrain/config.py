@@ -31,6 +31,7 @@ from drafttrain.device import valid_spec
 from drafttrain.drafters.base import DRAFTERS
 from drafttrain.paths import PROJECT_ROOT, SHIPPED, resolve_path  # noqa: F401 (re-exported)
 from drafttrain.train_config import TrainConfig, train_checks
+from drafttrain.vllm_config import VllmConfig, vllm_checks
 
 RECIPES_DIR = PROJECT_ROOT / "recipes"
 
@@ -69,6 +70,7 @@ class EngineConfig:
     draft_sampling: str = "sample"  # sample (draw from the drafter's q) | greedy (one-hot argmax drafts)
     drafter_int8: bool = True  # run the drafter's linears with torch.ao dynamic int8 (only affects acceptance)
     seed: int = 0  # the engine's sampling seed
+    vllm: VllmConfig = field(default_factory=VllmConfig)  # engine.kind=vllm: dtype, CUDA graphs, GPU share, sleep
 
 
 @dataclass
@@ -230,7 +232,7 @@ def load_recipe(name_or_path: str, overrides: list[str] | tuple[str, ...] = ()) 
 def validate(cfg: Config) -> None:
     """Checks that types alone cannot express; each error names its key."""
     for ok, key, msg in [*_engine_online_checks(cfg), *_rl_train_checks(cfg), *train_checks(cfg.train),
-                         *drafter_checks(cfg.drafter)]:
+                         *drafter_checks(cfg.drafter), *vllm_checks(cfg.engine.vllm)]:
         if not ok:
             raise ConfigError(f"{key}: {msg}")
 

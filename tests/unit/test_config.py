@@ -154,6 +154,40 @@ def test_capture_frac_is_a_share(tmp_path, override):
     assert "\n" not in str(e.value)
 
 
+@pytest.mark.parametrize("override,match", [
+    ("engine.vllm.gpu_memory_utilization=0", "engine.vllm.gpu_memory_utilization: must be in (0, 1]"),
+    ("engine.vllm.gpu_memory_utilization=1.2", "engine.vllm.gpu_memory_utilization: must be in (0, 1]"),
+    ("engine.vllm.gpu_memory_utilization=-0.5", "engine.vllm.gpu_memory_utilization: must be in (0, 1]"),
+    ("engine.vllm.gpu_memory_utilization=lots", "engine.vllm.gpu_memory_utilization"),
+    ("engine.vllm.dtype=fp8", "engine.vllm.dtype: must be one of auto, bfloat16, float16, float32"),
+    ("engine.vllm.enforce_eager=maybe", "engine.vllm.enforce_eager"),
+    ("engine.vllm.sleep=2", "engine.vllm.sleep: must be 0"),
+    ("engine.vllm.sleep=-1", "engine.vllm.sleep: must be 0"),
+    ("engine.vllm.nope=1", "engine.vllm.nope"),
+])
+def test_vllm_keys_are_checked(tmp_path, override, match):
+    """engine.vllm.*: a bad value fails at load time in one line naming the key (a GPU share of 0 or above 1 would
+    reach vLLM, and a level-2 sleep silently drops the drafter's weights)."""
+    with pytest.raises(ConfigError) as e:
+        load_recipe(write(tmp_path, MINIMAL), [override])
+    assert match in str(e.value) and "\n" not in str(e.value), e.value
+
+
+def test_vllm_keys_load_and_engine_checks_them_too(tmp_path):
+    from drafttrain.vllm_config import VllmConfig, check_vllm
+
+    cfg = load_recipe(write(tmp_path, MINIMAL))
+    assert cfg.engine.vllm.dtype == "auto" and cfg.engine.vllm.enforce_eager is None
+    assert cfg.engine.vllm.gpu_memory_utilization == 0.5 and cfg.engine.vllm.sleep == 0
+    cfg = load_recipe(write(tmp_path, MINIMAL), ["engine.vllm.dtype=bfloat16", "engine.vllm.enforce_eager=true",
+                                                 "engine.vllm.gpu_memory_utilization=1", "engine.vllm.sleep=1"])
+    assert (cfg.engine.vllm.dtype, cfg.engine.vllm.enforce_eager, cfg.engine.vllm.sleep) == ("bfloat16", True, 1)
+    # the engine is also built from sections that never passed load_recipe: it checks them itself
+    check_vllm(VllmConfig())
+    with pytest.raises(ValueError, match=r"^engine.vllm.gpu_memory_utilization: must be in \(0, 1\], got 0$"):
+        check_vllm(VllmConfig(gpu_memory_utilization=0))
+
+
 @pytest.mark.parametrize("text,key", [
     ("engine:\n  kk: 1\n", "engine.kk"),
     ("engine:\n  k: four\n", "engine.k"),

