@@ -65,3 +65,17 @@ class EngineDied(Exception):
 
 class StaleVersionError(ValueError):
     """load_drafter with a version that is not newer than the one being served."""
+
+
+def check_prompts(prompts, max_len: int, vocab_size: int) -> None:
+    """generate()'s prompts, for every engine: non-empty, shorter than max_len positions, ids inside the vocabulary
+    (one-line ValueError naming the prompt)."""
+    if not prompts:
+        raise ValueError("generate: prompts is empty")
+    for i, p in enumerate(prompts):
+        if len(p) == 0:
+            raise ValueError(f"generate: prompt {i} is empty")
+        if len(p) >= max_len:
+            raise ValueError(f"generate: prompt {i} has {len(p)} tokens; the maximum position is {max_len}")
+        if min(p) < 0 or max(p) >= vocab_size:
+            raise ValueError(f"generate: prompt {i} has a token id outside the policy vocabulary [0, {vocab_size})")

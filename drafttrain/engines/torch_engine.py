@@ -21,7 +21,7 @@ from drafttrain.device import now
 from drafttrain.drafters.base import check_compatible, runtime_copy
 from drafttrain.drafters.pending import Pending
 from drafttrain.drafters.weights import check_finite
-from drafttrain.engines.base import RolloutBatch, StaleVersionError, Timeline
+from drafttrain.engines.base import RolloutBatch, StaleVersionError, Timeline, check_prompts
 from drafttrain.engines.chooser import ChooserController
 from drafttrain.engines.schedule import SpecController
 from drafttrain.modeling import LeanLlama, keep_order, share_prompts
@@ -145,25 +145,13 @@ class TorchEngine:
             self.lean.refresh()
 
     # ---- generation ---------------------------------------------------------------------------------------
-    def _check_prompts(self, prompts: list[list[int]]) -> None:
-        if not prompts:
-            raise ValueError("generate: prompts is empty")
-        V, maxpos = self.lean.vocab_size, self.lean.max_len
-        for i, p in enumerate(prompts):
-            if len(p) == 0:
-                raise ValueError(f"generate: prompt {i} is empty")
-            if len(p) >= maxpos:
-                raise ValueError(f"generate: prompt {i} has {len(p)} tokens; the maximum position is {maxpos}")
-            if min(p) < 0 or max(p) >= V:
-                raise ValueError(f"generate: prompt {i} has a token id outside the policy vocabulary [0, {V})")
-
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], params: SamplingParams, speculative: bool = True) -> RolloutBatch:
         """Responses to `prompts`, at most engine.max_batch rows at once: more prompts run in waves of max_batch, in
         order, on one sampling generator (one seed gives one result). A wave does not start before the last one's
         longest row ended (vLLM admits waiting prompts as rows finish): eval-sized batches (512 problems) took about
         the same time either way here (bench/NOTES.md)."""
-        self._check_prompts(prompts)
+        check_prompts(prompts, self.lean.max_len, self.lean.vocab_size)
         if params.seed is None:
             self._seed += 1
         gen = torch.Generator(device=self.device).manual_seed(params.seed if params.seed is not None else self._seed)

@@ -47,12 +47,11 @@ from types import SimpleNamespace
 
 import torch
 
-from drafttrain.engines.base import RolloutBatch, StaleVersionError, Timeline
+from drafttrain.engines.base import RolloutBatch, StaleVersionError, Timeline, check_prompts
 from drafttrain.engines.vllm_forms import form_of
 from drafttrain.engines.vllm_gpu import SleepMode, apply_env, current_platform, llm_settings, push, warn_no_sleep
 from drafttrain.engines.vllm_procs import children, dies_as_engine_died, shutdown, watched
-from drafttrain.engines.vllm_transfer import (check_prompts, checkpoint_shapes, policy_weights, read_back, spec_stats,
-                                              vllm_sampling)
+from drafttrain.engines.vllm_transfer import checkpoint_shapes, policy_weights, read_back, spec_stats, vllm_sampling
 from drafttrain.engines.vllm_worker import EXTENSION
 from drafttrain.spec import SamplingParams
 from drafttrain.vllm_config import VllmConfig

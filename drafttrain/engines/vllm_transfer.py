@@ -125,18 +125,6 @@ def read_back(engine, weights: dict, draft: bool, what: str) -> None:
                              f"{float((y - want).abs()[~ok].max()):.3g}): the update did not land")
 
 
-def check_prompts(prompts, max_len: int, vocab_size: int) -> None:
-    if not prompts:
-        raise ValueError("generate: prompts is empty")
-    for i, p in enumerate(prompts):
-        if len(p) == 0:
-            raise ValueError(f"generate: prompt {i} is empty")
-        if len(p) >= max_len:
-            raise ValueError(f"generate: prompt {i} has {len(p)} tokens; the maximum position is {max_len}")
-        if min(p) < 0 or max(p) >= vocab_size:
-            raise ValueError(f"generate: prompt {i} has a token id outside the policy vocabulary [0, {vocab_size})")
-
-
 def vllm_sampling(params, row: int, vocab_size: int):
     """vLLM's SamplingParams for one row of a generate call (a per-row seed from params.seed)."""
     from vllm import SamplingParams as VSP
