@@ -13,6 +13,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from drafttrain.device import module_device
+
 
 def linear(x: torch.Tensor, w, b: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear for a weight tensor; a packed or quantized linear (PackedLinear, drafters/selfquant.py) is a
@@ -66,15 +68,6 @@ def fold_norm(weight: torch.Tensor, norm_w: torch.Tensor) -> torch.Tensor:
     """A linear's weight [N, H] with the rms_norm weight feeding it folded in: linear(rms_unit(x, c), result) ==
     linear(rms_norm(x, norm_w, eps), weight)."""
     return weight * (norm_w * norm_w.shape[-1] ** 0.5)
-
-
-def device_of(module) -> torch.device:
-    """The device a module's tensors live on (its first parameter's or buffer's; the CPU for a module with none)."""
-    for t in module.parameters():
-        return t.device
-    for t in module.buffers():
-        return t.device
-    return torch.device("cpu")
 
 
 class Rope(torch.nn.Module):
@@ -299,7 +292,7 @@ class LeanLlama:
         self.hidden = cfg.hidden_size
         self.vocab_size = cfg.vocab_size
         self.eps = cfg.rms_norm_eps
-        self.device = device_of(model)  # the policy's: the caches, indices and tables it makes live there too
+        self.device = module_device(model)  # the policy's: the caches, indices and tables it makes live there too
         self._unit_c = torch.tensor((cfg.hidden_size * cfg.rms_norm_eps) ** 0.5, device=self.device)  # rms_unit's c
         max_pos = getattr(cfg, "max_position_embeddings", max_len)
         self.max_len = min(max_len, max_pos)

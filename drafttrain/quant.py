@@ -28,7 +28,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from drafttrain.modeling import PackedLinear, device_of, linear
+from drafttrain.device import module_device
+from drafttrain.modeling import PackedLinear, linear
 
 _once = functools.lru_cache(maxsize=None)(logging.getLogger(__name__).warning)  # each message once per process
 QUANTS = ("int8", "int4", "fp32")  # fp32: not quantized (ref only)
@@ -390,7 +391,7 @@ def quantize_module_int8(module: torch.nn.Module, device=None) -> torch.nn.Modul
     module's by default) there is no such kernel: the module stays full precision, logged once."""
     from torch.ao.quantization import quantize_dynamic
 
-    if (where := torch.device(device if device is not None else device_of(module)).type) != "cpu":
+    if (where := torch.device(device if device is not None else module_device(module)).type) != "cpu":
         _once(f"drafttrain.quant: torch.ao dynamic int8 is CPU-only; on {where} the drafter runs full precision")
         return module
 

@@ -12,7 +12,7 @@ import torch
 
 from drafttrain.drafters import auto, draft_model, eagle3, mtp, selfquant, speculators, suffix
 from drafttrain.drafters.contract import check_compatible
-from drafttrain.modeling import device_of
+from drafttrain.device import module_device
 
 
 @dataclass(frozen=True)
@@ -33,7 +33,7 @@ class DrafterKind:
 def _fresh_eagle3(cfg, policy):
     e = cfg.eagle3
     d = eagle3.Eagle3Drafter(eagle3.config_from_policy(
-        policy.config, e.aux_layer_ids, e.draft_vocab_size, e.intermediate_size)).to(device_of(policy))
+        policy.config, e.aux_layer_ids, e.draft_vocab_size, e.intermediate_size)).to(module_device(policy))
     with torch.no_grad():
         d.embed_tokens.weight.copy_(policy.get_input_embeddings().weight)
     return d
@@ -113,8 +113,8 @@ def build_drafter(cfg, policy):
         raise ValueError(f"drafter.path: must be null for drafter.kind={cfg.kind} (it loads no checkpoint)")
     if cfg.path:
         _check_kind(cfg)
-        return on_device(kind.load(cfg, policy), device_of(policy))
-    return on_device(kind.build(cfg, policy), device_of(policy))
+        return on_device(kind.load(cfg, policy), module_device(policy))
+    return on_device(kind.build(cfg, policy), module_device(policy))
 
 
 def on_device(drafter, device):

@@ -17,10 +17,11 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
+from drafttrain.device import module_device
 from drafttrain.drafters import ttt
 from drafttrain.drafters.contract import TrainableDrafter
 from drafttrain.drafters.ttt_attention import ttt_attention
-from drafttrain.modeling import KVCache, Rope, attend, device_of, linear, step_mask
+from drafttrain.modeling import KVCache, Rope, attend, linear, step_mask
 from drafttrain.spec import draft_chain
 
 
@@ -115,7 +116,7 @@ class ChainDrafter(nn.Module, TrainableDrafter):
     # ---- inference: chain drafting over a KV cache --------------------------------------------------------
     def new_state(self, batch: int, max_len: int, prompts: torch.Tensor | None = None) -> "ChainState":
         c = self.config
-        return ChainState(KVCache(1, batch, c.num_key_value_heads, max_len, c.head_dim, device=device_of(self)))
+        return ChainState(KVCache(1, batch, c.num_key_value_heads, max_len, c.head_dim, device=module_device(self)))
 
     def _cached_step(self, st, emb, hidden, pos0, n_valid=None):
         """m positions per row at pos0[B].. (the first n_valid[b] real, default all) enter the cache; returns (draft

@@ -29,7 +29,7 @@ from drafttrain.drafters import ttt
 from drafttrain.drafters.contract import Reads, TrainableDrafter
 from drafttrain.drafters.selfquant import SelfQuantDrafter
 from drafttrain.drafters.weights import check_tensors
-from drafttrain.modeling import device_of
+from drafttrain.device import module_device
 
 KIND = "draft_model"
 
@@ -138,7 +138,7 @@ def fresh(cfg, policy) -> DraftModelDrafter:
     c.num_hidden_layers = n
     if getattr(c, "layer_types", None):
         c.layer_types = list(c.layer_types)[:n]
-    model = type(policy)(c).to(device_of(policy))
+    model = type(policy)(c).to(module_device(policy))
     own = model.state_dict()
     with torch.no_grad():
         model.load_state_dict({k: v.detach().clone() for k, v in policy.state_dict().items() if k in own})

@@ -34,13 +34,14 @@ import torch.nn as nn
 import torch.nn.functional as F
 from safetensors.torch import save_file
 
+from drafttrain.device import module_device
 from drafttrain.atomic import atomic_dir
 from drafttrain.drafters.chain import ChainDrafter
 from drafttrain.drafters.contract import Reads
 from drafttrain.drafters.eagle3 import rope_theta_of
 from drafttrain.drafters.speculators import read_speculators_config, read_weights
 from drafttrain.drafters.weights import check_tensors
-from drafttrain.modeling import PackedLinear, Rope, device_of, fold_norm, linear, rms_norm, rms_unit
+from drafttrain.modeling import PackedLinear, Rope, fold_norm, linear, rms_norm, rms_unit
 from drafttrain.quant import quant_linear
 
 KIND = "mtp"
@@ -200,7 +201,7 @@ def config_from_policy(pc, intermediate_size=None) -> MtpConfig:
 @torch.no_grad()
 def fresh(cfg, policy) -> MtpDrafter:
     c = config_from_policy(policy.config, cfg.mtp.intermediate_size)
-    d = MtpDrafter(c, policy).to(device_of(policy))
+    d = MtpDrafter(c, policy).to(module_device(policy))
     H = c.hidden_size
     d.embed_tokens.weight.copy_(rms_norm(policy.get_input_embeddings().weight.float(), None, c.rms_norm_eps))
     d.fc.weight.zero_()

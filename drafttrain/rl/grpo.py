@@ -14,7 +14,6 @@ from __future__ import annotations
 import contextlib
 import math
 import statistics
-import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -22,7 +21,7 @@ import torch
 
 from drafttrain.config import ConfigError, sampling_params
 from drafttrain.data import Prompts, stop_ids
-from drafttrain.device import now
+from drafttrain.device import module_device, now
 from drafttrain.rl.watch import check_finite, unfinished
 from drafttrain.spec import processed_logprobs
 
@@ -44,7 +43,7 @@ class GRPO:
         """rl, sampling, engine_cfg: the config's rl.*, sampling.* and engine.* sections (from_config: a Config)."""
         self.rl, self.sampling, self.engine_cfg = rl, sampling, engine_cfg
         self.policy, self.tok, self.engine, self.tracker = policy, tok, engine, tracker
-        self.rank, self.device = rank, next(policy.parameters()).device  # the run's device (run.device)
+        self.rank, self.device = rank, module_device(policy)  # the run's device (run.device)
         self.prompts = prompts  # the task's, or data.path's (with reward.fn)
         self._check_room(policy)
         self.opt = torch.optim.AdamW(policy.parameters(), lr=rl.lr, weight_decay=0.0)

@@ -16,7 +16,6 @@ current step, with a checkpoint of it, and the job ends with the process that st
 from __future__ import annotations
 
 import contextlib
-import time
 from pathlib import Path
 
 import torch

@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import math
 import threading
-import time
 
 import torch
 
