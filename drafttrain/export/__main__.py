@@ -1,5 +1,5 @@
 """python -m drafttrain.export RUN_DIR [--step N] OUT: a run's policy with the drafter that served it, ready for vLLM
-(tracking/deliverable.py writes it). Prints the one-line `vllm serve` command; bad input is one line naming it."""
+(tracking/deliverable.py writes it). Prints the one line that serves it (python -m drafttrain.serve); bad input is one line naming it."""
 from __future__ import annotations
 
 import argparse

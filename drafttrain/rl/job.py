@@ -5,7 +5,7 @@ Writes into run.out_dir: config.yaml (resolved), metrics.jsonl (+ tb/), ckpt/ (e
 the newest run.keep_checkpoints kept; resumable after any kill: the latest complete step wins), report.png and a
 summary table at the end, eval.json with its table: the policy's held-out accuracy before and after the run
 (rl.eval_prompts fixed problems, sampled and greedy), and export/: the final policy with its served drafter, ready
-for vLLM (tracking/deliverable.py; the `vllm serve` line printed). Under `accelerate launch` with N processes every
+for vLLM (tracking/deliverable.py; the line that serves it printed). Under `accelerate launch` with N processes every
 process generates its own rollouts; the policy's gradients are averaged over the processes, and the drafter's by
 DDP, or by DeepSpeed ZeRO under a DeepSpeed accelerate config.
 

@@ -12,7 +12,6 @@ serve.json without speculative_config, and the reason in one line.
 from __future__ import annotations
 
 import json
-import shlex
 import shutil
 from pathlib import Path
 
@@ -67,12 +66,13 @@ def serve_kwargs(out: str | Path) -> dict:
 
 
 def serve_command(out: str | Path) -> str:
-    """The one-line `vllm serve` command for an export folder."""
+    """The one line that serves an export folder here: drafttrain's launcher (python -m drafttrain.serve: vLLM's
+    server with the routes and key drafttrain pushes through), the drafter and its k as serve.json says."""
+    from drafttrain.serve import serve_line
+
     kw = serve_kwargs(out)
-    cmd = f"vllm serve {shlex.quote(kw['model'])}"
-    if "speculative_config" in kw:
-        cmd += f" --speculative-config {shlex.quote(json.dumps(kw['speculative_config']))}"
-    return cmd
+    spec = kw.get("speculative_config")
+    return serve_line(kw["model"], spec["model"] if spec else None, spec["num_speculative_tokens"] if spec else None)
 
 
 def checkpoint_dir(run_dir: str | Path, step: int | None = None) -> Path:
@@ -96,7 +96,7 @@ def checkpoint_dir(run_dir: str | Path, step: int | None = None) -> Path:
 
 def export_run(run_dir: str | Path, out: str | Path, step: int | None = None, log=print) -> dict:
     """write_pair for a run folder's checkpoint: its policy and the drafter its tracker served (good_weights),
-    rebuilt from the checkpoint's own config. Logs the `vllm serve` line, or why there is none."""
+    rebuilt from the checkpoint's own config. Logs the line that serves it (the launcher), or why there is none."""
     from drafttrain.policy import load_policy
 
     ckpt = checkpoint_dir(run_dir, step)

@@ -28,6 +28,9 @@ Two canaries (online.canary):
 - inline: no extra generation. observe() reads the rollout batches that the new version generated from start to
   end (a batch of an older version, or of mixed versions, says nothing). A bad drafter thus serves one batch
   (outputs stay exact: SD is lossless; only slower) before the rollback.
+Engines whose rollouts the tracker never sees (a server or a user's vllm.LLM: engines/vllm_server.py) are judged by
+their own spec-decode counters since the push (spec_since_swap) at settle(), once they verified SERVER_STEPS drafts;
+pushes to several of them run at once.
 Several processes (pool: a sum over processes): each sees its own rollouts, and a verdict one process reached alone
 would roll back its engines only (versions and, through the publish gate's reset, drafter weights diverge). There
 observe() and fail() only record, and settle(), which every process calls at the same point (the tracker: at each
@@ -37,6 +40,7 @@ from __future__ import annotations
 
 import math
 import threading
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
@@ -48,6 +52,7 @@ from drafttrain.tracking.gate import ALL, merged
 # processes): a few rows' MAL is noise (a long-tail step holds 1-3 rows; the main job rolled a good draft model
 # back on such a handful)
 CANARY_ROWS = 32
+SERVER_STEPS = 32  # verify steps a server's counters must hold since a push before it is judged
 
 
 def first_nonfinite(weights: dict[str, torch.Tensor]) -> str | None:
@@ -115,13 +120,17 @@ class Publisher:
 
     def _load_all(self, weights: dict, version: int) -> float:
         """Swap into every engine; returns the slowest engine's swap time (s)."""
-        worst = 0.0
-        for e in self.engines:
+        def load(e) -> float:
             t0 = now()
             e.load_drafter(weights, version)
-            worst = max(worst, now() - t0)  # the copies into the engine done, not only queued
+            return now() - t0  # the copies into the engine done, not only queued
+
+        remote = [e for e in self.engines if getattr(e, "remote", False)]  # servers: pushed at once
+        with ThreadPoolExecutor(max(len(remote), 1)) as pool:
+            futures = [pool.submit(load, e) for e in remote]
+            times = [load(e) for e in self.engines if e not in remote] + [f.result() for f in futures]
         self.version = version
-        return worst
+        return max(times, default=0.0)
 
     def publish(self, weights: dict, expected_mal: float | None = None, probe_prompts=None, params=None,
                 tag=None, members: dict | None = None) -> dict:
@@ -233,7 +242,18 @@ class Publisher:
         pending (alike everywhere: publishing is decided alike), or with too little recorded anywhere yet."""
         with self._lock:
             p = self.pending
-            return {} if self.pool is None or p is None else self._settle(p)
+            if p is None:
+                return {}
+            return self._poll(p) if self.pool is None else self._settle(p)
+
+    def _poll(self, p: dict) -> dict:
+        """The whole drafter on probation, judged on the spec-decode counters of the engines that count their own
+        (servers, a user's vllm.LLM) once they verified SERVER_STEPS drafts with it; {} until then."""
+        counts = [c for e in self.engines if (c := getattr(e, "spec_since_swap", lambda v: None)(p["version"]))]
+        steps = sum(n for _, n in counts)
+        if list(p["members"]) != [ALL] or steps < SERVER_STEPS:
+            return {}
+        return self._judge(p, {ALL: (sum(m * n for m, n in counts) / steps, None)})
 
     def _settle(self, p: dict, min_rows: int | None = None) -> dict:
         """The pooled verdict: [failures] + (MAL x rows, rows, expected MAL x rows) per member on probation, summed

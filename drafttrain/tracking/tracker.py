@@ -64,6 +64,7 @@ class DraftTracker:
                              "); use online.mode=sync under accelerate launch with several processes")
         # several processes: canary verdicts on what every process saw, alike everywhere
         pool = self.collective.sum if self.collective.n > 1 else None
+        [e.bind(policy, self.drafter) for e in self.engines if hasattr(e, "bind")]  # servers' handles: vllm_server.py
         self.publisher = Publisher(self.engines, self.drafter.state_dict(), cfg.online, log, tag=0, pool=pool)
         self.bank = TimeBank(cfg.online.budget_frac, cfg.online.time_budget_s, self.max_len)
         self._gen = {name: torch.Generator(device="cpu").manual_seed(cfg.run.seed + 11 + i)  # row draws, resumable
@@ -162,8 +163,8 @@ class DraftTracker:
     def on_policy_update(self, policy=None, step: int | None = None, background: bool | None = None) -> dict:
         """The policy just changed: train the drafter on buffered features and publish v+1 to every engine."""
         self.wait()
-        # several processes: the inline canary of the version published last is judged here, on every process's
-        # rollouts at once (one process: judged as its first batch came, {} here)
+        # the canary of the version published last, where it is judged here: several processes' pooled rollouts,
+        # or the counters of servers (one process, own engines: judged as its first batch came, {} here)
         verdict = self.publisher.settle()
         for line in self.buffer.notes(self.policy_version, step):  # what the buffer could not keep of this step
             self.log(f"[drafttrain] {line}")
@@ -367,8 +368,7 @@ class DraftTracker:
         with self._lock:  # what the engines serve: the trainer's weights may be an update the gate holds back
             live = self.scorer.serving_form()
         out = self.scorer.measure(recs, k or self.scorer.k, live, self.head)
-        dt = self._now() - t0
-        self._measure_s += dt
+        self._measure_s += (dt := self._now() - t0)
         return {**out, "policy_minus_drafter_version": self.drafter_lag, "measure_s": dt}
 
     # ---- checkpointing ------------------------------------------------------------------------------------

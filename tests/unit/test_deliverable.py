@@ -53,7 +53,8 @@ def test_export_run_writes_the_served_drafter_in_vllm_form(tmp_path):
     kw = deliverable.serve_kwargs(out)
     assert kw["model"] == str(out / "policy") and kw["speculative_config"]["model"] == str(out / "drafter")
     assert len(lines) == 1 and lines[0].endswith(deliverable.serve_command(out)) and "\n" not in lines[0]
-    assert deliverable.serve_command(out).startswith(f"vllm serve {out / 'policy'} --speculative-config ")
+    assert deliverable.serve_command(out) == (f"python -m drafttrain.serve {out / 'policy'} --drafter {out / 'drafter'} --k "
+                                              f"{serve['speculative_config']['num_speculative_tokens']}")
     assert res["unservable"] is None
 
 
