@@ -127,11 +127,7 @@ class VllmEngine:
                 self._procs = [p for p in children() if p.pid not in before]
             self._finalizer.detach()
             self._finalizer = weakref.finalize(self, shutdown, self._llm, self._tmp, self._procs)
-            try:  # drafttrain's vLLM plugin puts these methods on vLLM's workers (vllm_plugin.py)
-                self.worker_info = self.rpc("dt_setup", os.getpid(), str(self._tmp))
-            except NotImplementedError:
-                raise RuntimeError("vLLM started without drafttrain's plugin (VLLM_PLUGINS must include "
-                                   "'drafttrain' where it is set)") from None
+            self.worker_info = self._worker_setup()
             if self.form is not None:
                 self.form.started(self, self.template)
             try:  # some failures (an unsupported head size on CPU, say) only surface at the first step
@@ -183,6 +179,14 @@ class VllmEngine:
         check_compatible(drafter, SimpleNamespace(config=SimpleNamespace(**self.target)))  # as the embedded engine
         self.template, self.method = self.form.template(drafter), self.form.method
         return out
+
+    def _worker_setup(self) -> dict:
+        """dt_setup in the worker (drafttrain's vLLM plugin puts the method on vLLM's workers: vllm_plugin.py)."""
+        try:
+            return self.rpc("dt_setup", os.getpid(), str(self._tmp))
+        except NotImplementedError:
+            raise RuntimeError("vLLM started without drafttrain's plugin (VLLM_PLUGINS must include 'drafttrain' "
+                               "where it is set)") from None
 
     # ---- lifecycle ------------------------------------------------------------------------------------------
     def close(self) -> None:
