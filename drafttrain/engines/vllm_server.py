@@ -71,10 +71,7 @@ class _Handle:
         self.template = self.form.template(drafter)
         self.worker_info = info
         _check_shapes(self.url, self._drafter_tensors(self.form.tensors(self.template)), info, self.form.eagle_names)
-        backend = self.link.rpc("dt_enable_transfer")["backend"]
-        if backend != "InlineWeightTransferEngine":
-            raise ValueError(f"{self.url}: its weight transfer backend is {backend}; drafttrain pushes drafters "
-                             f"with its own (drafttrain_inline): start the server without --weight-transfer-config")
+        self._enable_transfer()
         sd = self.form.tensors(self.template)
         self._fixed = {n: sd[n].clone() for n in info["drafter_shared"] if n in sd}
         self._version = int(info["drafter_version"] or 0)
@@ -82,6 +79,12 @@ class _Handle:
         if self._watch_s and self._watcher is None:
             self._watcher = threading.Thread(target=self._watch, daemon=True, name=f"drafttrain-watch-{self.url}")
             self._watcher.start()
+
+    def _enable_transfer(self) -> None:
+        backend = self.link.rpc("dt_enable_transfer")["backend"]
+        if backend != "InlineWeightTransferEngine":
+            raise ValueError(f"{self.url}: its weight transfer backend is {backend}; drafttrain pushes drafters "
+                             f"with its own (drafttrain_inline): start the server without --weight-transfer-config")
 
     def _info(self, down: str) -> dict:
         try:
@@ -125,6 +128,7 @@ class _Handle:
         """Push what the engine should serve; a server down is reported once and left for the watcher."""
         weights, version = self._wanted
         try:
+            self._enable_transfer()  # a restarted server has none set up yet
             swap_drafter(self, weights, version)
             self.link.rpc("dt_drafter_version", version)
             self.link.reset_prefix_cache()
@@ -170,11 +174,16 @@ class _Handle:
                 return "down"
 
     def _watch(self) -> None:
+        last = None
         while not self._stop.wait(self._watch_s):
             try:
                 self.check()
-            except Exception as e:  # noqa: BLE001 - the watcher reports and keeps watching
-                self.log(f"[drafttrain] {self.url}: check failed ({type(e).__name__}: {str(e).splitlines()[0]})")
+                last = None
+            except Exception as e:  # noqa: BLE001 - the watcher reports (once per new failure) and keeps watching
+                msg = f"[drafttrain] {self.url}: check failed ({type(e).__name__}: {str(e).splitlines()[0]})"
+                if msg != last:
+                    self.log(msg)
+                last = msg
 
     def spec_since_swap(self, version: int) -> tuple[float, float] | None:
         """(mean accepted length, verify steps) from the engine's spec-decode counters since `version` was pushed;

@@ -429,6 +429,20 @@ NOT_RUN: list[NotRun] = [
     NotRun("python -m drafttrain.staleness --drafter my_eagle3 ckpt/step-0 ckpt/step-100 ckpt/step-200 --data "
            "prompts.jsonl --catch-up 60 --out staleness", "needs the user's checkpoints and prompts: "
            "tests/unit/test_staleness.py runs it on policy folders with --catch-up and --out"),
+    NotRun("python -m drafttrain.serve checkpoints/policy --drafter checkpoints/eagle3", "a server that runs until "
+           "stopped: tests/vllm/test_vllm_server.py starts it as the README shows it (with --port) and pushes to it"),
+    NotRun("python -m drafttrain.serve runs/eagle3_track/export/policy --drafter runs/eagle3_track/export/drafter "
+           "--k 5", "needs a finished run; a server: tests/vllm/test_vllm_server.py starts the line an export prints"),
+    NotRun("VLLM_SERVER_DEV_MODE=1 VLLM_API_KEY=\"$VLLM_API_KEY\" python -m vllm.entrypoints.openai.api_server "
+           "--model /abs/checkpoints/policy --host 127.0.0.1 --port 8000 --middleware "
+           "drafttrain.engines.vllm_auth.RequireKey --logprobs-mode processed_logprobs --speculative-config "
+           "'{\"method\": \"eagle3\", \"model\": \"/abs/checkpoints/eagle3\", \"num_speculative_tokens\": 5, "
+           "\"draft_sample_method\": \"probabilistic\"}' "
+           "--dtype float32 --enforce-eager", "a server; what `python -m drafttrain.serve --print` prints and the "
+           "launcher runs: tests/unit/test_serve.py checks the README's line against --print"),
+    NotRun("python scripts/bench_servers.py", "starts two vLLM servers (minutes on 2 cores): "
+           "tests/vllm/test_vllm_server.py runs the same pushes, canary and acceptance reads on real servers"),
+    NotRun("python scripts/bench_servers.py servers=2 pushes=10 n_prompts=64 max_new_tokens=96", "as above"),
     NotRun("python -m drafttrain.report runs/eagle3_track runs/eagle3_frozen",
            "needs two finished runs: tests/unit/test_report_compare.py runs the same entry point on run folders"),
 ]
