@@ -117,7 +117,6 @@ def test_grpo_colocate_rollouts_speculative_with_the_tracked_drafter(tmp_path, m
     # the rollouts drafted, and their log-probs are the policy's (TRL compares vLLM's with its own forward)
     drafts, accepted = (a - b for a, b in zip(handle.link.spec_counters(), before or (0.0, 0.0)))
     assert drafts > 0 and accepted > 0
-    print("history", callback.history, "drafts", drafts, "accepted", accepted, "notes", notes)
     logs = [h for h in trainer.state.log_history if "sampling/sampling_logp_difference/max" in h]
     assert len(logs) == 3
     assert all(h["sampling/sampling_logp_difference/max"] < 0.1 for h in logs), logs  # bf16 vs fp32: ~0.02
