@@ -35,7 +35,7 @@ class _Handle:
 
     def __init__(self, link, policy=None, drafter=None, watch_s: float = 2.0, log=print):
         self.link, self.url, self.log = link, link.url, log
-        self._lock = threading.RLock()
+        self.lock = threading.RLock()  # held by every push: hold it to keep pushes out of a generate
         self._version, self._wanted = 0, None  # what it serves; (weights, version) it should serve
         self._served: dict = {}
         self._down = False
@@ -117,7 +117,7 @@ class _Handle:
         (it gets this drafter when it answers again); refusals (StaleVersionError, ValueError) raise."""
         if self.template is None:
             raise ValueError(f"{self.url}: load_drafter before bind(policy, drafter) (DraftTracker binds its engines)")
-        with self._lock:
+        with self.lock:
             if version <= max(self._version, self._wanted[1] if self._wanted else -1):
                 raise StaleVersionError(f"load_drafter: version {version} is not newer than the served version "
                                         f"{self._version}")
@@ -145,7 +145,7 @@ class _Handle:
     def check(self) -> str | None:
         """One look at the engine: down, back, restarted, its drafter rewritten; re-pushes where needed. Returns
         what it found (None: all well)."""
-        with self._lock:
+        with self.lock:
             if self._wanted is None:
                 self._wanted = (self._served, self._version)
             if not self.link.alive():

@@ -120,7 +120,7 @@ def attach_trainer(trainer, log=print):
                          "`with speculative_vllm(drafter_dir):`")
     handle = attach(llm, log=log)
     for name in ("generate", "sync_weights"):
-        setattr(gen, name, _holding(handle._lock, getattr(gen, name)))
+        setattr(gen, name, _holding(handle.lock, getattr(gen, name)))
     return handle
 
 
@@ -135,7 +135,10 @@ def _holding(lock, fn):
 class DraftTrackerCallback(TrainerCallback):
     def __init__(self, tracker: DraftTracker):
         self.tracker = tracker
-        if tracker.cfg.online.canary != "probe":  # TRL's rollouts never pass through the tracker's engines
+        # TRL's rollouts never pass through the tracker's engines: a probe judges a swap, unless every engine is a
+        # handle on TRL's own vLLM (attach_trainer), whose spec-decode counters judge it (hotswap.Publisher.settle)
+        counted = bool(tracker.engines) and all(hasattr(e, "spec_since_swap") for e in tracker.engines)
+        if tracker.cfg.online.canary != "probe" and not counted:
             tracker.cfg.online.canary = "probe"
             tracker.log("[drafttrain] DraftTrackerCallback: online.canary=probe (TRL generates its own rollouts)")
         self.history: list[dict] = []  # one record per optimizer step (measure + update results)

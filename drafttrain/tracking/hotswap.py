@@ -175,6 +175,8 @@ class Publisher:
         processes: judged now on the probes of all (every process publishes, and so probes, at the same point)."""
         worst, error = {}, None
         for e in self.engines:
+            if not hasattr(e, "generate"):  # a handle on a stack's engine: its own counters judge it (settle)
+                continue
             try:
                 batch = e.generate(prompts, params, speculative=True)
             except (RuntimeError, ValueError) as err:  # e.g. NaN draft probabilities from broken weights

@@ -95,3 +95,42 @@ def test_middleware_without_a_key_fails_closed(monkeypatch):
     r = c.post("/update_weights", headers={"Authorization": "Bearer "})
     assert r.status_code == 401 and "no API key" in r.json()["error"]
     assert c.get("/health").status_code == 200
+
+
+class CountingEngine:
+    """An engine the tracker never generates with (a handle on a stack's server): versions and its own counters."""
+
+    def __init__(self):
+        self.drafter_version, self.loaded, self.counts = 0, [], {}
+
+    def load_drafter(self, weights, version):
+        self.loaded.append(version)
+        self.drafter_version = version
+
+    def spec_since_swap(self, version):
+        return self.counts.get(version)
+
+
+@pytest.mark.parametrize("canary", ["inline", "probe"])
+def test_publisher_judges_servers_on_their_counters(canary):
+    import torch
+
+    from drafttrain.config import load_recipe
+    from drafttrain.spec import SamplingParams
+    from drafttrain.tracking.hotswap import Publisher
+
+    cfg = load_recipe("eagle3_track", [f"online.canary={canary}"]).online
+    engines = [CountingEngine(), CountingEngine()]
+    pub = Publisher(engines, {"w": torch.zeros(2)}, cfg, log=lambda s: None)
+    rec = pub.publish({"w": torch.ones(2)}, expected_mal=4.0, probe_prompts=[[1, 2]], params=SamplingParams())
+    assert rec["published"] and [e.loaded for e in engines] == [[1], [1]] and pub.pending is not None
+    engines[0].counts[1] = (1.05, 20.0)
+    assert pub.settle() == {}  # 20 verify steps: too few to judge
+    engines[1].counts[1] = (1.1, 20.0)
+    verdict = pub.settle()  # 40 steps at MAL ~1.08 < 1 + 0.5 * (4 - 1): rolled back on both
+    assert verdict["rolled_back"] and [e.loaded for e in engines] == [[1, 2], [1, 2]]
+    assert torch.equal(pub.served()[0]["w"], torch.zeros(2))
+    rec = pub.publish({"w": torch.ones(2)}, expected_mal=4.0)
+    for e in engines:
+        e.counts[3] = (4.2, 40.0)
+    assert pub.settle()["rolled_back"] is False and pub.pending is None and pub.good_version == 3
