@@ -27,4 +27,15 @@ def build_engine(cfg, policy, drafter=None) -> RolloutEngine:
     return ENGINES[cfg.kind](cfg, policy, drafter)
 
 
-__all__ = ["EngineDied", "RolloutBatch", "RolloutEngine", "StaleVersionError", "build_engine", "drafter_int8"]
+def __getattr__(name: str):
+    """VllmServer and attach (handles on engines a stack owns: vllm_server.py), imported when first asked for: their
+    module imports vLLM's side (the worker module)."""
+    if name in ("VllmServer", "attach"):
+        from drafttrain.engines import vllm_server
+
+        return getattr(vllm_server, name)
+    raise AttributeError(f"module 'drafttrain.engines' has no attribute {name!r}")
+
+
+__all__ = ["EngineDied", "RolloutBatch", "RolloutEngine", "StaleVersionError", "VllmServer", "attach", "build_engine",
+           "drafter_int8"]
