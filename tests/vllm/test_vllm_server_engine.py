@@ -159,10 +159,8 @@ def test_update_policy_lands_on_both_servers(urls, world):
         greedy = SamplingParams(temperature=0, max_new_tokens=24, stop_token_ids=[eos])
         before = engine.generate(prompts, greedy).tokens
         moved = copy.deepcopy(policy)
-        with torch.no_grad():
-            torch.manual_seed(0)
-            for p in moved.parameters():
-                p.add_(0.5 * torch.randn_like(p) * p.std())
+        with torch.no_grad():  # noise of half a weight's std leaves this confident policy's greedy rows as they are
+            moved.model.norm.weight.neg_()  # the logits negated: the greedy rows change
         engine.update_policy(moved)
         after = engine.generate(prompts, greedy).tokens
         assert after != before and after == hf_greedy(moved, prompts, eos, 24)
