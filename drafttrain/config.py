@@ -55,7 +55,7 @@ class SamplingConfig:
 
 @dataclass
 class EngineConfig:
-    kind: str = "torch"  # torch (embedded) | vllm
+    kind: str = "torch"  # torch (embedded) | vllm (in this process) | vllm_server (running servers: engine.urls)
     speculative: bool = True  # false: plain autoregressive rollouts and evaluation (the AR baseline)
     k: Any = 4  # draft tokens per verify step: an int, "auto" (max predicted speed-up) or "ladder"
     k_max: int = 8  # k=auto searches 1..k_max
@@ -71,6 +71,8 @@ class EngineConfig:
     drafter_int8: bool = True  # run the drafter's linears with torch.ao dynamic int8 (only affects acceptance)
     seed: int = 0  # the engine's sampling seed
     vllm: VllmConfig = field(default_factory=VllmConfig)  # engine.kind=vllm: dtype, CUDA graphs, GPU share, sleep
+    # engine.kind=vllm_server: the servers (python -m drafttrain.serve); the API key: env DRAFTTRAIN_API_KEY
+    urls: list[str] = field(default_factory=list)  # http(s)://host:port of each server the rollouts run on
 
 
 @dataclass
@@ -240,7 +242,11 @@ def validate(cfg: Config) -> None:
 def _engine_online_checks(cfg: Config) -> list[tuple[bool, str, str]]:
     """(ok, key, message) of engine.*, sampling.* and online.* (and rl.mode)."""
     return [
-        (cfg.engine.kind in ("torch", "vllm"), "engine.kind", f"must be torch or vllm, got {cfg.engine.kind!r}"),
+        (cfg.engine.kind in ("torch", "vllm", "vllm_server"), "engine.kind",
+         f"must be torch, vllm or vllm_server, got {cfg.engine.kind!r}"),
+        ((len(cfg.engine.urls) > 0 or cfg.engine.kind not in ("vllm_server",)) and all(str(u).startswith(
+            ("http://", "https://")) for u in cfg.engine.urls), "engine.urls", f"engine.kind=vllm_server needs its "
+         f"servers' http(s) URLs (engine.urls=[http://HOST:PORT,...]), got {list(cfg.engine.urls)}"),
         (cfg.engine.k in ("auto", "ladder") or (isinstance(cfg.engine.k, int) and not isinstance(cfg.engine.k, bool)
                                                  and cfg.engine.k >= 1), "engine.k",
          f"must be an int >= 1, auto or ladder, got {cfg.engine.k!r}"),

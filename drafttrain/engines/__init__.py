@@ -11,7 +11,14 @@ def _vllm(cfg, policy, drafter):
     return VllmEngine(cfg, policy, drafter)
 
 
-ENGINES = {"torch": TorchEngine, "vllm": _vllm}  # engine.kind -> build(cfg, policy, drafter)
+def _vllm_server(cfg, policy, drafter):
+    from drafttrain.engines.vllm_server_engine import VllmServerEngine
+
+    return VllmServerEngine(cfg, policy, drafter)
+
+
+# engine.kind -> build(cfg, policy, drafter)
+ENGINES = {"torch": TorchEngine, "vllm": _vllm, "vllm_server": _vllm_server}
 
 
 def drafter_int8(cfg) -> bool:

@@ -209,9 +209,9 @@ class DrafttrainWorkerExtension:
             if isinstance(t, torch.Tensor):
                 t.zero_()
 
-    def dt_set_drafting(self, on: bool) -> None:
-        """off: the model runner proposes zero draft tokens per request, so every step is a plain decode step."""
-        runner = self.model_runner
+    def dt_set_drafting(self, on) -> None:
+        """off: zero draft tokens per request, every step a plain decode step. on: bool, or "True"/"False" (HTTP)."""
+        runner, on = self.model_runner, on if isinstance(on, bool) else {"True": True, "False": False}[on]
         if on:
             runner.__dict__.pop("propose_draft_token_ids", None)
             return

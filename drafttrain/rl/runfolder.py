@@ -169,7 +169,7 @@ class Stopper:
 
 # keys a resumed run may change: the step budget (raising it continues a finished run), where and how it writes
 # (checkpoints included: how often and how many change nothing the run computes)
-FREE_ON_RESUME = ("rl.steps", "run.resume", "run.out_dir", "run.tensorboard", "run.checkpoint_every",
+FREE_ON_RESUME = ("rl.steps", "run.resume", "run.out_dir", "run.tensorboard", "run.checkpoint_every", "engine.urls",
                   "run.keep_checkpoints")
 
 
