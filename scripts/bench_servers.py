@@ -85,7 +85,12 @@ def main(argv=None) -> int:
     cfg = script_config(DEFAULTS, sys.argv[1:] if argv is None else argv)
     from drafttrain.drafters import speculators
     from drafttrain.engines.vllm_server import VllmServer
-    from drafttrain.policy import build_tokenizer, encode_prompt, load_policy, make_prompts
+    from drafttrain.policy import (
+        build_tokenizer,
+        encode_prompt,
+        load_policy,
+        make_prompts,
+    )
     from drafttrain.tracking.hotswap import Publisher
 
     policy, _ = load_policy(str(POLICY), "vllm")
@@ -100,15 +105,15 @@ def main(argv=None) -> int:
                    for _, url in procs]
         good = drafter.state_dict()
         pub = Publisher(handles, good, load_recipe("eagle3_track").online, log=lambda s: None)
-        together, apart = [], []
+        together, apart, version = [], [], pub.version
         for i in range(cfg.pushes):  # a slightly different drafter each time: every push moves real bytes
             w = {n: (t + 1e-6 * (i + 1) if t.is_floating_point() else t) for n, t in good.items()}
-            together.append(pub._load_all(w, pub.version + 1))
-            t1 = now()
+            together.append(pub._load_all(w, version := version + 1))
+            t1, version = now(), version + 1
             for h in handles:
-                h.load_drafter(w, h.drafter_version + 1)
+                h.load_drafter(w, version)
             apart.append(now() - t1)
-        pub._load_all(good, max(h.drafter_version for h in handles) + 1)
+        pub._load_all(good, version + 1)
         rows = []
         for temp in cfg.temperatures:
             srv = statistics.mean(server_mal(h, prompts, temp, cfg.max_new_tokens, h.drafter_version)

@@ -20,8 +20,6 @@ import os
 import urllib.parse
 from pathlib import Path
 
-import torch
-
 LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1")
 # vLLM's spec-decode counters (Prometheus): verify steps and accepted draft tokens, summed over requests
 DRAFTS, ACCEPTED = "vllm:spec_decode_num_drafts", "vllm:spec_decode_num_accepted_tokens"
@@ -121,7 +119,7 @@ class HttpLink:
     def spec_counters(self) -> tuple[float, float] | None:
         found = {}
         for line in self.call("GET", "/metrics", timeout_s=10).text.splitlines():
-            name, _, value = line.partition("{") if "{" in line else line.partition(" ")
+            name = line.partition("{")[0] if "{" in line else line.partition(" ")[0]
             if name in (DRAFTS + "_total", ACCEPTED + "_total"):
                 found[name] = found.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
         if not found:

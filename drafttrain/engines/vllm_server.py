@@ -254,4 +254,4 @@ def _check_shapes(url: str, tensors: dict, info: dict, eagle: bool) -> None:
                              f"drafter has {list(want)} ({name})")
 
 
-__all__ = ["VllmServer", "attach", "ServerDown"]
+__all__ = ["ServerDown", "VllmServer", "attach"]

@@ -17,7 +17,7 @@ from drafttrain.config import PROJECT_ROOT as ROOT
 def test_print_is_the_readme_plain_line():
     out = subprocess.run([sys.executable, "-m", "drafttrain.serve", "checkpoints/policy", "--drafter",
                           "checkpoints/eagle3", "--print"], cwd=ROOT, capture_output=True, text=True, check=True)
-    block = re.search(r"```bash\n(VLLM_SERVER_DEV_MODE=1 .*?)```", (ROOT / "README.md").read_text(), re.S).group(1)
+    block = re.search(r"```bash\n(VLLM_SERVER_DEV_MODE=1 .*?)```", (ROOT / "README.md").read_text(), re.DOTALL).group(1)
     readme = " ".join(block.replace("\\\n", " ").split())
     printed = out.stdout.strip().splitlines()[-1].replace(str(ROOT), "/abs")
     assert printed == readme
@@ -74,7 +74,7 @@ def _client(monkeypatch, key):
         monkeypatch.delenv(var, raising=False)
     if key:
         monkeypatch.setenv("VLLM_API_KEY", key)
-    ok = lambda request: PlainTextResponse("ok")  # noqa: E731
+    ok = lambda request: PlainTextResponse("ok")
     app = Starlette(routes=[Route(p, ok, methods=["GET", "POST"]) for p in
                             ("/health", "/metrics", "/update_weights", "/collective_rpc", "/v1/completions")])
     app.add_middleware(RequireKey)

