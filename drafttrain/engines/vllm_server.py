@@ -124,6 +124,15 @@ class _Handle:
             self._wanted = ({n: t.detach().to("cpu", copy=True) for n, t in weights.items()}, version)
             self._deliver("")
 
+    def reset_drafter(self, weights: dict, version: int = 0) -> None:
+        """Serve `weights` as `version` whatever the server served before (an earlier run's drafter, a newer version):
+        a fresh start. A server that does not answer raises ServerDown."""
+        with self.lock:
+            self._wanted = ({n: t.detach().to("cpu", copy=True) for n, t in weights.items()}, version)
+            self._deliver("")
+            if self._down:
+                raise ServerDown(f"{self.url} does not answer")
+
     def _deliver(self, why: str) -> None:
         """Push what the engine should serve; a server down is reported once and left for the watcher."""
         weights, version = self._wanted

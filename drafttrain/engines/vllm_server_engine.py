@@ -138,7 +138,7 @@ class VllmServerEngine:
             if self._module is not None:
                 self.update_policy(self._module)
             if self.template is not None:
-                self._each(lambda h: _serve_as(h, self.template.state_dict(), 0))
+                self._each(lambda h: h.reset_drafter(self.template.state_dict(), 0))
             for h in self.handles:  # watchers from here: the served drafter is this job's
                 h._watch_s = 5.0
                 h._watcher = threading.Thread(target=h._watch, daemon=True, name=f"drafttrain-watch-{h.url}")
@@ -320,12 +320,3 @@ def _unpack(choices: list[dict], params: SamplingParams):
         lps.append([0.0] * len(ids) if params.greedy else [float(x) for x in raw])
         reasons.append("stop" if c.get("finish_reason") == "stop" else "length")
     return toks, lps, reasons
-
-
-def _serve_as(h, weights: dict, version: int) -> None:
-    """The handle's server serves `weights` as `version`, whatever it served before (an earlier run's drafter)."""
-    with h._lock:
-        h._wanted = ({n: t.detach().to("cpu", copy=True) for n, t in weights.items()}, version)
-        h._deliver("")
-        if h._down:
-            raise ServerDown(f"{h.url} does not answer")

@@ -440,6 +440,9 @@ NOT_RUN: list[NotRun] = [
            "\"draft_sample_method\": \"probabilistic\"}' "
            "--dtype float32 --enforce-eager", "a server; what `python -m drafttrain.serve --print` prints and the "
            "launcher runs: tests/unit/test_serve.py checks the README's line against --print"),
+    NotRun(f"{MAIN} recipe=eagle3_track engine.kind=vllm_server engine.urls=[http://127.0.0.1:8000,"
+           "http://127.0.0.1:8001]", "needs running servers: tests/vllm/test_vllm_server.py runs the main job on two "
+           "launcher servers and compares it with engine.kind=vllm"),
     NotRun("python scripts/bench_servers.py", "starts two vLLM servers (minutes on 2 cores): "
            "tests/vllm/test_vllm_server.py runs the same pushes, canary and acceptance reads on real servers"),
     NotRun("python scripts/bench_servers.py servers=2 pushes=10 n_prompts=64 max_new_tokens=96", "as above"),
