@@ -54,12 +54,14 @@ def start_servers(n: int, timeout_s: float) -> list[tuple[subprocess.Popen, str]
 
 
 def server_mal(handle, prompts, temperature: float, max_new_tokens: int, version: int) -> float:
-    """Mean accepted length on the server's own counters over one batch of the stack's requests."""
+    """Mean accepted length on the server's own counters over one batch of the stack's requests. Rows run to
+    max_new_tokens on both sides (ignore_eos): the counters also count drafts accepted past a stop token, which the
+    engine's SpecStats drop, so rows that end early would read higher on the server for that alone."""
     auth = {"Authorization": f"Bearer {KEY}"}
     model = requests.get(handle.url + "/v1/models", headers=auth, timeout=30).json()["data"][0]["id"]
     before = handle.link.spec_counters()
     rows = [{"model": model, "prompt": [p], "max_tokens": max_new_tokens, "temperature": temperature,
-             "seed": 1000 + i} for i, p in enumerate(prompts)]
+             "seed": 1000 + i, "ignore_eos": True} for i, p in enumerate(prompts)]
     from concurrent.futures import ThreadPoolExecutor
 
     with ThreadPoolExecutor(len(rows)) as ex:  # one request per row: a seed each, one engine batch
@@ -69,15 +71,14 @@ def server_mal(handle, prompts, temperature: float, max_new_tokens: int, version
     return 1.0 + (after[1] - before[1]) / max(after[0] - before[0], 1.0)
 
 
-def engine_mal(prompts, temperature: float, max_new_tokens: int, eos: int) -> float:
+def engine_mal(prompts, temperature: float, max_new_tokens: int) -> float:
     from drafttrain.drafters import speculators
     from drafttrain.engines import build_engine
     from drafttrain.spec import SamplingParams
 
     cfg = load_recipe("eagle3_track", ["engine.kind=vllm", f"engine.max_batch={len(prompts)}"])
     with build_engine(cfg.engine, str(POLICY), speculators.load_drafter(EAGLE)) as engine:
-        batch = engine.generate(prompts, SamplingParams(temperature=temperature, max_new_tokens=max_new_tokens,
-                                                        stop_token_ids=(eos,), seed=0))
+        batch = engine.generate(prompts, SamplingParams(temperature=temperature, max_new_tokens=max_new_tokens, seed=0))
     return batch.stats.mean_accepted_length
 
 
@@ -118,7 +119,7 @@ def main(argv=None) -> int:
         for temp in cfg.temperatures:
             srv = statistics.mean(server_mal(h, prompts, temp, cfg.max_new_tokens, h.drafter_version)
                                   for h in handles)
-            eng = engine_mal(prompts, temp, cfg.max_new_tokens, tok.eos_token_id)
+            eng = engine_mal(prompts, temp, cfg.max_new_tokens)
             rows.append({"temperature": temp, "server_mal": srv, "engine_vllm_mal": eng, "ratio": srv / eng})
     finally:
         for p, _ in procs:
