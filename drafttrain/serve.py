@@ -49,9 +49,9 @@ def drafter_spec(drafter: str | Path, k: int | None = None) -> dict:
     k = k if k is not None else own_k
     if not isinstance(k, int) or k < 1:
         raise ValueError(f"--k: {path} does not say how many tokens to draft; pass --k N")
-    # drafts sampled from the drafter's distribution, as drafttrain's engines draw them (engine.draft_sampling)
-    return {"method": form_of(kind).method, "model": str(path), "num_speculative_tokens": int(k),
-            "draft_sample_method": "probabilistic"}
+    # vLLM's default greedy drafts: a request's seed then fixes its output (drafts drawn from the drafter's
+    # distribution use a generator the request's seed does not set, so seeded rows differ run to run)
+    return {"method": form_of(kind).method, "model": str(path), "num_speculative_tokens": int(k)}
 
 
 def command(policy: str | Path, spec: dict | None, host: str, port: int, extra=()) -> list[str]:

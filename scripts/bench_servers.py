@@ -76,7 +76,9 @@ def engine_mal(prompts, temperature: float, max_new_tokens: int) -> float:
     from drafttrain.engines import build_engine
     from drafttrain.spec import SamplingParams
 
-    cfg = load_recipe("eagle3_track", ["engine.kind=vllm", f"engine.max_batch={len(prompts)}"])
+    # greedy drafts, as the launcher's servers draft (vLLM's default)
+    cfg = load_recipe("eagle3_track", ["engine.kind=vllm", f"engine.max_batch={len(prompts)}",
+                                       "engine.draft_sampling=greedy"])
     with build_engine(cfg.engine, str(POLICY), speculators.load_drafter(EAGLE)) as engine:
         batch = engine.generate(prompts, SamplingParams(temperature=temperature, max_new_tokens=max_new_tokens, seed=0))
     return batch.stats.mean_accepted_length

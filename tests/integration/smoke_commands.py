@@ -436,8 +436,7 @@ NOT_RUN: list[NotRun] = [
     NotRun("VLLM_SERVER_DEV_MODE=1 VLLM_API_KEY=\"$VLLM_API_KEY\" python -m vllm.entrypoints.openai.api_server "
            "--model /abs/checkpoints/policy --host 127.0.0.1 --port 8000 --middleware "
            "drafttrain.engines.vllm_auth.RequireKey --logprobs-mode processed_logprobs --speculative-config "
-           "'{\"method\": \"eagle3\", \"model\": \"/abs/checkpoints/eagle3\", \"num_speculative_tokens\": 5, "
-           "\"draft_sample_method\": \"probabilistic\"}' "
+           "'{\"method\": \"eagle3\", \"model\": \"/abs/checkpoints/eagle3\", \"num_speculative_tokens\": 5}' "
            "--dtype float32 --enforce-eager", "a server; what `python -m drafttrain.serve --print` prints and the "
            "launcher runs: tests/unit/test_serve.py checks the README's line against --print"),
     NotRun(f"{MAIN} recipe=eagle3_track engine.kind=vllm_server engine.urls=[http://127.0.0.1:8000,"

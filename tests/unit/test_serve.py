@@ -26,8 +26,7 @@ def test_print_is_the_readme_plain_line():
 @pytest.mark.parametrize("kind,method", [("eagle3", "eagle3"), ("mtp", "eagle"), ("draft_model", "draft_model")])
 def test_drafter_folder_gives_method_and_k(kind, method):
     spec = serve.drafter_spec(ROOT / "checkpoints" / kind)
-    assert spec == {"method": method, "model": str(ROOT / "checkpoints" / kind), "num_speculative_tokens": 5,
-                    "draft_sample_method": "probabilistic"}
+    assert spec == {"method": method, "model": str(ROOT / "checkpoints" / kind), "num_speculative_tokens": 5}
     assert serve.drafter_spec(ROOT / "checkpoints" / kind, k=3)["num_speculative_tokens"] == 3
 
 
