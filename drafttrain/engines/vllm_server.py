@@ -49,9 +49,10 @@ class _Handle:
             self.bind(policy, drafter)
 
     # ---- set-up ---------------------------------------------------------------------------------------------
-    def bind(self, policy, drafter) -> None:
-        """Check the engine against the tracker's policy and drafter (one-line ValueError naming what differs),
-        set up drafttrain's weight transport in it, and start watching it."""
+    def bind(self, policy, drafter=None) -> None:
+        """Check the engine against the tracker's policy and drafter (one-line ValueError naming what differs), set
+        up drafttrain's weight transport in it, and start watching it (drafter None: the policy check and the
+        transport only, for a stack that pushes policy weights alone)."""
         from drafttrain.engines.vllm_forms import form_of
 
         info = self._info(f"{self.url}: does not answer")
@@ -60,23 +61,30 @@ class _Handle:
             if int(info[key]) != int(getattr(cfg, key)):
                 raise ValueError(f"{self.url}: serves another policy: {key} {info[key]}, the tracker's policy has "
                                  f"{getattr(cfg, key)}")
+        self.worker_info = info
+        self._enable_transfer()
+        if drafter is None:
+            return
         if not info.get("method"):
             raise ValueError(f"{self.url}: serves no drafter (started without --speculative-config); start it with "
                              f"python -m drafttrain.serve POLICY --drafter DRAFTER")
         self.form = form_of(drafter.kind)
-        if self.form.method != info["method"] or not getattr(self.form, "swaps_remote", True):
+        if self.form.method != info["method"] or getattr(drafter, "follows_policy", False):
             raise ValueError(f"{self.url}: serves a {info['method']!r} drafter; drafter.kind={drafter.kind} is "
                              f"vLLM's {self.form.method!r}" + ("" if self.form.method != info["method"] else
                                                              " and is swapped only in drafttrain's own engines"))
         self.template = self.form.template(drafter)
-        self.worker_info = info
         _check_shapes(self.url, self._drafter_tensors(self.form.tensors(self.template)), info, self.form.eagle_names)
-        self._enable_transfer()
         sd = self.form.tensors(self.template)
         self._fixed = {n: sd[n].clone() for n in info["drafter_shared"] if n in sd}
         self._version = int(info["drafter_version"] or 0)
         self._served = {n: t.detach().clone() for n, t in self._drafter_tensors(sd).items()}
-        if self._watch_s and self._watcher is None:
+        self.watch(self._watch_s)
+
+    def watch(self, interval_s: float) -> None:
+        """check() every interval_s in a daemon thread (started once; 0: not watched)."""
+        self._watch_s = interval_s
+        if interval_s and self._watcher is None:
             self._watcher = threading.Thread(target=self._watch, daemon=True, name=f"drafttrain-watch-{self.url}")
             self._watcher.start()
 

@@ -140,9 +140,7 @@ class VllmServerEngine:
             if self.template is not None:
                 self._each(lambda h: h.reset_drafter(self.template.state_dict(), 0))
             for h in self.handles:  # watchers from here: the served drafter is this job's
-                h._watch_s = 5.0
-                h._watcher = threading.Thread(target=h._watch, daemon=True, name=f"drafttrain-watch-{h.url}")
-                h._watcher.start()
+                h.watch(5.0)
             self._set_drafting(True)
         except BaseException:
             self.close()
@@ -174,19 +172,8 @@ class VllmServerEngine:
 
     def _check(self, h, policy) -> None:
         """Bind the handle (the policy's vocabulary and hidden size, the drafter's kind and shapes: one-line
-        ValueError naming the server); with no drafter, the policy check alone."""
-        if self.template is not None:
-            h.bind(policy, self.template)
-        else:
-            info = h._info(f"{h.url}: does not answer")
-            for key in ("vocab_size", "hidden_size"):
-                if int(info[key]) != int(getattr(policy.config, key)):
-                    raise ValueError(f"{h.url}: serves another policy: {key} {info[key]}, this job's policy has "
-                                     f"{getattr(policy.config, key)}")
-            h.worker_info = info
-            if h.rpc("dt_enable_transfer")["backend"] != "InlineWeightTransferEngine":
-                raise ValueError(f"{h.url}: its weight transfer backend is not drafttrain's: start the server "
-                                 f"without --weight-transfer-config")
+        ValueError naming the server)."""
+        h.bind(policy, self.template)
         if h.worker_info.get("k") not in (None, self.cfg.k):
             self.log(f"[drafttrain] {h.url} drafts k={h.worker_info['k']} (its --k), not engine.k={self.cfg.k}")
 
