@@ -25,6 +25,32 @@ def one_thread():  # spinning intra-op threads slow the tiny model 10x on a shar
     torch.set_num_threads(n)
 
 
+@pytest.fixture
+def own_process_state():
+    """TRL's colocated vLLM runs in this process (external launcher): it sets RANK / WORLD_SIZE / vLLM's
+    in-process engine switch in os.environ and starts a torch.distributed group. Both go back afterwards, or every
+    later vllm.LLM of the session starts in-process (a VllmEngine then failed its first step: 'InprocClient' object
+    has no attribute 'call_utility')."""
+    env = dict(os.environ)
+    had_group = torch.distributed.is_available() and torch.distributed.is_initialized()
+    yield
+    os.environ.clear()
+    os.environ.update(env)
+    from vllm import envs
+
+    envs.disable_envs_cache()  # vLLM caches the environment once an engine started
+    if not had_group:
+        try:
+            from vllm.distributed.parallel_state import destroy_distributed_environment, destroy_model_parallel
+
+            destroy_model_parallel()
+            destroy_distributed_environment()
+        except Exception:  # noqa: BLE001 - best effort: what is left is torch's group, destroyed below
+            pass
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+
+
 def test_no_drafter_folder_is_a_one_line_error(tmp_path):
     pytest.importorskip("vllm")
     import trl.generation.vllm_generation as vg
@@ -45,7 +71,7 @@ def test_no_drafter_folder_is_a_one_line_error(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.vllm
-def test_grpo_colocate_rollouts_speculative_with_the_tracked_drafter(tmp_path, monkeypatch):
+def test_grpo_colocate_rollouts_speculative_with_the_tracked_drafter(tmp_path, monkeypatch, own_process_state):
     pytest.importorskip("vllm")
     monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"))
     from datasets import Dataset
