@@ -51,8 +51,8 @@ from drafttrain.engines.base import RolloutBatch, StaleVersionError, Timeline, c
 from drafttrain.engines.vllm_forms import form_of
 from drafttrain.engines.vllm_gpu import SleepMode, apply_env, current_platform, llm_settings, push, warn_no_sleep
 from drafttrain.engines.vllm_procs import children, dies_as_engine_died, shutdown, watched
-from drafttrain.engines.vllm_transfer import (checkpoint_shapes, policy_weights, read_back, spec_stats, swap_drafter,
-                                               vllm_sampling)
+from drafttrain.engines.vllm_transfer import (checkpoint_shapes, policy_state, policy_weights, read_back, spec_stats,
+                                               swap_drafter, vllm_sampling)
 from drafttrain.spec import SamplingParams
 from drafttrain.vllm_config import VllmConfig
 
@@ -287,14 +287,7 @@ class VllmEngine:
         """Push new policy weights (an HF module, a state dict, or None = the module this engine was built from)
         into the running engine: names and shapes are checked first (one-line ValueError), every tensor is read
         back after the push, then the prefix cache is reset."""
-        if policy is None:
-            if self._module is None:
-                raise ValueError("update_policy: this engine was built from a checkpoint folder; pass the policy "
-                                 "module or its state dict")
-            policy = self._module
-        elif hasattr(policy, "state_dict"):
-            self._module = policy  # the module a later update_policy() re-reads (as the embedded engine does)
-        sd = policy.state_dict() if hasattr(policy, "state_dict") else dict(policy)
+        sd = policy_state(self, policy)
         with self._lock:
             self._sleep.wake_up()
             t0 = time.perf_counter()

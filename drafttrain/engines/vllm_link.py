@@ -134,7 +134,10 @@ class LocalLink:
     local = True
 
     def __init__(self, llm):
+        import tempfile
+
         self.llm, self.url = llm, f"vllm.LLM@{id(llm):x}"
+        self.shm = shm_dir() or Path(tempfile.gettempdir())  # where push_weights writes the update
 
     def alive(self) -> bool:
         return True
@@ -143,21 +146,9 @@ class LocalLink:
         return self.llm.collective_rpc(method, args=args)[0]
 
     def push(self, weights: dict, draft: bool) -> None:
-        import tempfile
+        from drafttrain.engines.vllm_transfer import push_weights
 
-        from safetensors.torch import save_file
-
-        folder = shm_dir() or Path(tempfile.gettempdir())
-        path = folder / f"drafttrain-push-{os.getpid()}-{id(self)}.safetensors"
-        save_file({n: t.detach().to("cpu").contiguous() for n, t in weights.items()}, str(path))
-        try:
-            self.rpc("start_draft_weight_update" if draft else "start_weight_update")
-            try:
-                self.rpc("update_weights", {"path": str(path)})
-            finally:
-                self.rpc("finish_weight_update")
-        finally:
-            path.unlink(missing_ok=True)
+        push_weights(self, weights, draft)  # the in-process engine's own path: a file in self.shm
 
     def reset_prefix_cache(self) -> None:
         self.llm.reset_prefix_cache()

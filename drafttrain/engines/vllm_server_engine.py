@@ -40,7 +40,7 @@ from drafttrain.engines.base import (
     check_prompts,
 )
 from drafttrain.engines.vllm_link import ServerDown
-from drafttrain.engines.vllm_transfer import policy_weights, read_back
+from drafttrain.engines.vllm_transfer import policy_state, policy_weights, read_back
 from drafttrain.spec import SamplingParams, SpecStats
 
 KEY_ENV = "DRAFTTRAIN_API_KEY"
@@ -221,14 +221,7 @@ class VllmServerEngine:
     def update_policy(self, policy=None) -> None:
         """Push the policy's weights (a module, a state dict, or None: the module this engine was built with) to
         every server with vLLM's native weight update, read each back, reset the prefix caches."""
-        if policy is None:
-            if self._module is None:
-                raise ValueError("update_policy: this engine was built from a checkpoint folder; pass the policy "
-                                 "module or its state dict")
-            policy = self._module
-        elif hasattr(policy, "state_dict"):
-            self._module = policy
-        sd = policy.state_dict() if hasattr(policy, "state_dict") else dict(policy)
+        sd = policy_state(self, policy)
         if not hasattr(self, "_shapes"):
             self._shapes = {n: tuple(t.shape) for n, t in sd.items() if not (self._tied and n == "lm_head.weight")}
         weights = policy_weights(sd, self._shapes, self._tied)

@@ -68,6 +68,19 @@ def swap_drafter(side, weights: dict, version: int) -> None:
     side._served = {n: t.detach().to("cpu", copy=True) for n, t in push.items()}
 
 
+def policy_state(owner, policy) -> dict:
+    """update_policy's argument as a state dict: an HF module (kept as owner._module, the one a later
+    update_policy() re-reads), a state dict, or None (owner._module; one-line ValueError where there is none)."""
+    if policy is None:
+        if owner._module is None:
+            raise ValueError("update_policy: this engine was built from a checkpoint folder; pass the policy "
+                             "module or its state dict")
+        policy = owner._module
+    elif hasattr(policy, "state_dict"):
+        owner._module = policy
+    return policy.state_dict() if hasattr(policy, "state_dict") else dict(policy)
+
+
 def policy_weights(sd: dict, shapes: dict, tied: bool) -> dict:
     """The tensors of a policy state dict to push, checked against the served checkpoint's names and shapes
     (one-line ValueError); tied weights once, under the name the checkpoint stores."""
